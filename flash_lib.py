@@ -54,6 +54,7 @@ __all__ = [
     "DEFAULT_BLOCK_K",
     "flash_attention",
     "naive_attention",
+    "precise_attention",
     "merge_attention",
     "tile_schedule",
     "measure_peak_bytes",
@@ -198,6 +199,55 @@ def naive_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=
     out, lse = _finalize(p @ v.astype(acc), l, m)
     out = out.astype(out_dtype, copy=False)
     return (out, lse) if return_lse else out
+
+
+def precise_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False):
+    """Attention in more precision than float64: the truth the other kernels are measured against.
+
+    Same semantics as :func:`naive_attention`; the scale is the float64 number the kernels use,
+    so only the kernels' own rounding is measured. Computed in ``np.longdouble`` where that is
+    wider than float64 (x86-64: 64-bit mantissa; aarch64 Linux: 113-bit), else with ``mpmath`` at
+    40 significant digits, elementwise and slow: meant for small inputs. Returns float64 arrays
+    from the mpmath path and longdouble arrays otherwise.
+    """
+    q, k, v, mask, causal, scale, batch, _, _ = _check_inputs(q, k, v, mask, causal, scale)
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    allowed = _allowed(mask, causal, n_q, n_k, 0, n_q, 0, n_k)
+    allowed = np.broadcast_to(True if allowed is None else allowed, batch + (n_q, n_k))
+    if np.finfo(np.longdouble).nmant > np.finfo(np.float64).nmant:
+        wide = np.longdouble
+        s = (q.astype(wide) @ np.swapaxes(k.astype(wide), -1, -2)) * wide(scale)
+        s = np.where(allowed, s, -np.inf)
+        m = s.max(axis=-1, initial=-np.inf)
+        p = np.exp(s - np.where(m == -np.inf, 0, m)[..., None])
+        out, lse = _finalize(p @ v.astype(wide), p.sum(axis=-1), m)
+    else:  # pragma: no cover - only where longdouble is float64 (macOS arm64, Windows)
+        out, lse = _mpmath_attention(q, k, v, allowed, scale, batch)
+    return (out, lse) if return_lse else out
+
+
+def _mpmath_attention(q, k, v, allowed, scale, batch):  # pragma: no cover - see caller
+    import mpmath
+
+    mp = mpmath.mp.clone()
+    mp.dps = 40
+    q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
+    out = np.zeros(batch + (q.shape[-2], v.shape[-1]))
+    lse = np.full(batch + (q.shape[-2],), -np.inf)
+    for idx in np.ndindex(*batch, q.shape[-2]):
+        b, i = idx[:-1], idx[-1]
+        keys = [j for j in range(k.shape[-2]) if allowed[b + (i, j)]]
+        if not keys:
+            continue
+        s = [mp.mpf(scale) * mp.fsum(mp.mpf(x) * mp.mpf(y) for x, y in zip(q[b + (i,)], k[b + (j,)]))
+             for j in keys]
+        mx = max(s)
+        w = [mp.exp(x - mx) for x in s]
+        total = mp.fsum(w)
+        for c in range(v.shape[-1]):
+            out[b + (i, c)] = float(mp.fsum(wj * mp.mpf(v[b + (j, c)]) for wj, j in zip(w, keys)) / total)
+        lse[b + (i,)] = float(mx + mp.log(total))
+    return out, lse
 
 
 # --------------------------------------------------------------------------------------------
