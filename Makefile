@@ -10,11 +10,12 @@ NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.py))
 
 all: docs
 
-# Idempotent: re-installs only when pyproject.toml changes.
+# Idempotent: re-installs only when pyproject.toml changes. editable_mode=compat puts the repo
+# root on sys.path through a plain .pth, so PYTHONPATH can still override flash_lib (tests of tests).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet --editable .
+	$(BIN)/python -m pip install --quiet --editable . --config-settings editable_mode=compat
 	touch $(STAMP)
 
 setup: $(STAMP)
