@@ -48,6 +48,7 @@ import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 __all__ = [
     "DEFAULT_BLOCK_Q",
@@ -73,6 +74,7 @@ DEFAULT_BLOCK_K = 512
 # cores. Each block is computed by exactly the same calls whichever thread runs it, so results are
 # bit-identical from run to run. FLASH_LIB_THREADS=1 turns it off.
 _THREADS = max(1, int(os.environ.get("FLASH_LIB_THREADS", min(os.cpu_count() or 1, 4))))
+_PARALLEL_MIN_SCORES = 1 << 20
 
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 
@@ -354,6 +356,9 @@ def flash_attention(
     block_k = _positive_int("block_k", block_k)
     n_q, n_k, dv = q.shape[-2], k.shape[-2], v.shape[-1]
 
+    # Broadcast views (no copies), so that every tile below has the full batch shape and the
+    # per-tile updates can run in place.
+    q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
     out = np.zeros(batch + (n_q, dv), dtype=out_dtype)
     lse = np.full(batch + (n_q,), -np.inf, dtype=acc)
     schedule = tile_schedule(n_q, n_k, block_q, block_k, causal)
@@ -362,55 +367,63 @@ def flash_attention(
     def attend(tiles):
         """One query block over its key blocks: the online-softmax recurrence, tile by tile."""
         q_start, q_stop = tiles[0][:2]
+        rows = batch + (q_stop - q_start,)
         # Scale the (block_q × d) queries once rather than every (block_q × block_k) tile.
         q_blk = q[..., q_start:q_stop, :].astype(acc) * acc.type(scale)
-        rows = batch + (q_stop - q_start,)
-        m = np.full(rows, -np.inf, dtype=acc)  # running max
-        l = np.zeros(rows, dtype=acc)  # running sum of exp(s - m)
-        acc_blk = np.zeros(rows + (dv,), dtype=acc)  # running sum of exp(s - m) · v
+        m = np.full(rows, -np.inf, dtype=acc)  # running max of the scores
+        l = np.zeros(rows, dtype=acc)  # running Σ exp(s - m)
+        acc_blk = np.zeros(rows + (dv,), dtype=acc)  # running Σ exp(s - m) · v
+        # The scores tile and the p·v product are reused across key blocks: one allocation each.
+        s_buf = np.empty(rows + (min(block_k, n_k),), dtype=acc)
+        pv = np.empty(rows + (dv,), dtype=acc)
         for _, _, k_start, k_stop in tiles:
             k_blk = k[..., k_start:k_stop, :].astype(acc, copy=False)
             v_blk = v[..., k_start:k_stop, :].astype(acc, copy=False)
-            s = q_blk @ np.swapaxes(k_blk, -1, -2)  # scores tile, already scaled
+            s = s_buf[..., : k_stop - k_start]
+            # s = scale · q kᵀ for this tile (the scale is already in q_blk)
+            np.matmul(q_blk, np.swapaxes(k_blk, -1, -2), out=s)
             allowed = _allowed(mask, causal, n_q, n_k, q_start, q_stop, k_start, k_stop)
             if allowed is not None:
-                s = np.where(allowed, s, -np.inf)
+                np.copyto(s, -np.inf, where=~allowed)
             m_new = np.maximum(m, s.max(axis=-1))
-            # m_ref = m_new, except 0 for rows with no allowed key yet: there every score is
-            # -inf and -inf - (-inf) would be NaN, while any finite reference gives exp(-inf)=0.
+            # m_ref = m', except 0 for rows with no allowed key yet: there every score is -inf,
+            # and -inf - (-inf) would be NaN, while any finite reference gives exp(-inf) = 0.
             m_ref = np.where(m_new == -np.inf, 0, m_new)
-            # alpha = exp(m - m'): rescales what was summed against the old max to the new one.
+            # alpha = exp(m - m'): moves what was summed against the old max onto the new one.
             alpha = np.exp(m - m_ref)
-            # p = exp(s - m'); m_ref broadcasts s up to every batch row, and exp runs in place.
-            p = s - m_ref[..., None]
-            np.exp(p, out=p)
+            # p = exp(s - m'), in place: s becomes p.
+            np.subtract(s, m_ref[..., None], out=s)
+            p = np.exp(s, out=s)
             # l' = l · exp(m - m') + Σ_j p_j
-            l = l * alpha + p.sum(axis=-1)
+            l *= alpha
+            l += p.sum(axis=-1)
             # acc' = acc · exp(m - m') + p v
             acc_blk *= alpha[..., None]
-            acc_blk += p @ v_blk
+            acc_blk += np.matmul(p, v_blk, out=pv)
             m = m_new
         # Divide once, at the end.
-        o_blk, lse_blk = _finalize(acc_blk, l, m)
-        out[..., q_start:q_stop, :] = o_blk
-        lse[..., q_start:q_stop] = lse_blk
+        out[..., q_start:q_stop, :], lse[..., q_start:q_stop] = _finalize(acc_blk, l, m)
 
-    _run_blocks(attend, query_blocks)
+    # Threads only pay for themselves on real work (a thread pool costs ~0.1 ms to start).
+    n_scores = math.prod(batch) * n_q * n_k
+    _run_blocks(attend, query_blocks, parallel=n_scores >= _PARALLEL_MIN_SCORES)
     return (out, lse) if return_lse else out
 
 
-def _run_blocks(fn, blocks):
+def _run_blocks(fn, blocks, parallel):
     """Run ``fn`` on every query block; on a thread pool when there are several blocks.
 
     Each task runs in a copy of the caller's context, so ``np.errstate`` (a context variable)
     holds inside the workers exactly as it does for the caller.
     """
-    workers = min(_THREADS, len(blocks))
+    workers = min(_THREADS, len(blocks)) if parallel else 1
     if workers <= 1:
         for b in blocks:
             fn(b)
         return
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    # One BLAS thread per worker: our workers already occupy the cores, and BLAS threads on top
+    # of them oversubscribe the machine (measured: several times slower on 2 busy cores).
+    with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(workers) as pool:
         futures = [pool.submit(contextvars.copy_context().run, fn, b) for b in blocks]
         for f in futures:
             f.result()
