@@ -1,0 +1,52 @@
+"""The committed notebooks: paired, in sync, executed. nbval (run by `make test`) re-executes them."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+SOURCES = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
+JUPYTEXT = pathlib.Path(sys.executable).with_name("jupytext")
+
+
+def test_there_are_nine_chapters_each_paired():
+    """Every chapter is a .py source with its executed .ipynb, and nothing is unpaired."""
+    pys = {p.stem for p in SOURCES}
+    ipynbs = {p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")}
+    assert pys == ipynbs, f"unpaired: {sorted(pys ^ ipynbs)}"
+    assert [p.stem[:2] for p in SOURCES] == [f"{i:02d}" for i in range(1, 10)]
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_pair_in_sync(source):
+    """The .ipynb converted to py:percent (in memory, with jupytext.toml) equals the committed .py.
+
+    Read-only on purpose: `jupytext --sync` picks a direction by file times, which a fresh clone
+    scrambles.
+    """
+    converted = subprocess.run(
+        [str(JUPYTEXT), "--to", "py:percent", "--output", "-", str(source.with_suffix(".ipynb"))],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout
+    assert converted == source.read_text(), (
+        f"{source.name} and its .ipynb differ: edit the .py, then `make notebooks`"
+    )
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_notebook_is_executed_and_clean(source):
+    """Stored outputs exist (nbval checks only cells that have them) and came from one clean run."""
+    nb = json.loads(source.with_suffix(".ipynb").read_text())
+    assert nb["metadata"]["kernelspec"]["name"] == "python3"
+    assert "jupytext_version" not in json.dumps(nb["metadata"])
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    counts = [c["execution_count"] for c in code]
+    assert counts == list(range(1, len(code) + 1)), f"not executed top to bottom once: {counts}"
+    assert any(c["outputs"] for c in code), "no stored outputs: nbval would check nothing"
+    errors = [o for c in code for o in c["outputs"] if o["output_type"] == "error"
+              or o.get("name") == "stderr"]
+    assert not errors, f"stored errors or warnings: {errors}"
