@@ -43,3 +43,12 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"^make test$", ci, re.M), ci
     assert "make test" in (ROOT / "README.md").read_text()
+
+
+def test_readme_usage_example_runs():
+    """The README's Python example is executed as written, so it cannot rot."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    assert blocks, "README has no python example"
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {})
