@@ -1,0 +1,279 @@
+# ---
+# jupyter:
+#   jupytext:
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 2. Online softmax, one score at a time
+#
+# The safe softmax of chapter 1 reads the scores twice before it can write a single weight: once
+# for the maximum $m$, once more for the sum $l = \sum_j e^{x_j - m}$. FlashAttention never holds
+# a whole row of scores, so it cannot afford the first pass. In this chapter:
+#
+# - we derive the *online* update that carries $m$ and $l$ through a stream of scores in a single
+#   pass (Milakov & Gimelshein, arXiv 1805.02867), and the invariant it keeps after every step;
+# - we run it by hand on a stream of eight scores and print the state after each step, with the
+#   invariant checked at every row;
+# - we check that it ends with exactly the two-pass $m$ and, to rounding, the two-pass $l$, on that
+#   stream and on a long stream that overflows the textbook formula;
+# - we check it against `flash_lib.flash_attention`, which runs the same recurrence.
+
+# %%
+import math
+
+import numpy as np
+import matplotlib.pyplot as plt
+
+import flash_lib
+
+rng = np.random.default_rng(2)
+
+# %% [markdown]
+# ## The state and its invariant
+#
+# After reading the first $t$ scores $x_1, \dots, x_t$ of a stream, keep two numbers:
+#
+# $$m_t = \max_{j \le t} x_j, \qquad l_t = \sum_{j \le t} e^{x_j - m_t} .$$
+#
+# This pair is the **invariant**: whatever has been read, $m$ is its maximum and $l$ is its sum of
+# exponentials measured against that maximum. Before anything is read the stream is empty, and
+# the pair $(m_0, l_0) = (-\infty, 0)$ fits: the maximum of nothing is $-\infty$ and the empty sum
+# is 0.
+#
+# ## The update
+#
+# A new score $x$ arrives. The new maximum is $m' = \max(m, x)$. Every term of the old sum was
+# measured against $m$, and we need it measured against $m'$; since
+# $e^{x_j - m'} = e^{x_j - m} \, e^{m - m'}$, one multiplication moves the whole old sum:
+#
+# $$l' = \sum_{j \le t+1} e^{x_j - m'} = e^{m - m'} \sum_{j \le t} e^{x_j - m} + e^{x - m'} = l \, e^{m - m'} + e^{x - m'} .$$
+#
+# Both exponents are $\le 0$, so neither factor exceeds 1 and nothing overflows, for the same
+# reason as in chapter 1. If the maximum did not change, the rescaling factor $e^{m - m'}$ is
+# exactly 1; if it did, the new score contributes $e^{0} = 1$, so $l \ge 1$ after the first step.
+# At the first step $e^{m_0 - m'} = e^{-\infty} = 0$ wipes the empty initial sum, and $l_1 = 1$.
+# (A score of $-\infty$, a masked key, would make that first factor $e^{-\infty - (-\infty)}$ =
+# NaN; chapter 6 deals with it.)
+#
+# In plain Python, one score at a time (this loop is the pedagogy; `flash_lib` does the same on
+# whole tiles):
+
+# %%
+def online_softmax_state(stream):
+    """Read the scores one at a time; return the states (m_t, l_t) after each of them."""
+    m, l = -math.inf, 0.0  # the empty stream
+    states = []
+    for x in stream:
+        m_new = max(m, x)
+        # l' = l · exp(m - m') + exp(x - m')
+        l = l * math.exp(m - m_new) + math.exp(x - m_new)
+        m = m_new
+        states.append((m, l))
+    return states
+
+
+# %% [markdown]
+# ## Eight scores, step by step
+#
+# A short stream, chosen so that the maximum rises at steps 2, 5 and 8, is only tied at step 4,
+# and small scores arrive after large ones. For every step we print the new
+# score, the new maximum, the rescaling factor $e^{m - m'}$ applied to the old sum, the new term
+# $e^{x - m'}$, the new sum $l$, and, computed directly from its definition, the invariant
+# $\sum_{j \le t} e^{x_j - m_t}$, which must equal $l$.
+
+# %%
+stream = [1.0, 3.0, 0.5, 3.0, 6.0, 2.0, -4.0, 7.0]
+states = online_softmax_state(stream)
+
+print(f"{'t':>2} {'x_t':>6} {'m_t':>6} {'exp(m-m_t)':>11} {'exp(x_t-m_t)':>13} "
+      f"{'l_t':>9} {'sum exp(x_j-m_t)':>17}")
+invariant_errors = []
+m_prev = -math.inf
+for t, (x, (m, l)) in enumerate(zip(stream, states), start=1):
+    direct = sum(math.exp(xj - m) for xj in stream[:t])
+    invariant_errors.append(abs(l - direct) / direct)
+    print(f"{t:>2} {x:>6.1f} {m:>6.1f} {math.exp(m_prev - m):>#11.4g} {math.exp(x - m):>#13.4g} "
+          f"{l:>#9.4g} {direct:>#17.4g}")
+    m_prev = m
+
+print("invariant holds at every step (relative difference < 1e-15):",
+      max(invariant_errors) < 1e-15)
+
+# %% [markdown]
+# Read down the `exp(m-m_t)` column: it is 1 whenever the maximum stays (steps 3, 4, 6, 7), and
+# below 1 when it rises (steps 2, 5, 8), where it shrinks the whole old sum in one multiplication.
+# The figure shows the same eight states: each panel draws the terms $e^{x_j - m_t}$ of $l_t$ for
+# the scores read so far (the newest in orange), so $l_t$ is the total height of the bars. When
+# the maximum rises, every older bar shrinks by the same factor.
+
+# %%
+def draw_state(ax, t):
+    """Bars e^(x_j - m_t) for the first t scores; their total height is l_t."""
+    m, l = states[t - 1]
+    positions = np.arange(1, len(stream) + 1)
+    terms = [math.exp(x - m) for x in stream[:t]]
+    ax.bar(positions[: t - 1], terms[:-1], color="C0", label="earlier scores")
+    ax.bar(positions[t - 1], terms[-1], color="C1", label="newest score")
+    ax.axhline(1.0, color="grey", ls=":", lw=1, label="$e^0$: the maximum's term")
+    ax.set_xticks(positions)
+    ax.set_xlim(0.4, len(stream) + 0.6)
+    ax.set_ylim(0, 1.08)
+    ax.set_title(f"t={t}: x={stream[t - 1]:g}, m={m:g}, l={l:.3f}", fontsize=10)
+
+
+fig, axes = plt.subplots(2, 4, figsize=(11, 5), sharex=True, sharey=True)
+for t, ax in enumerate(axes.flat, start=1):
+    draw_state(ax, t)
+for ax in axes[1]:
+    ax.set_xlabel("position j in the stream")
+for ax in axes[:, 0]:
+    ax.set_ylabel("$e^{x_j - m_t}$ (dimensionless)")
+# the first panel has room for the legend; the third has an example of each kind of line
+axes[0, 0].legend(*axes[0, 2].get_legend_handles_labels(), loc="upper right", fontsize=8)
+fig.suptitle("Online softmax state after each score: the bars are the terms of $l_t$")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# In JupyterLab the slider below steps through the same states one at a time (drag it, or click
+# it and use the arrow keys). It needs a running kernel, so the static page shows only the grid
+# above, which holds the same content.
+
+# %% tags=["nbval-ignore-output", "remove-output"]
+# nbval ignores this cell's output: it skips the widget's model_id (random per run), but it does
+# not route messages into the Output widget as Jupyter does, so it sees the figure drawn inside the
+# slider's widget as an extra cell output that the stored notebook keeps in the widget's state.
+from ipywidgets import IntSlider, interactive
+from IPython.display import display
+
+
+def show_state(t):
+    fig, ax = plt.subplots(figsize=(7, 4))
+    draw_state(ax, t)
+    ax.set_xlabel("position j in the stream")
+    ax.set_ylabel("$e^{x_j - m_t}$ (dimensionless)")
+    ax.legend(loc="upper right", fontsize=9)
+    fig.tight_layout()
+    plt.show()
+
+
+display(interactive(show_state, t=IntSlider(value=1, min=1, max=len(stream), description="t")))
+
+# %% [markdown]
+# ## Against the two-pass result
+#
+# The two-pass version computes $m = \max_j x_j$ first and then $l = \sum_j e^{x_j - m}$. The
+# online state after the last score must give the same $m$ exactly (a maximum involves no
+# rounding) and the same $l$ up to rounding (the sums are taken in a different order and with
+# different intermediate scalings). From $(m, l)$ come the weights $e^{x_i - m} / l$ and the
+# log-sum-exp $\mathrm{lse} = m + \log l = \log \sum_j e^{x_j}$, which chapter 3 uses as the
+# compact form of the state.
+
+# %%
+def two_pass_state(stream):
+    x = np.asarray(stream, dtype=np.float64)
+    m = x.max()
+    return float(m), float(np.exp(x - m).sum())
+
+
+m_online, l_online = states[-1]
+m_two, l_two = two_pass_state(stream)
+weights_online = np.exp(np.array(stream) - m_online) / l_online
+print("m identical:", m_online == m_two)
+print("l relative difference < 1e-15:", abs(l_online - l_two) / l_two < 1e-15)
+print("weights:", ", ".join(f"{w:.3g}" for w in weights_online))
+print("lse = m + log l =", f"{m_online + math.log(l_online):.4f}")
+
+# %% [markdown]
+# The same check on a long stream whose scores are spread far beyond what the textbook formula
+# survives: 10,000 scores drawn with standard deviation 1000, so that $e^{x}$ overflows for about
+# a quarter of them. The online state never forms anything larger than 1 besides $l$ itself, and
+# $l \le t$. We also shift the eight-score stream by 1000: every $x_j - m_t$ is unchanged (and
+# computed exactly), so the sums are identical bit for bit while $m$ moves by 1000.
+
+# %%
+long_stream = rng.normal(0.0, 1000.0, size=10_000)
+with np.errstate(over="ignore"):
+    overflowing = float(np.isinf(np.exp(long_stream)).mean())
+m_long, l_long = online_softmax_state(long_stream.tolist())[-1]
+m_long_two, l_long_two = two_pass_state(long_stream)
+print(f"fraction of the long stream where exp(x) overflows: {overflowing:.2f}")
+print("long stream: m identical:", m_long == m_long_two,
+      "| l relative difference < 1e-13:", abs(l_long - l_long_two) / l_long_two < 1e-13)
+
+shifted_states = online_softmax_state([x + 1000.0 for x in stream])
+print("stream + 1000: l identical at every step:",
+      all(ls == l for (_, ls), (_, l) in zip(shifted_states, states)),
+      "| m shifted by exactly 1000:",
+      all(ms == m + 1000.0 for (ms, _), (m, _) in zip(shifted_states, states)))
+
+# %% [markdown]
+# ## Against flash_lib
+#
+# Softmax of a row $x$ is attention of one query whose scores are $x$: take the query $1$, the
+# keys $x_j$ (feature size 1), scale 1, and the identity matrix as values, so that the output row
+# is the weights themselves. `flash_lib.flash_attention` walks over the keys in blocks of
+# `block_k`, carrying $m$ and $l$ per query row with exactly the update derived above; with
+# `block_k=1` it reads one score per step, as our loop does. With `return_lse=True` it also returns
+# $\mathrm{lse} = m + \log l$.
+
+# %%
+n = len(stream)
+q = np.ones((1, 1))
+k = np.array(stream)[:, None]
+v = np.eye(n)
+out_1, lse_1 = flash_lib.flash_attention(q, k, v, scale=1.0, block_k=1, return_lse=True)
+out_all, lse_all = flash_lib.flash_attention(q, k, v, scale=1.0, return_lse=True)
+lse_online = m_online + math.log(l_online)
+print("block_k=1: weights match (< 1e-15):", np.abs(out_1[0] - weights_online).max() < 1e-15,
+      "| lse matches (< 1e-14):", abs(lse_1[0] - lse_online) < 1e-14)
+print("default block_k: weights match (< 1e-15):",
+      np.abs(out_all[0] - weights_online).max() < 1e-15,
+      "| lse matches (< 1e-14):", abs(lse_all[0] - lse_online) < 1e-14)
+
+# %% [markdown]
+# ## What we showed
+#
+# - The state $(m_t, l_t)$ with $m_t = \max_{j \le t} x_j$ and $l_t = \sum_{j \le t} e^{x_j - m_t}$
+#   is carried through a stream by $m' = \max(m, x)$, $l' = l \, e^{m - m'} + e^{x - m'}$, starting
+#   from $(-\infty, 0)$; the invariant held after each of the eight steps.
+# - The rescaling factor is exactly 1 when the maximum does not rise and below 1 when it does; $l$
+#   stays in $[1, t]$.
+# - The online state ends with the two-pass $m$ exactly and the two-pass $l$ to $10^{-15}$ on the
+#   short stream and $10^{-13}$ on a 10,000-score stream where $e^x$ overflows for about a quarter
+#   of the scores.
+# - Shifting every score by 1000 moves $m$ by exactly 1000 and leaves every $l_t$ identical.
+# - `flash_lib.flash_attention` returns the same weights and $\mathrm{lse} = m + \log l$, both with
+#   one key per step (`block_k=1`) and with its default block.
+
+# %%
+# the invariant, at every step of the short stream
+assert max(invariant_errors) < 1e-15
+assert states[0] == (stream[0], 1.0)
+# rescaling factor: 1 exactly when the max stays, < 1 when it rises; 1 <= l_t <= t
+m_before = [-math.inf] + [m for m, _ in states[:-1]]
+for (m, l), m_old, t in zip(states, m_before, range(1, n + 1)):
+    assert (math.exp(m_old - m) == 1.0) == (m == m_old)
+    assert 1.0 <= l <= t
+rises = [t for t, (m, _), m_old in zip(range(1, n + 1), states, m_before) if m > m_old]
+assert rises == [1, 2, 5, 8]
+# against the two-pass result
+assert m_online == m_two and abs(l_online - l_two) / l_two < 1e-15
+assert 0.2 < overflowing < 0.3
+assert m_long == m_long_two and abs(l_long - l_long_two) / l_long_two < 1e-13
+assert all(ls == l for (_, ls), (_, l) in zip(shifted_states, states))
+assert all(ms == m + 1000.0 for (ms, _), (m, _) in zip(shifted_states, states))
+# against flash_lib
+for out_fl, lse_fl in ((out_1, lse_1), (out_all, lse_all)):
+    assert np.abs(out_fl[0] - weights_online).max() < 1e-15
+    assert abs(lse_fl[0] - lse_online) < 1e-14
+assert abs(weights_online.sum() - 1.0) < 1e-15
