@@ -1,0 +1,634 @@
+"""How fast is flash_lib.flash_attention, and how much memory does it use?
+
+Measured side by side in one run, for d = 64 and N queries = N keys:
+
+* flash time / naive time (``flash_lib.naive_attention``, the full ``N × N`` score matrix);
+* flash GFLOP/s, counting ``4·N·N·d`` flops (two matmuls), and that as a fraction of this
+  machine's large-GEMM rate (a 2048² NumPy matmul, timed in the same rounds as the kernels);
+* the scratch memory of each kernel: ``flash_lib.measure_peak_bytes`` minus the returned array;
+* flash time / ``torch.nn.functional.scaled_dot_product_attention`` time, when PyTorch is
+  installed (``pip install -e '.[bench]'``; its CPU build is enough);
+* causal attention at one or two N, and N = 32768 float64 for flash alone;
+* a closing "targets" section: each of the issue's speed targets, PASS or FAIL, with the number.
+
+It is a report, not a test: the exit status is 0 whatever the speed, and 1 only if a kernel's
+output disagrees with the naive reference (checked at every size, on sampled rows where the full
+naive matrix would not fit the memory budget).
+
+Usage::
+
+    .venv/bin/python bench/bench_flash.py                 # the full run (`make bench`), ~4 min
+    .venv/bin/python bench/bench_flash.py --quick         # N <= 4096, float64: a smoke demo
+    .venv/bin/python bench/bench_flash.py --sweep-blocks  # flash time over a grid of block sizes
+    .venv/bin/python bench/bench_flash.py --sizes 2048 8192 --dtypes float32 --no-torch
+    .venv/bin/python bench/bench_flash.py --block-q 128 --block-k 1024
+    FLASH_LIB_THREADS=1 OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/bench_flash.py --quick
+
+Method: ``time.perf_counter``; every kernel runs once untimed first (under ``tracemalloc``, which
+gives its scratch memory and the output to check); then the kernels of one size are timed in
+turn, round after round, so that a change of machine load hits them alike, and each keeps its
+best (minimum) time. At least 3 rounds, fewer when one round is long (huge N), more until about
+``--seconds`` have passed. Inputs: ``np.random.default_rng(0)``, standard normal. Absolute times
+on a shared machine are noisy; the ratios, measured side by side, are the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+import flash_lib
+
+D = 64
+DTYPES = {"float64": np.float64, "float32": np.float32}
+FULL_SIZES = [1024, 2048, 4096, 8192, 16384]
+QUICK_SIZES = [1024, 2048, 4096]
+SWEEP_BLOCKS = [64, 128, 256, 512, 1024]
+# Relative tolerance of the correctness check: max|out - ref| / max|ref|, per dtype.
+TOLERANCE = {np.float64: 1e-9, np.float32: 1e-4}
+# Rows checked against naive_attention where the full naive score matrix is over the budget.
+SPOT_ROWS = 256
+GIB = 2.0**30
+
+# Every record measured, for --json.
+RECORDS = []
+# Correctness failures; any makes the exit status 1.
+FAILURES = []
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------------------------
+
+
+def time_interleaved(fns, seconds, min_rounds=None):
+    """Best wall time of each callable in ``fns`` (a dict), timing them in turn, round by round.
+
+    At least 3 rounds; 2 when one round takes longer than ``seconds`` and 1 when it takes longer
+    than 4 × ``seconds`` (huge N); more rounds until ``seconds`` have passed (at most 50).
+    Each round starts one callable further on, so none always runs right after the same other.
+    Returns ``({name: best_seconds}, rounds)``.
+    """
+    names = list(fns)
+    best = dict.fromkeys(names, math.inf)
+    rounds, start = 0, time.perf_counter()
+    while True:
+        for i in range(len(names)):
+            name = names[(rounds + i) % len(names)]
+            t0 = time.perf_counter()
+            fns[name]()
+            best[name] = min(best[name], time.perf_counter() - t0)
+        rounds += 1
+        elapsed = time.perf_counter() - start
+        if min_rounds is None:
+            one_round = elapsed / rounds
+            min_rounds = 1 if one_round > 4 * seconds else 2 if one_round > seconds else 3
+        if rounds >= 50 or (rounds >= min_rounds and elapsed >= seconds):
+            return best, rounds
+
+
+def gemm(name, n):
+    """A callable doing one ``n × n`` NumPy matmul (``2·n³`` flops) and updating GEMM_PEAK.
+
+    The machine's large-GEMM rate is the best seen in the whole run: measured at the start, and
+    again in every round of the main table, so a busy moment at the start does not set it.
+    """
+    if (name, n) not in _GEMMS:
+        rng = np.random.default_rng(0)
+        a, b = (rng.standard_normal((n, n)).astype(DTYPES[name]) for _ in range(2))
+        a @ b  # warm-up: BLAS thread pool, page faults of the output
+
+        def run():
+            t0 = time.perf_counter()
+            a @ b
+            rate = 2 * n**3 / (time.perf_counter() - t0) / 1e9
+            GEMM_PEAK[name] = max(GEMM_PEAK.get(name, 0.0), rate)
+
+        _GEMMS[name, n] = run
+    return _GEMMS[name, n]
+
+
+_GEMMS = {}
+GEMM_PEAK = {}  # dtype name -> best large-GEMM GFLOP/s seen so far in this run
+
+
+def scratch_run(fn, *args, **kwargs):
+    """One untimed run under tracemalloc: ``(out, scratch bytes = peak - returned array)``."""
+    out, peak = flash_lib.measure_peak_bytes(fn, *args, **kwargs)
+    return out, peak - out.nbytes
+
+
+def inputs(n, dtype):
+    rng = np.random.default_rng(0)
+    return tuple(rng.standard_normal((n, D)).astype(dtype) for _ in range(3))
+
+
+def rel_err(out, ref):
+    """max|out - ref| / max|ref|: the error relative to the output's scale."""
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+
+
+def check(label, out, ref, dtype):
+    """Record a failure unless ``max|out - ref| <= tol · max|ref|``; return the relative error."""
+    tol = TOLERANCE[dtype]
+    err = rel_err(out, ref)
+    if not np.allclose(out, ref, rtol=0, atol=tol * float(np.max(np.abs(ref)))):
+        FAILURES.append(f"{label}: max relative error {err:.2e} > {tol:.0e}")
+        log(f"!! WRONG RESULT {FAILURES[-1]}")
+    return err
+
+
+def spot_reference(q, k, v, causal=False):
+    """naive_attention on a few sampled query rows only: ``(rows, ref)``, O(SPOT_ROWS · N) memory.
+
+    Rows are independent in attention (causal included: each query's allowed keys depend only on
+    its own index), so a row subset of the queries gives exactly those rows of the output.
+    """
+    n = q.shape[0]
+    rows = np.sort(np.random.default_rng(1).choice(n, size=min(SPOT_ROWS, n), replace=False))
+    if not causal:
+        return rows, flash_lib.naive_attention(q[rows], k, v)
+    mask = np.arange(n)[None, :] <= rows[:, None]
+    return rows, flash_lib.naive_attention(q[rows], k, v, mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Formatting
+# --------------------------------------------------------------------------------------------
+
+
+def fmt_bytes(b):
+    if b is None:
+        return "-"
+    for unit, size in (("GiB", GIB), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+        if b >= size:
+            return f"{b / size:.1f} {unit}"
+    return f"{b:.0f} B"
+
+
+def fmt(x, spec, missing="-"):
+    return missing if x is None else format(x, spec)
+
+
+class Table:
+    """Fixed-width columns, printed one row at a time as rows are measured."""
+
+    def __init__(self, columns):
+        self.columns = columns  # [(header, width)]
+
+    def header(self):
+        log("  ".join(h.rjust(w) for h, w in self.columns))
+        log("  ".join("-" * w for _, w in self.columns))
+
+    def row(self, *cells):
+        log("  ".join(str(c).rjust(w) for c, (_, w) in zip(cells, self.columns)))
+
+
+# --------------------------------------------------------------------------------------------
+# Optional PyTorch
+# --------------------------------------------------------------------------------------------
+
+
+def load_torch(disabled):
+    """``(torch, None)``, or ``(None, reason)`` when it is not installed or --no-torch."""
+    if disabled:
+        return None, "--no-torch"
+    try:
+        import torch
+        import torch.nn.functional  # noqa: F401
+    except ImportError:
+        return None, "torch not installed (pip install -e '.[bench]')"
+    # Same cores as flash: its query blocks run on flash_lib._THREADS threads.
+    torch.set_num_threads(flash_lib._THREADS)
+    return torch, None
+
+
+def torch_sdpa(torch, q, k, v, causal=False):
+    """A callable running PyTorch's CPU SDPA on the same (shared, not copied) arrays."""
+    n = q.shape[0]
+    # (batch, heads, N, d): the layout SDPA's fused kernels expect.
+    qt, kt, vt = (torch.from_numpy(x).view(1, 1, n, x.shape[1]) for x in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def run():
+        # is_causal is aligned top-left in PyTorch; for Nq == Nk that is flash_lib's bottom-right.
+        with torch.inference_mode():
+            return sdpa(qt, kt, vt, is_causal=causal)
+
+    return run
+
+
+def torch_backend(torch):
+    """Which SDPA backend PyTorch picks for float64 (N, d) inputs (a private API: best effort)."""
+    try:
+        x = torch.zeros(1, 1, 1024, D, dtype=torch.float64)
+        choice = torch._fused_sdp_choice(x, x, x)
+        return torch.nn.attention.SDPBackend(choice).name
+    except Exception:  # noqa: BLE001 - informational only
+        return "unknown"
+
+
+# --------------------------------------------------------------------------------------------
+# The sections of the report
+# --------------------------------------------------------------------------------------------
+
+
+def machine_info(torch, torch_reason):
+    log("# machine")
+    log(f"python {platform.python_version()} on {platform.platform()}")
+    cpus = os.cpu_count()
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
+    log(f"cpu count {cpus} (usable by this process: {usable}); load average "
+        + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+    log(f"numpy {np.__version__}, BLAS {blas.get('name')} {blas.get('version')}")
+    try:
+        import threadpoolctl
+
+        for pool in threadpoolctl.threadpool_info():
+            log(f"  threadpool {pool['internal_api']} {pool.get('version')}: "
+                f"{pool['num_threads']} threads")
+    except ImportError:
+        log("  (threadpoolctl not installed: BLAS thread count not shown)")
+    env = {k: os.environ[k] for k in ("FLASH_LIB_THREADS", "OPENBLAS_NUM_THREADS",
+                                       "OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ}
+    log(f"thread settings in the environment: {env or 'none'}")
+    log(f"flash_lib: {flash_lib.__file__}, _THREADS = {flash_lib._THREADS}, DEFAULT_BLOCK_Q = "
+        f"{flash_lib.DEFAULT_BLOCK_Q}, DEFAULT_BLOCK_K = {flash_lib.DEFAULT_BLOCK_K}")
+    if torch is None:
+        log(f"torch: n/a ({torch_reason})")
+    else:
+        log(f"torch {torch.__version__}, get_num_threads() = {torch.get_num_threads()}, "
+            f"SDPA backend for float64 CPU: {torch_backend(torch)}")
+
+
+MAIN_COLUMNS = [
+    ("dtype", 7), ("N", 6), ("flash ms", 9), ("naive ms", 9), ("torch ms", 9),
+    ("flash/naive", 11), ("flash/torch", 11), ("GEMM GFLOP/s", 12), ("flash GFLOP/s", 13),
+    ("flash %GEMM", 11), ("naive %GEMM", 11), ("torch %GEMM", 11), ("flash scratch", 13),
+    ("naive scratch", 13), ("max rel err", 11),
+]
+
+
+def main_table(args, torch):
+    """flash vs naive vs torch SDPA for each dtype and N; returns the records."""
+    log(f"\n# flash vs naive vs torch SDPA: d = {D}, Nq = Nk = N, no mask, "
+        f"block_q = {args.block_q}, block_k = {args.block_k}")
+    log(f"# GFLOP/s count 4·N²·d flops; %GEMM: of the best {args.gemm_n}² matmul rate so far "
+        f"(one more is timed in every round)")
+    log(f"# scratch = peak bytes (tracemalloc) - output bytes; naive runs where its scratch "
+        f"would be <= {args.naive_max_gib:g} GiB; max rel err = max|flash - naive| / max|naive|")
+    table = Table(MAIN_COLUMNS)
+    table.header()
+    rows = []
+    for name in args.dtypes:
+        dtype = DTYPES[name]
+        naive_factor = 3.0  # naive scratch / (N² · itemsize), re-estimated from each measurement
+        for n in args.sizes:
+            q, k, v = inputs(n, dtype)
+            flash = lambda: flash_lib.flash_attention(  # noqa: E731
+                q, k, v, block_q=args.block_q, block_k=args.block_k)
+            out, flash_scratch = scratch_run(flash)
+            fns = {"flash": flash, "gemm": gemm(name, args.gemm_n)}
+
+            naive_need = naive_factor * n * n * np.dtype(dtype).itemsize
+            naive_scratch = None
+            if naive_need <= args.naive_max_gib * GIB:
+                ref, naive_scratch = scratch_run(flash_lib.naive_attention, q, k, v)
+                naive_factor = naive_scratch / (n * n * np.dtype(dtype).itemsize)
+                ref_rows = slice(None)
+                fns["naive"] = lambda: flash_lib.naive_attention(q, k, v)
+            else:
+                ref_rows, ref = spot_reference(q, k, v)
+            err = check(f"flash {name} N={n}", out[ref_rows], ref, dtype)
+
+            if torch is not None:
+                fns["torch"] = torch_sdpa(torch, q, k, v)
+                out_t = fns["torch"]().numpy().reshape(n, D)
+                check(f"torch SDPA {name} N={n}", out_t[ref_rows], ref, dtype)
+            del out, ref
+
+            best, rounds = time_interleaved(fns, args.seconds)
+            t_flash, t_naive, t_torch = best["flash"], best.get("naive"), best.get("torch")
+            gflop = 4 * n * n * D / 1e9
+            gemm_rate = GEMM_PEAK[name]
+            rec = dict(kind="main", dtype=name, n=n, d=D, block_q=args.block_q,
+                       block_k=args.block_k, rounds=rounds, flash_s=t_flash, naive_s=t_naive,
+                       torch_s=t_torch, flash_gflops=gflop / t_flash, gemm_gflops=gemm_rate,
+                       flash_scratch=flash_scratch, naive_scratch=naive_scratch,
+                       naive_needs=None if naive_scratch is not None else naive_need,
+                       max_rel_err=err)
+            RECORDS.append(rec)
+            rows.append(rec)
+
+            def ratio(t):
+                return None if t is None else t_flash / t
+
+            def pct(t):
+                return None if t is None else 100 * gflop / t / gemm_rate
+
+            table.row(name, n, f"{1e3 * t_flash:.1f}", fmt(t_naive and 1e3 * t_naive, ".1f"),
+                      fmt(t_torch and 1e3 * t_torch, ".1f"), fmt(ratio(t_naive), ".3f"),
+                      fmt(ratio(t_torch), ".3f"), f"{gemm_rate:.1f}", f"{gflop / t_flash:.2f}",
+                      f"{pct(t_flash):.1f}%", fmt(pct(t_naive), ".1f") + ("%" if t_naive else ""),
+                      fmt(pct(t_torch), ".1f") + ("%" if t_torch else ""),
+                      fmt_bytes(flash_scratch),
+                      fmt_bytes(naive_scratch) if naive_scratch is not None else "skipped",
+                      f"{err:.1e}")
+            if naive_scratch is None:
+                log(f"    naive {name} N={n} skipped (needs ~{fmt_bytes(naive_need)} > "
+                    f"--naive-max-gib {args.naive_max_gib:g}); flash checked on {SPOT_ROWS} rows")
+    return rows
+
+
+CAUSAL_COLUMNS = [
+    ("dtype", 7), ("N", 6), ("causal ms", 9), ("full ms", 9), ("causal/full", 11),
+    ("tiles ratio", 11), ("naive c. ms", 11), ("flash/naive", 11), ("torch c. ms", 11),
+    ("flash/torch", 11), ("max rel err", 11),
+]
+
+
+def causal_table(args, torch):
+    """Causal flash vs non-causal flash (ideally the fraction of tiles visited), naive, torch."""
+    name = args.dtypes[0]
+    dtype = DTYPES[name]
+    log("\n# causal (bottom-right = top-left for Nq = Nk): flash causal vs flash non-causal, "
+        "naive causal, torch causal")
+    log("# 'tiles ratio' = tiles visited with causal / without: the ideal causal/full")
+    table = Table(CAUSAL_COLUMNS)
+    table.header()
+    for n in args.causal_sizes:
+        q, k, v = inputs(n, dtype)
+        causal = lambda: flash_lib.flash_attention(  # noqa: E731
+            q, k, v, causal=True, block_q=args.block_q, block_k=args.block_k)
+        full = lambda: flash_lib.flash_attention(  # noqa: E731
+            q, k, v, block_q=args.block_q, block_k=args.block_k)
+        out = causal()
+        fns = {"causal": causal, "full": full}
+        # naive causal also holds the where() copy and the boolean mask: about one matrix more.
+        if 4 * n * n * np.dtype(dtype).itemsize <= args.naive_max_gib * GIB:
+            ref_rows, ref = slice(None), flash_lib.naive_attention(q, k, v, causal=True)
+            fns["naive"] = lambda: flash_lib.naive_attention(q, k, v, causal=True)
+        else:
+            ref_rows, ref = spot_reference(q, k, v, causal=True)
+        err = check(f"flash causal {name} N={n}", out[ref_rows], ref, dtype)
+        if torch is not None:
+            fns["torch"] = torch_sdpa(torch, q, k, v, causal=True)
+            out_t = fns["torch"]().numpy().reshape(n, D)
+            check(f"torch SDPA causal {name} N={n}", out_t[ref_rows], ref, dtype)
+        del out, ref
+        best, rounds = time_interleaved(fns, args.seconds)
+        tiles = (len(flash_lib.tile_schedule(n, n, args.block_q, args.block_k, causal=True))
+                 / len(flash_lib.tile_schedule(n, n, args.block_q, args.block_k)))
+        t_c, t_naive, t_torch = best["causal"], best.get("naive"), best.get("torch")
+        RECORDS.append(dict(kind="causal", dtype=name, n=n, rounds=rounds, flash_causal_s=t_c,
+                            flash_full_s=best["full"], naive_causal_s=t_naive,
+                            torch_causal_s=t_torch, tiles_ratio=tiles, max_rel_err=err))
+        table.row(name, n, f"{1e3 * t_c:.1f}", f"{1e3 * best['full']:.1f}",
+                  f"{t_c / best['full']:.3f}", f"{tiles:.3f}",
+                  fmt(t_naive and 1e3 * t_naive, ".1f", "skipped"),
+                  fmt(t_naive and t_c / t_naive, ".3f"), fmt(t_torch and 1e3 * t_torch, ".1f"),
+                  fmt(t_torch and t_c / t_torch, ".3f"), f"{err:.1e}")
+
+
+def big_n(args):
+    """N = args.big float64, flash only: it completes, at what rate, in how much scratch.
+
+    Its rate is compared with N = 4096 doing the same work, (big / 4096)² calls, half of them
+    just before and half just after the big call; the mean per call is taken, not the minimum,
+    so that both sides are averaged over the same length of time and the same machine load.
+    """
+    n, small, name = args.big, 4096, "float64"
+    calls = max(1, round((n / small) ** 2 / 2))
+    log(f"\n# N = {n} {name}, flash only (naive would need {fmt_bytes(n * n * 8)} per score "
+        f"matrix); against N = {small} doing the same work: {calls} calls before and {calls} after")
+    q, k, v = inputs(n, np.float64)
+    qs, ks, vs = inputs(small, np.float64)
+    flash = lambda: flash_lib.flash_attention(  # noqa: E731
+        q, k, v, block_q=args.block_q, block_k=args.block_k)
+    t0 = time.perf_counter()
+    out, scratch = scratch_run(flash)
+    log(f"N = {n}: completed (untimed run under tracemalloc: {time.perf_counter() - t0:.1f} s), "
+        f"scratch {fmt_bytes(scratch)}")
+    ref_rows, ref = spot_reference(q, k, v)
+    err = check(f"flash {name} N={n}", out[ref_rows], ref, np.float64)
+    del out
+
+    def flash_small():
+        for _ in range(calls):
+            flash_lib.flash_attention(qs, ks, vs, block_q=args.block_q, block_k=args.block_k)
+
+    flash_lib.flash_attention(qs, ks, vs, block_q=args.block_q, block_k=args.block_k)
+    before, _ = time_interleaved({"small": flash_small}, 0, min_rounds=1)
+    big, _ = time_interleaved({"big": flash}, 0, min_rounds=1)
+    after, _ = time_interleaved({"small": flash_small}, 0, min_rounds=1)
+    t_small, t_big = (before["small"] + after["small"]) / (2 * calls), big["big"]
+    gf_small, gf_big = 4 * small**2 * D / t_small / 1e9, 4 * n**2 * D / t_big / 1e9
+    peak = GEMM_PEAK.get(name)
+    log(f"N = {n}: {t_big:.2f} s, {gf_big:.2f} GFLOP/s"
+        + (f" ({100 * gf_big / peak:.1f}% of GEMM)" if peak else "")
+        + f", max rel err on {SPOT_ROWS} rows {err:.1e}")
+    log(f"N = {small}: {1e3 * t_small:.1f} ms per call (mean of {2 * calls}), "
+        f"{gf_small:.2f} GFLOP/s; ratio {gf_big / gf_small:.3f}: "
+        f"N = {n} is {'>=' if gf_big >= gf_small else '<'} N = {small}")
+    rec = dict(kind="big", dtype=name, n=n, flash_s=t_big, flash_gflops=gf_big,
+               small_n=small, small_calls=2 * calls, small_flash_s=t_small,
+               small_flash_gflops=gf_small, flash_scratch=scratch, max_rel_err=err)
+    RECORDS.append(rec)
+    return rec
+
+
+def targets(args, rows, big, torch_reason):
+    log("\n# targets (issue 2, section 3)")
+
+    def verdict(ok):
+        return "PASS" if ok else "FAIL"
+
+    for name in ("float64", "float32"):
+        measured = [r for r in rows if r["dtype"] == name and r["n"] >= 2048]
+        label = f"flash <= 0.7x naive time, N >= 2048, {name}:"
+        timed = [r for r in measured if r["naive_s"] is not None]
+        if not timed:
+            why = ("naive skipped at every N >= 2048" if measured else
+                   f"no {name} N >= 2048 in this run")
+            log(f"{label} n/a: {why}")
+            continue
+        ratios = ", ".join(f"N={r['n']}: {r['flash_s'] / r['naive_s']:.3f}" for r in timed)
+        skipped = [str(r["n"]) for r in measured if r["naive_s"] is None]
+        worst = max(r["flash_s"] / r["naive_s"] for r in timed)
+        note = f" (naive skipped at N={', '.join(skipped)})" if skipped else ""
+        log(f"{label} {verdict(worst <= 0.7)} worst {worst:.3f} ({ratios}){note}")
+
+    for n in (4096, 8192):
+        label = f"flash <= 1.25x torch SDPA time, float64, N = {n}:"
+        r = next((r for r in rows if r["dtype"] == "float64" and r["n"] == n), None)
+        if torch_reason is not None:
+            log(f"{label} n/a: {torch_reason}")
+        elif r is None:
+            log(f"{label} n/a: float64 N = {n} not in this run")
+        else:
+            ratio = r["flash_s"] / r["torch_s"]
+            log(f"{label} {verdict(ratio <= 1.25)} {ratio:.3f}")
+
+    label = f"N = {args.big or 32768} float64 completes at GFLOP/s >= N = 4096:"
+    if big is None:
+        log(f"{label} n/a: not in this run (--big 0 or --quick)")
+    else:
+        ok = big["flash_gflops"] >= big["small_flash_gflops"]
+        log(f"{label} {verdict(ok)} {big['flash_gflops']:.2f} vs {big['small_flash_gflops']:.2f} "
+            f"GFLOP/s (N = {big['n']} completed in {big['flash_s']:.1f} s)")
+
+
+def sweep_blocks(args):
+    """Flash time over a grid of (block_q, block_k) at one N: the defaults are chosen by this."""
+    n = args.sweep_n
+    grid = list(itertools.product(SWEEP_BLOCKS, SWEEP_BLOCKS))
+    log(f"\n# block-size sweep: flash time at N = {n}, d = {D}, every (block_q, block_k) in "
+        f"{SWEEP_BLOCKS}²; all configurations timed in turn, round after round (min of 5+)")
+    scores = {}
+    for name in args.dtypes:
+        dtype = DTYPES[name]
+        q, k, v = inputs(n, dtype)
+        ref = flash_lib.naive_attention(q, k, v)
+        fns = {"naive": lambda: flash_lib.naive_attention(q, k, v)}
+        for bq, bk in grid:
+            fn = (lambda bq=bq, bk=bk:
+                  flash_lib.flash_attention(q, k, v, block_q=bq, block_k=bk))
+            check(f"flash {name} N={n} block {bq}x{bk}", fn(), ref, dtype)  # also the warm-up
+            fns[(bq, bk)] = fn
+        log(f"{name}: timing {len(fns)} kernels...")
+        t0 = time.perf_counter()
+        best, rounds = time_interleaved(fns, args.seconds * len(fns) / 4, min_rounds=5)
+        log(f"{name}: {rounds} rounds in {time.perf_counter() - t0:.0f} s; "
+            f"naive {1e3 * best['naive']:.1f} ms")
+        fastest = min(grid, key=best.get)
+        log(f"{name} flash ms (rows block_q, columns block_k; * = default, ! = fastest), "
+            f"and time / fastest:")
+        log("block_q \\ block_k " + "".join(f"{bk:>9}" for bk in SWEEP_BLOCKS)
+            + "    " + "".join(f"{bk:>7}" for bk in SWEEP_BLOCKS))
+        for bq in SWEEP_BLOCKS:
+            cells, rel = "", ""
+            for bk in SWEEP_BLOCKS:
+                mark = ("!" if (bq, bk) == fastest else
+                        "*" if (bq, bk) == (flash_lib.DEFAULT_BLOCK_Q, flash_lib.DEFAULT_BLOCK_K)
+                        else " ")
+                cells += f"{1e3 * best[(bq, bk)]:>8.1f}{mark}"
+                rel += f"{best[(bq, bk)] / best[fastest]:>7.2f}"
+            log(f"{bq:>17} {cells}    {rel}")
+        default = (flash_lib.DEFAULT_BLOCK_Q, flash_lib.DEFAULT_BLOCK_K)
+        log(f"{name}: fastest {fastest[0]}x{fastest[1]} {1e3 * best[fastest]:.1f} ms "
+            f"({best[fastest] / best['naive']:.3f}x naive); default {default[0]}x{default[1]} "
+            f"{1e3 * best[default]:.1f} ms ({best[default] / best[fastest]:.3f}x fastest, "
+            f"{best[default] / best['naive']:.3f}x naive)")
+        for cfg in grid:
+            scores.setdefault(cfg, []).append(best[cfg] / best[fastest])
+            RECORDS.append(dict(kind="sweep", dtype=name, n=n, block_q=cfg[0], block_k=cfg[1],
+                                flash_s=best[cfg], naive_s=best["naive"], rounds=rounds))
+    # One pair for every dtype: the smallest geometric mean of time / fastest over the dtypes.
+    geo = {cfg: math.exp(sum(map(math.log, s)) / len(s)) for cfg, s in scores.items()}
+    ranked = sorted(geo, key=geo.get)
+    log(f"over {', '.join(args.dtypes)}: geometric mean of time / fastest, best five: "
+        + ", ".join(f"{bq}x{bk} {geo[(bq, bk)]:.3f}" for bq, bk in ranked[:5]))
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Full description: the module docstring (python -m pydoc bench/bench_flash.py).")
+    p.add_argument("--quick", action="store_true",
+                   help=f"N in {QUICK_SIZES}, float64 only, causal at N = 4096, no N = 32768")
+    p.add_argument("--sizes", type=int, nargs="+", help=f"N values (default {FULL_SIZES})")
+    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help="default: float64 float32")
+    p.add_argument("--no-torch", action="store_true", help="skip PyTorch even if installed")
+    p.add_argument("--block-q", type=int, default=flash_lib.DEFAULT_BLOCK_Q,
+                   help="flash block_q (default: flash_lib.DEFAULT_BLOCK_Q = %(default)s)")
+    p.add_argument("--block-k", type=int, default=flash_lib.DEFAULT_BLOCK_K,
+                   help="flash block_k (default: flash_lib.DEFAULT_BLOCK_K = %(default)s)")
+    p.add_argument("--causal-sizes", type=int, nargs="*",
+                   help="N values of the causal rows, first dtype only (default 4096 8192; "
+                        "none: skip)")
+    p.add_argument("--big", type=int, default=None,
+                   help="N of the flash-only float64 run (default 32768; 0: skip)")
+    p.add_argument("--naive-max-gib", type=float, default=4.0,
+                   help="run naive only where its scratch (about 3 score matrices) fits in this "
+                        "many GiB (default %(default)s)")
+    p.add_argument("--seconds", type=float, default=2.5,
+                   help="timing budget of one size, all kernels together (default %(default)s)")
+    p.add_argument("--gemm-n", type=int, default=2048,
+                   help="matrix size of the GEMM-rate measurement (default %(default)s)")
+    p.add_argument("--sweep-blocks", action="store_true",
+                   help=f"only time flash over (block_q, block_k) in {SWEEP_BLOCKS}², at "
+                        "--sweep-n, for each dtype")
+    p.add_argument("--sweep-n", type=int, default=4096, help="N of --sweep-blocks (default 4096)")
+    p.add_argument("--json", metavar="FILE",
+                   help="also write every measurement to FILE (e.g. bench/results/run.json)")
+    args = p.parse_args(argv)
+    args.sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
+    args.dtypes = args.dtypes or (["float64"] if args.quick else ["float64", "float32"])
+    if args.causal_sizes is None:
+        args.causal_sizes = [4096] if args.quick else [4096, 8192]
+    if args.big is None:
+        args.big = 0 if args.quick else 32768
+    for flag in ("block_q", "block_k", "sweep_n", "gemm_n"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be a positive integer")
+    if min(args.sizes + args.causal_sizes) < 1 or args.big < 0:
+        p.error("sizes must be positive integers")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    started = time.perf_counter()
+    if args.sweep_blocks:
+        torch, torch_reason = None, "not used by --sweep-blocks"
+    else:
+        torch, torch_reason = load_torch(args.no_torch)
+    machine_info(torch, torch_reason)
+    if args.sweep_blocks:
+        sweep_blocks(args)
+    else:
+        for name in args.dtypes:
+            time_interleaved({"gemm": gemm(name, args.gemm_n)}, args.seconds, min_rounds=3)
+            log(f"GEMM {args.gemm_n}² {name}: {GEMM_PEAK[name]:.1f} GFLOP/s "
+                f"(best so far; timed again in every round below)")
+        rows = main_table(args, torch)
+        if args.causal_sizes:
+            causal_table(args, torch)
+        big = big_n(args) if args.big else None
+        log("\nGEMM " + ", ".join(f"{name} {rate:.1f}" for name, rate in GEMM_PEAK.items())
+            + f" GFLOP/s: the best {args.gemm_n}² rate of the whole run "
+            "(rows above used the best so far)")
+        RECORDS.append(dict(kind="gemm", n=args.gemm_n, peak_gflops=dict(GEMM_PEAK)))
+        targets(args, rows, big, torch_reason)
+    log(f"\nload average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+        + f"; total time {time.perf_counter() - started:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(argv=sys.argv[1:], records=RECORDS), f, indent=1)
+        log(f"wrote {args.json}")
+    if FAILURES:
+        log(f"\nWRONG RESULTS ({len(FAILURES)}):\n  " + "\n  ".join(FAILURES))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
