@@ -39,16 +39,17 @@ Conventions (the same in both kernels, see ``README.md`` for how others differ):
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
-import itertools
 import math
 import numbers
 import os
+import threading
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController
 
 __all__ = [
     "DEFAULT_BLOCK_Q",
@@ -75,6 +76,12 @@ DEFAULT_BLOCK_K = 512
 # bit-identical from run to run. FLASH_LIB_THREADS=1 turns it off.
 _THREADS = max(1, int(os.environ.get("FLASH_LIB_THREADS", min(os.cpu_count() or 1, 4))))
 _PARALLEL_MIN_SCORES = 1 << 20
+# The kernel's matmuls are tile-sized: BLAS threads would only fight our workers (or, without
+# workers, spin between small calls), so the kernel runs with one BLAS thread (see _one_blas_thread).
+_BLAS = ThreadpoolController()  # found once at import, a limit then costs ~10 µs to set
+_blas_lock = threading.Lock()
+_blas_users = 0
+_blas_limiter = None
 
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 
@@ -270,15 +277,25 @@ def tile_schedule(n_q, n_k, block_q, block_k, causal=False):
     n_k = _nonnegative_int("n_k", n_k)
     block_q = _positive_int("block_q", block_q)
     block_k = _positive_int("block_k", block_k)
-    offset = n_k - n_q
-    tiles = []
+    return [
+        (q_start, q_stop, k_start, k_stop)
+        for q_start, q_stop in _query_blocks(n_q, block_q)
+        for k_start, k_stop in _key_blocks(q_stop, n_q, n_k, block_k, causal)
+    ]
+
+
+# The kernel walks these two generators directly rather than a materialised schedule, whose list
+# would hold one tuple per tile: O(Nq·Nk / (block_q·block_k)) memory.
+def _query_blocks(n_q, block_q):
     for q_start in range(0, n_q, block_q):
-        q_stop = min(q_start + block_q, n_q)
-        # last key the last query of this block may see (inclusive), or n_k - 1 without causal
-        k_last = min(n_k - 1, q_stop - 1 + offset) if causal else n_k - 1
-        for k_start in range(0, k_last + 1, block_k):
-            tiles.append((q_start, q_stop, k_start, min(k_start + block_k, n_k)))
-    return tiles
+        yield q_start, min(q_start + block_q, n_q)
+
+
+def _key_blocks(q_stop, n_q, n_k, block_k, causal):
+    # One past the last key that the block's last query (q_stop - 1) may see.
+    k_end = max(0, min(n_k, q_stop + (n_k - n_q))) if causal else n_k
+    for k_start in range(0, k_end, block_k):
+        yield k_start, min(k_start + block_k, n_k)
 
 
 def _nonnegative_int(name, value):
@@ -360,13 +377,12 @@ def flash_attention(
     # per-tile updates can run in place.
     q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
     out = np.zeros(batch + (n_q, dv), dtype=out_dtype)
-    lse = np.full(batch + (n_q,), -np.inf, dtype=acc)
-    schedule = tile_schedule(n_q, n_k, block_q, block_k, causal)
-    query_blocks = [list(t) for _, t in itertools.groupby(schedule, key=lambda t: t[:2])]
+    # Not allocated unless asked for: it would be O(Nq) scratch.
+    lse = np.full(batch + (n_q,), -np.inf, dtype=acc) if return_lse else None
 
-    def attend(tiles):
+    def attend(query_block):
         """One query block over its key blocks: the online-softmax recurrence, tile by tile."""
-        q_start, q_stop = tiles[0][:2]
+        q_start, q_stop = query_block
         rows = batch + (q_stop - q_start,)
         # Scale the (block_q × d) queries once rather than every (block_q × block_k) tile.
         q_blk = q[..., q_start:q_stop, :].astype(acc) * acc.type(scale)
@@ -376,7 +392,8 @@ def flash_attention(
         # The scores tile and the p·v product are reused across key blocks: one allocation each.
         s_buf = np.empty(rows + (min(block_k, n_k),), dtype=acc)
         pv = np.empty(rows + (dv,), dtype=acc)
-        for _, _, k_start, k_stop in tiles:
+        # exactly this query block's tiles of tile_schedule(...)
+        for k_start, k_stop in _key_blocks(q_stop, n_q, n_k, block_k, causal):
             k_blk = k[..., k_start:k_stop, :].astype(acc, copy=False)
             v_blk = v[..., k_start:k_stop, :].astype(acc, copy=False)
             s = s_buf[..., : k_stop - k_start]
@@ -402,31 +419,65 @@ def flash_attention(
             acc_blk += np.matmul(p, v_blk, out=pv)
             m = m_new
         # Divide once, at the end.
-        out[..., q_start:q_stop, :], lse[..., q_start:q_stop] = _finalize(acc_blk, l, m)
+        out[..., q_start:q_stop, :], lse_blk = _finalize(acc_blk, l, m)
+        if return_lse:
+            lse[..., q_start:q_stop] = lse_blk
 
     # Threads only pay for themselves on real work (a thread pool costs ~0.1 ms to start).
     n_scores = math.prod(batch) * n_q * n_k
-    _run_blocks(attend, query_blocks, parallel=n_scores >= _PARALLEL_MIN_SCORES)
+    n_blocks = -(-n_q // block_q)
+    workers = min(_THREADS, n_blocks) if n_scores >= _PARALLEL_MIN_SCORES else 1
+    _run_blocks(attend, _query_blocks(n_q, block_q), workers)
     return (out, lse) if return_lse else out
 
 
-def _run_blocks(fn, blocks, parallel):
-    """Run ``fn`` on every query block; on a thread pool when there are several blocks.
+@contextlib.contextmanager
+def _one_blas_thread():
+    """Limit BLAS to one thread while any flash_attention call runs, then restore it.
 
-    Each task runs in a copy of the caller's context, so ``np.errstate`` (a context variable)
-    holds inside the workers exactly as it does for the caller.
+    The BLAS thread count is process-wide, so concurrent calls share one limit: the first to
+    enter sets it and the last to leave restores the caller's setting.
     """
-    workers = min(_THREADS, len(blocks)) if parallel else 1
-    if workers <= 1:
-        for b in blocks:
-            fn(b)
-        return
-    # One BLAS thread per worker: our workers already occupy the cores, and BLAS threads on top
-    # of them oversubscribe the machine (measured: several times slower on 2 busy cores).
-    with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(workers) as pool:
-        futures = [pool.submit(contextvars.copy_context().run, fn, b) for b in blocks]
-        for f in futures:
-            f.result()
+    global _blas_users, _blas_limiter
+    with _blas_lock:
+        if _blas_users == 0:
+            _blas_limiter = _BLAS.limit(limits=1, user_api="blas")
+        _blas_users += 1
+    try:
+        yield
+    finally:
+        with _blas_lock:
+            _blas_users -= 1
+            if _blas_users == 0:
+                _blas_limiter.restore_original_limits()
+
+
+def _run_blocks(fn, blocks, workers):
+    """Run ``fn`` on every query block, on ``workers`` threads each with one BLAS thread.
+
+    Workers take the next block from one shared iterator, so the bookkeeping is O(workers)
+    whatever the number of blocks. Each worker runs in a copy of the caller's context, so
+    ``np.errstate`` (a context variable) holds inside the workers as it does for the caller.
+    """
+    blocks = iter(blocks)
+    lock = threading.Lock()
+
+    def work():
+        while True:
+            with lock:
+                block = next(blocks, None)
+            if block is None:
+                return
+            fn(block)
+
+    with _one_blas_thread():
+        if workers == 1:
+            work()
+            return
+        with ThreadPoolExecutor(workers) as pool:
+            futures = [pool.submit(contextvars.copy_context().run, work) for _ in range(workers)]
+            for f in futures:
+                f.result()
 
 
 # --------------------------------------------------------------------------------------------
