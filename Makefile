@@ -34,14 +34,23 @@ notebooks: setup
 		(cd notebooks && ../$(BIN)/jupytext --to ipynb --execute $$(basename $$nb)) || exit 1; \
 	done
 
+# Lab's root is the repo, so jupytext finds jupytext.toml and opens each chapter paired with its
+# .ipynb; it starts in notebooks/. Jupyter refuses to run as root without --allow-root.
 lab: setup
-	$(BIN)/jupyter lab notebooks
+	$(BIN)/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks \
+		$(if $(filter 0,$(shell id -u)),--allow-root)
 
+# Executes every chapter into the site; any warning or failing cell fails the build. A failed
+# build's saved state is dropped: Sphinx would otherwise skip, and not re-warn about, those pages.
 docs: setup
-	@echo "(the site is built by the docs issue; until then: make bench)"
-	$(MAKE) bench
+	$(BIN)/python -m sphinx -W --keep-going -n -T -b html -d docs/_build/doctrees docs docs/_build/html \
+		|| { rm -rf docs/_build/doctrees; exit 1; }
+	@echo
+	@echo "The site is built: $(CURDIR)/docs/_build/html/index.html"
+	@echo "Open that file in a browser, or run 'make serve' and visit http://127.0.0.1:8000/"
 
 serve: docs
+	@echo "Serving docs/_build/html at http://127.0.0.1:8000/ (Ctrl-C stops it)"
 	$(BIN)/python -m http.server --bind 127.0.0.1 --directory docs/_build/html 8000
 
 clean:

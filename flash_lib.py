@@ -19,14 +19,14 @@ corrects that exactly. After the last tile ``out = acc / l`` and the row's log-s
 
 Symbols, used throughout the code and the notebooks:
 
-========== ===============================================================================
-``Nq, Nk`` number of queries, number of keys
-``d, dv``  feature size of queries/keys, feature size of values
+=========== ===============================================================================
+``Nq, Nk``  number of queries, number of keys
+``d, dv``   feature size of queries/keys, feature size of values
 ``block_q`` rows of queries in one tile; ``block_k``: keys in one tile
-``m``      running row maximum of the scaled, masked scores
-``l``      running row sum of ``exp(s - m)``
-``lse``    log-sum-exp of a row's scaled, masked scores: ``m + log(l)`` (natural log)
-========== ===============================================================================
+``m``       running row maximum of the scaled, masked scores
+``l``       running row sum of ``exp(s - m)``
+``lse``     log-sum-exp of a row's scaled, masked scores: ``m + log(l)`` (natural log)
+=========== ===============================================================================
 
 Conventions (the same in both kernels, see ``README.md`` for how others differ):
 
@@ -62,12 +62,13 @@ __all__ = [
     "measure_peak_bytes",
 ]
 
-# Chosen by measurement (``make bench``, d = 64, 2 cores, float32 and float64): per-tile work in
-# NumPy pays a fixed Python overhead of a dozen calls, so tiles must be large for the two matmuls
-# to dominate. At 256 × 512 the scores tile (1 MiB in float64) still sits in L2-sized chunks for
-# the exp/max/sum passes; 128-row blocks lose ~15% to overhead, 1024 × 1024 tiles lose ~10% to
-# cache misses. Larger query blocks also mean fewer of them to share between threads.
+#: Chosen by measurement (``make bench``, d = 64, 2 cores, float32 and float64): per-tile work in
+#: NumPy pays a fixed Python overhead of a dozen calls, so tiles must be large for the two matmuls
+#: to dominate. At 256 × 512 the scores tile (1 MiB in float64) still sits in L2-sized chunks for
+#: the exp/max/sum passes; 128-row blocks lose ~15% to overhead, 1024 × 1024 tiles lose ~10% to
+#: cache misses. Larger query blocks also mean fewer of them to share between threads.
 DEFAULT_BLOCK_Q = 256
+#: Keys in one tile, by default (chosen with ``DEFAULT_BLOCK_Q``).
 DEFAULT_BLOCK_K = 512
 
 # Query blocks are independent, so they run on a small thread pool: NumPy releases the GIL in
@@ -351,9 +352,11 @@ def flash_attention(
 
     Returns
     -------
-    out : array ``(..., Nq, dv)`` of the inputs' dtype.
-    lse : array ``(..., Nq)``, only with ``return_lse=True``; float32 for float16 inputs (as
-        FlashAttention stores it), else the inputs' dtype. ``-inf`` for rows with no allowed key.
+    out : ndarray
+        Shape ``(..., Nq, dv)``, in the inputs' dtype.
+    lse : ndarray
+        Shape ``(..., Nq)``, only with ``return_lse=True``: float32 for float16 inputs (as
+        FlashAttention stores it), else the inputs' dtype; ``-inf`` for rows with no allowed key.
 
     Notes
     -----
