@@ -365,9 +365,9 @@ def flash_attention(
     and ``Nk`` (``tests/test_memory.py`` measures it).
 
     NaN: a NaN in row ``i`` of ``q`` makes row ``i`` of ``out`` (and of ``lse``) NaN and leaves
-    every other row exact. A NaN in key ``j`` of ``k`` reaches every row that visits key ``j``'s
-    tile, and one in ``v`` every row whose tiles multiply it, even with weight 0 (IEEE
-    ``0 · NaN = NaN``); NaN is never turned into a silent number.
+    every other row exact. A NaN in key ``j`` of ``k`` reaches every row allowed to attend key
+    ``j``; one in ``v`` reaches every row whose tiles multiply it, even with weight 0 (IEEE
+    ``0 · NaN = NaN``). NaN is never turned into a silent number.
     """
     q, k, v, mask, causal, scale, batch, out_dtype, acc = _check_inputs(
         q, k, v, mask, causal, scale

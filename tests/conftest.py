@@ -1,0 +1,109 @@
+"""Shared helpers for the flash_lib test suite: the error metric, tolerances, input builders.
+
+Hypothesis runs under the profile registered here: derandomized (the same examples on every
+run and machine), no deadline (timings on a shared CI box are noise), no example database
+(nothing written into the checkout). Maintainers can ask for a longer search with
+``HYPOTHESIS_PROFILE=thorough pytest tests``.
+"""
+
+import os
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "flash",
+    derandomize=True,
+    deadline=None,
+    database=None,
+    max_examples=300,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "thorough",
+    parent=settings.get_profile("flash"),
+    derandomize=False,
+    max_examples=2000,
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "flash"))
+
+FLOAT_DTYPES = (np.float16, np.float32, np.float64)
+
+# Flash vs naive, per input dtype: the one table of tolerances for the property tests.
+#   out: max |out - ref| / max |v|. ``out`` is a convex combination of rows of v, so v's size is
+#        the natural unit of its error, and it stays meaningful when a row of ``out`` cancels to
+#        nearly zero (where an error relative to |ref| would blow up).
+#   lse: |lse - ref| / (1 + |ref|).
+# float64/float32: each kernel is within ~30 eps of the truth on such inputs (test_exactness.py);
+# over 1000 random examples (HYPOTHESIS_PROFILE=thorough) they differed by at most 2.2 eps, so
+# 64 eps is a ~30x margin, while a missing rescale or a wrong mask gives O(1) errors.
+# float16: both kernels compute in float32 and round the result once, so their outputs differ
+# by at most one float16 ulp (<= eps16 · |out| <= eps16 · max|v|; seen: 0.43 eps16); their lse
+# is float32, hence float32's tolerance.
+TOLERANCE = {
+    np.float64: {"out": 64 * np.finfo(np.float64).eps, "lse": 64 * np.finfo(np.float64).eps},
+    np.float32: {"out": 64 * np.finfo(np.float32).eps, "lse": 64 * np.finfo(np.float32).eps},
+    np.float16: {"out": 1 * np.finfo(np.float16).eps, "lse": 64 * np.finfo(np.float32).eps},
+}
+
+
+def rowwise_rel_errors(out, ref):
+    """Relative error of each row: ``max|out_i - ref_i| / max|ref_i|`` over the last axis.
+
+    A row whose reference is all zeros (a fully masked row) has error 0 only if ``out_i`` is
+    exactly zero too, else inf. NaN in ``out`` where ``ref`` has none gives inf (rows that are
+    NaN in both count as 0). Computed in the wider of the two dtypes (``ref`` may be longdouble).
+    """
+    wide = np.result_type(out, ref, np.float64)
+    out, ref = np.asarray(out, wide), np.asarray(ref, wide)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    if out.shape[-1] == 0:
+        return np.zeros(out.shape[:-1])
+    diff = np.abs(out - ref).max(axis=-1)
+    size = np.abs(ref).max(axis=-1)
+    zero_ref = size == 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        err = np.where(zero_ref, np.where(diff == 0, 0, np.inf), diff / np.where(zero_ref, 1, size))
+    both_nan = np.isnan(out).all(axis=-1) & np.isnan(ref).all(axis=-1)
+    return np.where(both_nan, 0, np.where(np.isnan(err), np.inf, err))
+
+
+def rowwise_rel_error(out, ref):
+    """The largest of :func:`rowwise_rel_errors`: the one number the exactness claims bound."""
+    return float(rowwise_rel_errors(out, ref).max(initial=0.0))
+
+
+def assert_close_to_naive(out, lse, ref_out, ref_lse, v, dtype):
+    """Check flash's (out, lse) against naive's with the TOLERANCE row of ``dtype``.
+
+    Rows with lse = -inf (no allowed key) must agree exactly: 0.0 and -inf in both.
+    """
+    tol = TOLERANCE[dtype]
+    assert out.dtype == ref_out.dtype == dtype
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    empty = ref_lse == -np.inf
+    np.testing.assert_array_equal(lse == -np.inf, empty, err_msg="fully masked rows differ")
+    assert np.all(out[empty] == 0), "a fully masked row is not exactly 0"
+    unit = max(float(np.abs(v.astype(np.float64)).max(initial=0.0)), np.finfo(np.float64).tiny)
+    out_err = np.abs(out.astype(np.float64) - ref_out.astype(np.float64)).max(initial=0.0) / unit
+    assert out_err <= tol["out"], f"out differs from naive by {out_err:.3g} × max|v|"
+    finite = ~empty
+    lse_err = (
+        np.abs(lse[finite].astype(np.float64) - ref_lse[finite])
+        / (1 + np.abs(ref_lse[finite].astype(np.float64)))
+    ).max(initial=0.0)
+    assert lse_err <= tol["lse"], f"lse differs from naive by {lse_err:.3g} (relative)"
+
+
+def random_qkv(rng, n_q, n_k, d=8, dv=None, dtype=np.float64, batch=()):
+    """Standard-normal q (batch, Nq, d), k (batch, Nk, d), v (batch, Nk, dv) in ``dtype``."""
+    dv = d if dv is None else dv
+    q = rng.standard_normal(batch + (n_q, d)).astype(dtype)
+    k = rng.standard_normal(batch + (n_k, d)).astype(dtype)
+    v = rng.standard_normal(batch + (n_k, dv)).astype(dtype)
+    return q, k, v
+
+
+def bottom_right_causal_mask(n_q, n_k):
+    """The explicit causal mask: key j allowed for query i iff j <= i + (Nk - Nq)."""
+    return np.tril(np.ones((n_q, n_k), dtype=bool), k=n_k - n_q)
