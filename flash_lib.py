@@ -62,12 +62,13 @@ __all__ = [
     "measure_peak_bytes",
 ]
 
-#: Chosen by measurement (``make bench``, d = 64, 2 cores, float32 and float64): per-tile work in
-#: NumPy pays a fixed Python overhead of a dozen calls, so tiles must be large for the two matmuls
-#: to dominate. At 256 × 512 the scores tile (1 MiB in float64) still sits in L2-sized chunks for
-#: the exp/max/sum passes; 128-row blocks lose ~15% to overhead, 1024 × 1024 tiles lose ~10% to
-#: cache misses. Larger query blocks also mean fewer of them to share between threads.
-DEFAULT_BLOCK_Q = 256
+#: Queries in one tile, by default. Chosen by measurement (``bench/bench_flash.py --sweep-blocks``,
+#: N = 4096, d = 64, 2 cores): per tile NumPy pays a fixed cost of a dozen Python-level calls, so
+#: tiles must be large for the two matmuls and the exp to dominate. 512 × 512 was within 0.3% of
+#: the fastest of {64, …, 1024}² in float64 and float32; 64-wide tiles took 1.2-5× as long, and
+#: 1024-row blocks leave too few blocks to share between threads at small N. The scores tile is
+#: then 2 MiB in float64, whatever N is.
+DEFAULT_BLOCK_Q = 512
 #: Keys in one tile, by default (chosen with ``DEFAULT_BLOCK_Q``).
 DEFAULT_BLOCK_K = 512
 

@@ -27,7 +27,9 @@ Usage::
 Method: ``time.perf_counter``; every kernel runs once untimed first (under ``tracemalloc``, which
 gives its scratch memory and the output to check); then the kernels of one size are timed in
 turn, round after round, so that a change of machine load hits them alike, and each keeps its
-best (minimum) time. At least 3 rounds, fewer when one round is long (huge N), more until about
+best (minimum) time. Before each timed call the kernel runs untimed for ``SETTLE`` seconds, so
+that the threads another library leaves spinning after its call (OpenBLAS, PyTorch's OpenMP) do
+not count against the kernel that happens to run next. At least 3 rounds, fewer when one round is long (huge N), more until about
 ``--seconds`` have passed. Inputs: ``np.random.default_rng(0)``, standard normal. Absolute times
 on a shared machine are noisy; the ratios, measured side by side, are the result.
 """
@@ -57,6 +59,8 @@ TOLERANCE = {np.float64: 1e-9, np.float32: 1e-4}
 # Rows checked against naive_attention where the full naive score matrix is over the budget.
 SPOT_ROWS = 256
 GIB = 2.0**30
+# Seconds each kernel runs untimed before its timed call: longer than OpenBLAS's spin after a call.
+SETTLE = 0.25
 
 # Every record measured, for --json.
 RECORDS = []
@@ -87,6 +91,15 @@ def time_interleaved(fns, seconds, min_rounds=None):
     while True:
         for i in range(len(names)):
             name = names[(rounds + i) % len(names)]
+            # OpenBLAS and OpenMP pools keep their threads spinning for ~0.1-0.2 s after a call
+            # (measured: flash 36 ms right after a threaded matmul, 20 ms after 0.2 s of idle),
+            # stealing a core from whatever runs next. So each kernel first runs untimed for
+            # SETTLE seconds and is then timed in its own steady state, as when a model calls it
+            # layer after layer. (Idling instead would hand the kernels cold caches and sleeping
+            # cores: naive measured 20% slower after a pause.)
+            settle_until = time.perf_counter() + SETTLE
+            while time.perf_counter() < settle_until:
+                fns[name]()
             t0 = time.perf_counter()
             fns[name]()
             best[name] = min(best[name], time.perf_counter() - t0)
