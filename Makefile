@@ -33,6 +33,10 @@ notebooks: setup
 		echo "executing $$nb"; \
 		(cd notebooks && ../$(BIN)/jupytext --to ipynb --execute $$(basename $$nb)) || exit 1; \
 	done
+	@# Drop per-cell execution timestamps: they would change every .ipynb on every run.
+	$(BIN)/python -c "import nbformat, sys; \
+	[(nb := nbformat.read(p, as_version=4), [c.metadata.pop('execution', None) for c in nb.cells], \
+	  nbformat.write(nb, p)) for p in sys.argv[1:]]" $(NOTEBOOKS:.py=.ipynb)
 
 # Lab's root is the repo, so jupytext finds jupytext.toml and opens each chapter paired with its
 # .ipynb; it starts in notebooks/. Jupyter refuses to run as root without --allow-root.

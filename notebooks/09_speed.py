@@ -53,7 +53,11 @@ rng = np.random.default_rng(9)
 #
 # Wall-clock time with `time.perf_counter`, the best of several runs: the minimum is the run
 # least disturbed by other work on the machine. The kernels being compared run in turn, round
-# after round, so that a busy moment slows them alike. Rates count the two matrix products only:
+# after round, so that a busy moment slows them alike. One trap: after a call, OpenBLAS (and
+# PyTorch's OpenMP) keep their threads spinning for a tenth of a second or so, stealing a core
+# from whatever runs next. So before each timed call, the kernel runs untimed for a moment and is
+# timed in its own steady state, as when a model calls it layer after layer. Rates count the two
+# matrix products only:
 #
 # $$\text{FLOP} = \underbrace{2 N_q N_k d}_{q k^\top} + \underbrace{2 N_q N_k d_v}_{P v}
 #   = 4 N^2 d \quad (N_q = N_k = N,\ d_v = d) ,$$
@@ -71,17 +75,23 @@ def attention_flop(n, d=d):
     return 4 * n * n * d
 
 
-def best_times(fns, min_rounds=3, min_seconds=0.25, max_rounds=20):
+def best_times(fns, min_rounds=3, min_seconds=0.25, max_rounds=20, settle=0.15):
     """Best wall time of each callable in `fns` (a dict), timed in turn, round after round.
 
     At least `min_rounds` rounds, and more (up to `max_rounds`) until `min_seconds` have passed:
-    quick calls get many tries. Each round starts one callable further on.
+    quick calls get many tries. Each round starts one callable further on. Before each timed
+    call the callable runs untimed for `settle` seconds (at least once), so that threads left
+    spinning by the previous kernel's library have gone idle.
     """
     names = list(fns)
     best = dict.fromkeys(names, np.inf)
     start = time.perf_counter()
     for r in range(max_rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
+            settle_until = time.perf_counter() + settle
+            fns[name]()
+            while time.perf_counter() < settle_until:
+                fns[name]()
             t0 = time.perf_counter()
             fns[name]()
             best[name] = min(best[name], time.perf_counter() - t0)
