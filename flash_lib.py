@@ -60,6 +60,7 @@ __all__ = [
     "merge_attention",
     "tile_schedule",
     "measure_peak_bytes",
+    "rowwise_relative_error",
 ]
 
 #: Queries in one tile, by default. Chosen by measurement (``bench/bench_flash.py --sweep-blocks``,
@@ -106,9 +107,10 @@ def _as_float_array(name, x):
     return x
 
 
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+def _int_at_least(name, value, low):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        kind = "positive" if low == 1 else "non-negative"
+        raise ValueError(f"{name} must be a {kind} integer, got {value!r}")
     return int(value)
 
 
@@ -197,19 +199,23 @@ def naive_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=
         q, k, v, mask, causal, scale
     )
     n_q, n_k = q.shape[-2], k.shape[-2]
-    s = (q.astype(acc) @ np.swapaxes(k.astype(acc), -1, -2)) * acc.type(scale)
     allowed = _allowed(mask, causal, n_q, n_k, 0, n_q, 0, n_k)
+    out, lse = _dense_attention(q, k, v, allowed, scale, batch, acc)
+    out = out.astype(out_dtype, copy=False)
+    return (out, lse) if return_lse else out
+
+
+def _dense_attention(q, k, v, allowed, scale, batch, dtype):
+    """The full score matrix in ``dtype``, then a max-subtracted softmax: naive and precise."""
+    s = (q.astype(dtype) @ np.swapaxes(k.astype(dtype), -1, -2)) * dtype.type(scale)
     if allowed is not None:
         s = np.where(allowed, s, -np.inf)
-    s = np.broadcast_to(s, batch + (n_q, n_k))  # v or mask may carry more batch dims than q, k
+    s = np.broadcast_to(s, batch + s.shape[-2:])  # v or mask may carry more batch dims than q, k
     m = s.max(axis=-1, initial=-np.inf)
     # Any finite reference point works for an empty row (all its scores are -inf); 0 avoids
     # the NaN of -inf - (-inf).
     p = np.exp(s - np.where(m == -np.inf, 0, m)[..., None])
-    l = p.sum(axis=-1)
-    out, lse = _finalize(p @ v.astype(acc), l, m)
-    out = out.astype(out_dtype, copy=False)
-    return (out, lse) if return_lse else out
+    return _finalize(p @ v.astype(dtype), p.sum(axis=-1), m)
 
 
 def precise_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False):
@@ -224,15 +230,10 @@ def precise_attention(q, k, v, *, mask=None, causal=False, scale=None, return_ls
     q, k, v, mask, causal, scale, batch, _, _ = _check_inputs(q, k, v, mask, causal, scale)
     n_q, n_k = q.shape[-2], k.shape[-2]
     allowed = _allowed(mask, causal, n_q, n_k, 0, n_q, 0, n_k)
-    allowed = np.broadcast_to(True if allowed is None else allowed, batch + (n_q, n_k))
     if np.finfo(np.longdouble).nmant > np.finfo(np.float64).nmant:
-        wide = np.longdouble
-        s = (q.astype(wide) @ np.swapaxes(k.astype(wide), -1, -2)) * wide(scale)
-        s = np.where(allowed, s, -np.inf)
-        m = s.max(axis=-1, initial=-np.inf)
-        p = np.exp(s - np.where(m == -np.inf, 0, m)[..., None])
-        out, lse = _finalize(p @ v.astype(wide), p.sum(axis=-1), m)
+        out, lse = _dense_attention(q, k, v, allowed, scale, batch, np.dtype(np.longdouble))
     else:  # pragma: no cover - only where longdouble is float64 (macOS arm64, Windows)
+        allowed = np.broadcast_to(True if allowed is None else allowed, batch + (n_q, n_k))
         out, lse = _mpmath_attention(q, k, v, allowed, scale, batch)
     return (out, lse) if return_lse else out
 
@@ -275,10 +276,10 @@ def tile_schedule(n_q, n_k, block_q, block_k, causal=False):
     (query, key) pairs is allowed, that is ``k_start <= (q_stop - 1) + (n_k - n_q)``; the tiles
     above the bottom-right-aligned diagonal are skipped without being computed.
     """
-    n_q = _nonnegative_int("n_q", n_q)
-    n_k = _nonnegative_int("n_k", n_k)
-    block_q = _positive_int("block_q", block_q)
-    block_k = _positive_int("block_k", block_k)
+    n_q = _int_at_least("n_q", n_q, 0)
+    n_k = _int_at_least("n_k", n_k, 0)
+    block_q = _int_at_least("block_q", block_q, 1)
+    block_k = _int_at_least("block_k", block_k, 1)
     return [
         (q_start, q_stop, k_start, k_stop)
         for q_start, q_stop in _query_blocks(n_q, block_q)
@@ -298,12 +299,6 @@ def _key_blocks(q_stop, n_q, n_k, block_k, causal):
     k_end = max(0, min(n_k, q_stop + (n_k - n_q))) if causal else n_k
     for k_start in range(0, k_end, block_k):
         yield k_start, min(k_start + block_k, n_k)
-
-
-def _nonnegative_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return int(value)
 
 
 def _allowed(mask, causal, n_q, n_k, q_start, q_stop, k_start, k_stop):
@@ -373,8 +368,8 @@ def flash_attention(
     q, k, v, mask, causal, scale, batch, out_dtype, acc = _check_inputs(
         q, k, v, mask, causal, scale
     )
-    block_q = _positive_int("block_q", block_q)
-    block_k = _positive_int("block_k", block_k)
+    block_q = _int_at_least("block_q", block_q, 1)
+    block_k = _int_at_least("block_k", block_k, 1)
     n_q, n_k, dv = q.shape[-2], k.shape[-2], v.shape[-1]
 
     # Broadcast views (no copies), so that every tile below has the full batch shape and the
@@ -485,7 +480,7 @@ def _run_blocks(fn, blocks, workers):
 
 
 # --------------------------------------------------------------------------------------------
-# Combining partial results, and measuring memory
+# Combining partial results, and measuring memory and error
 # --------------------------------------------------------------------------------------------
 
 
@@ -557,3 +552,28 @@ def measure_peak_bytes(fn, *args, **kwargs):
         if started:
             tracemalloc.stop()
     return result, peak - base
+
+
+def rowwise_relative_error(out, ref):
+    """Error of each row against a reference: ``max_c |out_ic - ref_ic| / max_c |ref_ic|``.
+
+    The metric of this project's tests, chapters and benchmark: relative to the row's own scale,
+    so that a row of small outputs is held to the same standard as a row of large ones. A row
+    whose reference is all zeros (a fully masked row) has error 0 only if ``out``'s row is exactly
+    zero too, else inf. NaN in ``out`` where ``ref`` has none is inf; a row that is NaN in both
+    counts as 0. Computed in the wider of the two dtypes (``ref`` may be longdouble). Returns an
+    array of shape ``out.shape[:-1]``.
+    """
+    wide = np.result_type(out, ref, np.float64)
+    out, ref = np.asarray(out, wide), np.asarray(ref, wide)
+    if out.shape != ref.shape:
+        raise ValueError(f"out and ref must have the same shape, got {out.shape} and {ref.shape}")
+    if out.shape[-1] == 0:
+        return np.zeros(out.shape[:-1])
+    diff = np.abs(out - ref).max(axis=-1)
+    size = np.abs(ref).max(axis=-1)
+    zero_ref = size == 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        err = np.where(zero_ref, np.where(diff == 0, 0, np.inf), diff / np.where(zero_ref, 1, size))
+    both_nan = np.isnan(out).all(axis=-1) & np.isnan(ref).all(axis=-1)
+    return np.where(both_nan, 0, np.where(np.isnan(err), np.inf, err))

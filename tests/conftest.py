@@ -1,4 +1,4 @@
-"""Shared helpers for the flash_lib test suite: the error metric, tolerances, input builders.
+"""Shared helpers for the flash_lib test suite: the largest row error, tolerances, input builders.
 
 Hypothesis runs under the profile registered here: derandomized (the same examples on every
 run and machine), no deadline (timings on a shared CI box are noise), no example database
@@ -10,6 +10,8 @@ import os
 
 import numpy as np
 from hypothesis import HealthCheck, settings
+
+import flash_lib
 
 settings.register_profile(
     "flash",
@@ -47,30 +49,9 @@ TOLERANCE = {
 }
 
 
-def rowwise_rel_errors(out, ref):
-    """Relative error of each row: ``max|out_i - ref_i| / max|ref_i|`` over the last axis.
-
-    A row whose reference is all zeros (a fully masked row) has error 0 only if ``out_i`` is
-    exactly zero too, else inf. NaN in ``out`` where ``ref`` has none gives inf (rows that are
-    NaN in both count as 0). Computed in the wider of the two dtypes (``ref`` may be longdouble).
-    """
-    wide = np.result_type(out, ref, np.float64)
-    out, ref = np.asarray(out, wide), np.asarray(ref, wide)
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    if out.shape[-1] == 0:
-        return np.zeros(out.shape[:-1])
-    diff = np.abs(out - ref).max(axis=-1)
-    size = np.abs(ref).max(axis=-1)
-    zero_ref = size == 0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        err = np.where(zero_ref, np.where(diff == 0, 0, np.inf), diff / np.where(zero_ref, 1, size))
-    both_nan = np.isnan(out).all(axis=-1) & np.isnan(ref).all(axis=-1)
-    return np.where(both_nan, 0, np.where(np.isnan(err), np.inf, err))
-
-
 def rowwise_rel_error(out, ref):
-    """The largest of :func:`rowwise_rel_errors`: the one number the exactness claims bound."""
-    return float(rowwise_rel_errors(out, ref).max(initial=0.0))
+    """The largest of ``flash_lib.rowwise_relative_error``: the number the exactness claims bound."""
+    return float(flash_lib.rowwise_relative_error(out, ref).max(initial=0.0))
 
 
 def assert_close_to_naive(out, lse, ref_out, ref_lse, v, dtype):

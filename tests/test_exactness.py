@@ -121,6 +121,8 @@ def test_rowwise_metric_demands_exact_zeros():
     assert rowwise_rel_error(ref + [[1e-300, 0], [0, 0]], ref) == np.inf
     assert rowwise_rel_error(ref + [[0, 0], [0, 2e-3]], ref) == pytest.approx(1e-3)
     assert rowwise_rel_error(ref + [[0, 0], [np.nan, 0]], ref) == np.inf
+    with pytest.raises(ValueError, match=r"same shape, got \(2, 2\) and \(2, 1\)"):
+        rowwise_rel_error(ref, ref[:, :1])
 
 
 def score_condition(q, k, scale):
