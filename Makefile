@@ -46,9 +46,12 @@ lab: setup
 
 # Executes every chapter into the site; any warning or failing cell fails the build. A failed
 # build's saved state is dropped: Sphinx would otherwise skip, and not re-warn about, those pages.
+# Run from docs/: `python -m sphinx` puts the cwd first on sys.path, and the API page must document
+# the flash_lib the chapters run (PYTHONPATH can swap in another, for tests of the tests).
+# tests/test_site.py builds the site with this very recipe (`make -o setup docs BIN=...`).
 docs: setup
-	$(BIN)/python -m sphinx -W --keep-going -n -T -b html -d docs/_build/doctrees docs docs/_build/html \
-		|| { rm -rf docs/_build/doctrees; exit 1; }
+	cd docs && $(abspath $(BIN))/python -m sphinx -W --keep-going -n -T -b html \
+		-d _build/doctrees . _build/html || { rm -rf _build/doctrees; exit 1; }
 	@echo
 	@echo "The site is built: $(CURDIR)/docs/_build/html/index.html"
 	@echo "Open that file in a browser, or run 'make serve' and visit http://127.0.0.1:8000/"

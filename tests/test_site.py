@@ -1,6 +1,6 @@
 """The rendered site, checked as a reader sees it.
 
-The site is built exactly as `make docs` builds it (warnings are errors, every notebook executed),
+The site is built by `make docs` (warnings are errors, every notebook executed),
 served from a local HTTP server, and every page is loaded in headless Chromium: no console
 error, every image loaded, the math typeset, and no request to any host but the local server.
 Without Chromium the browser checks are skipped on a reader's machine and fail on CI (CI=true).
@@ -27,9 +27,9 @@ BUILD = DOCS / "_build"
 HTML = BUILD / "html"
 SCREENSHOTS = BUILD / "screenshots"
 CHAPTERS = [p.stem for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))]
-# The same command as `make docs`, into the same folders, so a fresh `make` build is reused.
-SPHINX_BUILD = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-T", "-b", "html",
-                "-d", str(BUILD / "doctrees"), str(DOCS), str(HTML)]
+# `make docs` itself, with this interpreter's environment and without its set-up step, so the
+# test builds exactly what a reader's `make` builds, and a fresh `make` build is reused.
+MAKE_DOCS = ["make", "-s", "-o", "setup", "docs", f"BIN={pathlib.Path(sys.executable).parent}"]
 BUILD_TIMEOUT = 20 * 60  # seconds; nine chapters of under a minute each, plus the landing page
 PAGE_TIMEOUT = 30_000  # milliseconds, for each page load and each wait inside a page
 PAGES = ["index", "api", "genindex", "py-modindex", "search"] + [f"chapters/{c}" for c in CHAPTERS]
@@ -44,14 +44,9 @@ SCREENSHOT_CHAPTER = next((c for c in CHAPTERS if c.startswith("07_")), (CHAPTER
 @pytest.fixture(scope="session")
 def site():
     """Build the site, incrementally: a changed chapter re-executes, a new flash_lib every page."""
-    # cwd=DOCS, not ROOT: `python -m sphinx` puts the cwd first on sys.path, and the API page must
-    # document the flash_lib the notebooks run (PYTHONPATH can swap in another, for tests of tests).
-    run = subprocess.run(SPHINX_BUILD, cwd=DOCS, capture_output=True, text=True,
+    run = subprocess.run(MAKE_DOCS, cwd=ROOT, capture_output=True, text=True,
                          timeout=BUILD_TIMEOUT)
     if run.returncode != 0:
-        # Sphinx keeps the state of pages that warned, and would not re-read (nor re-warn about)
-        # them next time: drop it, so the next build starts from scratch.
-        shutil.rmtree(BUILD / "doctrees", ignore_errors=True)
         log = re.sub(r"\x1b\[[0-9;]*m", "", run.stderr)  # IPython's colours
         log = "\n".join(ln for ln in log.splitlines() if "[IPKernelApp] WARNING" not in ln)
         # A failing cell: the cell and its error. Then Sphinx's warnings, and the end of the log.
@@ -59,7 +54,7 @@ def site():
         end = log.find("The above exception was the direct cause", cell)
         detail = log[cell:end if end > cell else cell + 4000] + "...\n" if cell >= 0 else ""
         warnings = "\n".join(ln for ln in log.splitlines() if re.search(r": (WARNING|ERROR):", ln))
-        pytest.fail(f"sphinx-build failed (exit {run.returncode}):\n{detail}{warnings}\n...\n"
+        pytest.fail(f"make docs failed (exit {run.returncode}):\n{detail}{warnings}\n...\n"
                     f"{log[-2000:]}")
     return HTML
 
