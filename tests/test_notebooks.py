@@ -13,12 +13,14 @@ SOURCES = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
 JUPYTEXT = pathlib.Path(sys.executable).with_name("jupytext")
 
 
-def test_there_are_nine_chapters_each_paired():
+def test_chapters_are_numbered_once_and_paired():
     """Every chapter is a .py source with its executed .ipynb, and nothing is unpaired."""
     pys = {p.stem for p in SOURCES}
     ipynbs = {p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")}
     assert pys == ipynbs, f"unpaired: {sorted(pys ^ ipynbs)}"
-    assert [p.stem[:2] for p in SOURCES] == [f"{i:02d}" for i in range(1, 10)]
+    numbers = [int(p.stem[:2]) for p in SOURCES]
+    assert numbers[:9] == list(range(1, 10)), numbers
+    assert len(set(numbers)) == len(numbers), f"two chapters share a number: {numbers}"
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
