@@ -123,21 +123,9 @@ def naive_bytes(n, d, itemsize):
 # %% [markdown]
 # ## The tiled kernel
 #
-# FlashAttention-2's Algorithm 1 (arXiv 2307.08691) in this tutorial's symbols, with what crosses
-# between HBM and SRAM marked. $Q$ is cut into $T_q = \lceil N / b_q \rceil$ blocks $Q_i$ of
-# $b_q$ = `block_q` rows, $K$ and $V$ into $T_k = \lceil N / b_k \rceil$ blocks of $b_k$ =
-# `block_k` rows.
-#
-# > **for** each query block $i = 1, \dots, T_q$ (one thread block each, in parallel):
-# > - **load** $Q_i$ from HBM into SRAM; set $m = -\infty$, $l = 0$, $\text{acc} = 0$ in SRAM
-# > - **for** each key block $j = 1, \dots, T_k$:
-# >   - **load** $K_j, V_j$ from HBM into SRAM
-# >   - $S = \tau Q_i K_j^\top$; $m' = \max(m, \operatorname{rowmax} S)$;
-# >     $P = e^{S - m'}$; $\alpha = e^{m - m'}$
-# >   - $l \leftarrow \alpha l + \operatorname{rowsum} P$;
-# >     $\text{acc} \leftarrow \operatorname{diag}(\alpha)\,\text{acc} + P V_j$; $m \leftarrow m'$
-# > - $O_i = \operatorname{diag}(l)^{-1} \text{acc}$, $\text{lse}_i = m + \log l$;
-# >   **store** $O_i$ and $\text{lse}_i$ to HBM
+# Chapter 5's algorithm box is FlashAttention-2's Algorithm 1 with what is loaded from and stored
+# to HBM marked: each query block $Q_i$ ($b_q$ rows) is loaded once, then every key and value
+# block $K_j, V_j$ ($b_k$ rows) is loaded for it, and only $O_i$ and $\text{lse}_i$ are stored.
 #
 # $S$ and $P$ never leave SRAM. Per query block the loads are $b_q d$ for $Q_i$ and $2 N d$ for
 # all of $K$ and $V$; the stores are $b_q d$ for $O_i$ and $b_q$ lse values (float32, 4 bytes, as
@@ -304,6 +292,7 @@ ax_m.loglog(sram_sizes / 1024, flash_vs_m[0] * sram_sizes[0] / sram_sizes / 2**2
             label=r"$\propto 1/M$")
 ax_m.set_xticks(sram_sizes / 1024, [str(m // 1024) for m in sram_sizes], fontsize=8)
 ax_m.minorticks_off()
+ax_m.set_yticks([250, 500, 1000, 2000, 4000], ["250", "500", "1000", "2000", "4000"])
 ax_m.set_xlabel("SRAM per thread block, M (KiB)")
 ax_m.set_ylabel("HBM traffic per head (MiB)")
 ax_m.set_title(f"Bytes moved against M (N = {n_fixed}, d = {d})")
