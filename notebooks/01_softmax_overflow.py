@@ -250,7 +250,6 @@ plt.show()
 # %%
 # exp overflows just above log(max) and not just below, in each format
 assert 709 < t64 < 710 and 88 < t32 < 89 and 11 < thresholds[np.float16] < 12
-assert 4.0 * 4.0 * 64 / np.sqrt(64) == 128 > t32  # the example score above
 for dt, t in thresholds.items():
     assert np.isfinite(np.exp(dt(t - 0.5)))
     with np.errstate(over="ignore"):
