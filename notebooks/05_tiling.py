@@ -206,7 +206,7 @@ for n_keys in (1024, 16384):
 
 growth_flash = scratch_flash[16384] / scratch_flash[1024]
 growth_naive = scratch_naive[16384] / scratch_naive[1024]
-print(f"16x more keys: flash scratch grows {growth_flash:.3f}x, naive scratch {growth_naive:.1f}x")
+print(f"16x more keys: flash scratch grows {growth_flash:.2f}x, naive scratch {growth_naive:.0f}x")
 print(f"flash scratch / the count (float64): {scratch_flash[1024] / (8 * tile_elements):.2f}")
 
 # %% [markdown]
