@@ -148,86 +148,157 @@ print(f"max |safe - unsafe| on rows in [-100, 100]: {diff:.1e}")
 # ## Error against the span of the scores
 #
 # How wide may a row's scores spread before the textbook version fails, and does the safe version
-# lose accuracy on wide rows? We take one row of $n = 256$ scores spread evenly at random over
-# $[0, \text{span}]$ (the largest exactly at span), for spans from $10^{-1}$ to $10^4$, in float64
-# and in float32, and compute the normwise relative error
+# lose accuracy on wide rows? Scores are logits: a difference of 1 between two scores is a factor
+# $e$ between their weights, so differences of scores are measured in **nats** (natural-log
+# units, as $\log$ here is always the natural log). We take one row of $n = 256$ scores spread
+# evenly at random over $[0, \text{span}]$ (the largest exactly at span), for spans from
+# $10^{-1}$ to $10^4$ nats plus a few spans close to where the textbook version fails (found
+# below), in float64 and in
+# float32, and compute the normwise relative error
 #
 # $$\mathrm{err}(p) = \frac{\max_i |p_i - p^\ast_i|}{\max_i p^\ast_i}$$
 #
 # against a truth $p^\ast$ computed in higher precision. For that truth we borrow
-# `flash_lib.precise_attention` (long double on x86-64, else mpmath): softmax of a row $x$ is
-# attention of a single query whose scores are $x$ (query $= 1$, keys $= x$, scale $= 1$) over
-# values that are the identity matrix, which returns the weights themselves. For float32 the truth
-# is computed from the float32-rounded scores, so only the softmax's own rounding is measured.
+# `flash_lib.precise_attention` (long double on x86-64, else mpmath) through a device the later
+# chapters reuse: **softmax of a row $x$ is attention with identity values.** Take a single query
+# $1$, keys $x_j$ (feature size 1) and scale 1, so that the scores are exactly $x$; with the
+# identity matrix as the values, output entry $i$ is $\sum_j p_j \,\delta_{ji} = p_i$, the
+# weights themselves. For float32 the truth is computed from the float32-rounded scores, so only
+# the softmax's own rounding is measured.
+#
+# An output entry counts as **wrong** if it is NaN or infinite, or off by more than 4 machine
+# epsilons relative to the row's largest weight (the bound the safe softmax meets, below). A
+# wrong entry can be finite: once $\sum_j e^{x_j}$ is $\infty$, every entry whose own $e^{x_i}$ is
+# finite comes out as $e^{x_i}/\infty = 0$. The second measure is therefore the share of the
+# row's true weight, $\sum_{i\ \text{wrong}} p^\ast_i$, that sits on wrong entries: 0 for a
+# correct row, 1 for a useless one.
+#
+# Where exactly does the textbook version fail? Its denominator is
+# $\sum_j e^{x_j} = e^{\mathrm{lse}}$ with the row's **log-sum-exp**
+# $\mathrm{lse} = \log \sum_j e^{x_j} = m + \log l$, so the sum overflows once
+# $\mathrm{lse} > \log(\text{max})$. Since $1 \le l \le n$, that happens up to $\log n$ nats
+# *before* the largest score $m$ itself reaches $\log(\text{max})$. For this row we find, by
+# bisection, the span at which its lse reaches $\log(\text{max})$, and add spans 0.05 nats either
+# side of it and of $\log(\text{max})$ to the sweep.
 
 # %%
 n = 256
-u = rng.uniform(size=n)
-u = (u - u.min()) / (u.max() - u.min())  # spread over [0, 1], with min 0 and max exactly 1
-spans = np.logspace(-1, 4, 51)
+frac = rng.uniform(size=n)
+frac = (frac - frac.min()) / (frac.max() - frac.min())  # spread over [0, 1], min 0, max exactly 1
+
+
+def span_where_lse_reaches(t):
+    """The span at which this row's lse = span + log sum_j exp((frac_j - 1) span) equals t."""
+    lo, hi = t - np.log(n), t  # lse lies in [m, m + log n], and m is the span
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mid + np.log(np.exp((frac - 1) * mid).sum()) < t else (lo, mid)
+    return lo
+
+
+sum_overflows_at = {dt: span_where_lse_reaches(thresholds[dt]) for dt in (np.float64, np.float32)}
+near = [c + dx for dt in sum_overflows_at for c in (sum_overflows_at[dt], thresholds[dt])
+        for dx in (-0.05, 0.05)]
+spans = np.sort(np.concatenate([np.logspace(-1, 4, 51), near]))
 
 results = {}
 for dt in (np.float64, np.float32):
-    x = (spans[:, None] * u).astype(dt)  # one row per span
+    eps = np.finfo(dt).eps
+    x = (spans[:, None] * frac).astype(dt)  # one row per span
     one_query = np.ones((len(spans), 1, 1), dtype=dt)
-    truth = flash_lib.precise_attention(one_query, x[..., None], np.eye(n, dtype=dt), scale=1.0)
-    truth = truth[:, 0, :]
+    truth, lse = flash_lib.precise_attention(one_query, x[..., None], np.eye(n, dtype=dt),
+                                             scale=1.0, return_lse=True)
+    truth, lse = truth[:, 0, :], lse[:, 0].astype(np.float64)
     with np.errstate(over="ignore", invalid="ignore"):
         p_unsafe = softmax_unsafe(x)
     p_safe = softmax_safe(x)
 
     def err(p):
-        # NaN rows stay NaN; they are counted separately as non-finite
+        # a row holding NaN has error NaN: the left panel leaves it out
         return (np.abs(p - truth).max(axis=-1) / truth.max(axis=-1)).astype(np.float64)
+
+    def wrong_weight(p):
+        with np.errstate(invalid="ignore"):
+            wrong = ~np.isfinite(p) | (np.abs(p - truth) > 4 * eps * truth.max(axis=-1, keepdims=True))
+        return ((truth * wrong).sum(axis=-1) / truth.sum(axis=-1)).astype(np.float64)
 
     results[dt] = dict(
         err_unsafe=err(p_unsafe),
         err_safe=err(p_safe),
-        nonfinite_unsafe=(~np.isfinite(p_unsafe)).mean(axis=-1),
-        nonfinite_safe=(~np.isfinite(p_safe)).mean(axis=-1),
+        wrong_unsafe=wrong_weight(p_unsafe),
+        wrong_safe=wrong_weight(p_safe),
+        lse=lse,
+        nan_unsafe=np.isnan(p_unsafe).any(axis=-1),
+        all_zero_unsafe=(p_unsafe == 0).all(axis=-1),
+        zeros_unsafe=(p_unsafe == 0).mean(axis=-1),
+        nonfinite_safe=(~np.isfinite(p_safe)).any(axis=-1),
     )
 
 for dt, r in results.items():
     t, eps = thresholds[dt], np.finfo(dt).eps
-    below, above = spans < t, spans > t
-    print(f"{dt.__name__} (exp overflows above {t:.2f}):")
-    print(f"  unsafe: finite at every span below: {bool(r['nonfinite_unsafe'][below].max() == 0)}; "
-          f"error <= 4 eps there: {bool(r['err_unsafe'][below].max() <= 4 * eps)}; "
-          f"non-finite at every span above: {bool(r['nonfinite_unsafe'][above].min() > 0)}")
-    print(f"  safe:   finite at every span: {bool(r['nonfinite_safe'].max() == 0)}; "
-          f"error <= 4 eps at every span: {bool(r['err_safe'].max() <= 4 * eps)}")
+    fits, overflows = r["lse"] < t, r["lse"] > t
+    between = overflows & (spans < t)
+    print(f"{dt.__name__}: exp overflows above {t:.2f}; the row's lse reaches it at a span of "
+          f"{sum_overflows_at[dt]:.2f}, {t - sum_overflows_at[dt]:.2f} nats earlier")
+    print(f"  unsafe, lse below {t:.2f} (spans up to {spans[fits].max():.2f}): largest error "
+          f"{r['err_unsafe'][fits].max() / eps:.1f} eps, weight on wrong entries "
+          f"{r['wrong_unsafe'][fits].max():.0f}")
+    print(f"  unsafe, lse above {t:.2f} (spans from {spans[overflows].min():.2f}): weight on wrong "
+          f"entries at least {r['wrong_unsafe'][overflows].min():.4f}")
+    print(f"  unsafe, spans {spans[between].min():.2f} to {spans[between].max():.2f} (sum overflows,"
+          f" largest score does not): NaN in {r['nan_unsafe'][between].sum()} of {between.sum()} "
+          f"rows, every entry exactly 0 in {r['all_zero_unsafe'][between].sum()}")
+    print(f"  unsafe, spans above {t:.2f}: NaN in {r['nan_unsafe'][spans > t].sum()} of "
+          f"{(spans > t).sum()} rows")
+    print(f"  safe, every span: largest error {r['err_safe'].max() / eps:.1f} eps, "
+          f"weight on wrong entries {r['wrong_safe'].max():.0f}")
 
 # %% [markdown]
-# The left panel shows the error where it is defined; the right one the fraction of the unsafe
-# version's outputs that are NaN or infinite. Vertical dotted lines mark each format's overflow
-# threshold. The textbook softmax is as accurate as the safe one
-# right up to the threshold and then falls off a cliff; the safe one stays within a few units of
-# the format's machine epsilon (grey dotted lines) at every span.
+# Between a span 0.05 nats below the point where its lse reaches $\log(\text{max})$ and one 0.05
+# nats above, the textbook row goes from correct to entirely wrong. Just past that point it
+# returns a row of exact zeros, finite and with no NaN to flag it ($e^{x_i}/\infty = 0$); once the
+# largest score itself passes $\log(\text{max})$, the top entries become $\infty/\infty$ = NaN.
+#
+# The left panel shows the error where it is defined (a row of zeros has error 1); the right one
+# the share of the true weight on wrong entries. The shaded bands are the spans where the unsafe
+# version's output holds NaN, right of each format's threshold $\log(\text{max})$ (dotted
+# lines); the row goes wrong 0.4 (float64) and 1.6 (float32) nats left of the dotted line, too
+# close to it to see on this axis. The textbook softmax is as accurate as the safe one right up
+# to there and then falls off a cliff. The safe one stays within a few units of its format's
+# machine epsilon (grey dotted lines, one per format) at every span.
 
 # %%
-fig, (ax_err, ax_nan) = plt.subplots(1, 2, figsize=(11, 4))
+fig, (ax_err, ax_wrong) = plt.subplots(1, 2, figsize=(11, 4.2))
 for i, (dt, r) in enumerate(results.items()):
-    name = dt.__name__
-    ax_err.loglog(spans, r["err_safe"], "-", color=f"C{2 * i}", label=f"safe, {name}")
-    ax_err.loglog(spans, r["err_unsafe"], "--", color=f"C{2 * i + 1}", label=f"unsafe, {name}")
-    ax_err.axhline(np.finfo(dt).eps, color="grey", ls=":", lw=1,
-                   label="machine epsilon" if i == 0 else None)
-    ax_nan.semilogx(spans, r["nonfinite_safe"], "-", color=f"C{2 * i}", label=f"safe, {name}")
-    ax_nan.semilogx(spans, r["nonfinite_unsafe"], "--", color=f"C{2 * i + 1}",
-                    label=f"unsafe, {name}")
-    ax_err.axvline(thresholds[dt], color=f"C{2 * i + 1}", ls=":", lw=1.5)
-    ax_nan.axvline(thresholds[dt], color=f"C{2 * i + 1}", ls=":", lw=1.5,
-                   label=f"log(max {name}) = {thresholds[dt]:.1f}")
-ax_err.set_ylim(1e-19, 1e-5)
+    name, eps = dt.__name__, np.finfo(dt).eps
+    safe_color, unsafe_color = f"C{2 * i}", f"C{2 * i + 1}"
+    ax_err.loglog(spans, r["err_safe"], "-", color=safe_color, label=f"safe, {name}")
+    ax_err.loglog(spans, r["err_unsafe"], "--", color=unsafe_color, label=f"unsafe, {name}")
+    ax_err.axhline(eps, color="grey", ls=":", lw=1)
+    ax_err.text(0.12, eps * 1.8, f"machine epsilon of {name}: {eps:.1e}", fontsize=8, color="0.3")
+    ax_wrong.semilogx(spans, r["wrong_safe"], "-", color=safe_color, lw=2.5 - i,
+                      label=f"safe, {name}")
+    ax_wrong.semilogx(spans, r["wrong_unsafe"], "--", color=unsafe_color, label=f"unsafe, {name}")
+    nan_from = spans[r["nan_unsafe"]].min()
+    for ax in (ax_err, ax_wrong):
+        ax.axvspan(nan_from, spans[-1], color=unsafe_color, alpha=0.08, lw=0)
+        ax.axvline(thresholds[dt], color=unsafe_color, ls=":", lw=1.5)
+    ax_wrong.text(thresholds[dt] * 1.1, 0.55 - 0.12 * i,
+                  f"log(max {name})\n= {thresholds[dt]:.1f}", fontsize=8, color=unsafe_color)
+ax_err.text(1.2e3, 1e-10, "unsafe output\nholds NaN\n(shaded)", fontsize=8, color="0.3")
+ax_err.text(0.12, 1.5, "error 1: a row of zeros", fontsize=8, color="0.3")
+ax_err.set_ylim(1e-19, 10)
+ax_err.set_xlim(spans[0], spans[-1])
 ax_err.set_title("Error against a higher-precision truth")
 ax_err.set_xlabel("span of the row's scores, max - min (nats)")
 ax_err.set_ylabel("normwise relative error (dimensionless)")
-ax_err.legend(loc="center left", fontsize=9)
-ax_nan.set_ylim(-0.03, 1.03)
-ax_nan.set_title("Outputs that are NaN or inf")
-ax_nan.set_xlabel("span of the row's scores, max - min (nats)")
-ax_nan.set_ylabel("fraction of the row (dimensionless)")
-ax_nan.legend(loc="upper left", fontsize=9)
+ax_err.legend(loc="center left", bbox_to_anchor=(0, 0.4), fontsize=8)
+ax_wrong.set_ylim(-0.03, 1.03)
+ax_wrong.set_xlim(spans[0], spans[-1])
+ax_wrong.set_title("Share of the row's true weight on wrong entries")
+ax_wrong.set_xlabel("span of the row's scores, max - min (nats)")
+ax_wrong.set_ylabel("share of the true weight (dimensionless)")
+ax_wrong.legend(loc="upper left", fontsize=8)
 fig.tight_layout()
 plt.show()
 
@@ -235,17 +306,21 @@ plt.show()
 # ## What we showed
 #
 # - $e^x$ overflows for $x > \log(\text{max})$: about 709.78 in float64, 88.72 in float32 (11.09
-#   in float16), computed from `np.finfo`.
+#   in float16), computed from `np.finfo`. These are the thresholds every later chapter refers to.
 # - The textbook softmax returns NaN for a row whose scores exceed that threshold, and for a row
 #   whose scores are all below about $-745$ (float64), where every $e^{x_j}$ underflows to 0.
 # - $\mathrm{softmax}(x - c) = \mathrm{softmax}(x)$ for every constant $c$; with $c = \max_j x_j$
 #   every exponent is $\le 0$ and the denominator $l$ lies in $[1, n]$.
 # - In floating point the safe softmax of $[1000, 999, 998]$ equals that of $[2, 1, 0]$ bit for
 #   bit, and where the textbook formula does not overflow the two versions agree to $10^{-15}$.
-# - Over spans from $10^{-1}$ to $10^4$ the textbook version is finite (and as accurate as the
-#   safe one, within 4 machine epsilons) below the threshold and not above it: a cliff, not a
-#   gradual loss. The safe version is finite everywhere with error at most 4 machine epsilons of
-#   its format.
+# - The textbook version fails once the row's $\mathrm{lse} = \log\sum_j e^{x_j}$ passes
+#   $\log(\text{max})$, up to $\log n$ nats before its largest score does. Over spans from
+#   $10^{-1}$ to $10^4$ nats it is as accurate as the safe one (within 4 machine epsilons) on
+#   every row whose lse is below that, and puts more than 99.99% of the true weight on wrong
+#   entries on every row whose lse is above: a cliff 0.1 nats wide, not a gradual loss. First it
+#   returns a row of exact zeros with no NaN; once the largest score passes $\log(\text{max})$,
+#   NaN. The safe version is within 4 machine epsilons of the truth at every span, with no wrong
+#   entry.
 
 # %%
 # exp overflows just above log(max) and not just below, in each format
@@ -265,11 +340,19 @@ assert np.array_equal(softmax_safe(x_very_negative), softmax_safe(x_small))
 l_moderate = np.exp(x_moderate - x_moderate.max(axis=-1, keepdims=True)).sum(axis=-1)
 assert ((1 <= l_moderate) & (l_moderate <= x_moderate.shape[-1])).all()
 assert diff < 1e-15
-# the sweep: a cliff for the unsafe version exactly at the threshold, none for the safe one
+# the sweep: a cliff for the unsafe version exactly where the lse passes log(max), none for the
+# safe one
 for dt, r in results.items():
-    t = thresholds[dt]
-    assert r["nonfinite_unsafe"][spans < t].max() == 0
-    assert r["nonfinite_unsafe"][spans > t].min() > 0
-    assert r["nonfinite_safe"].max() == 0
-    assert r["err_safe"].max() <= 4 * np.finfo(dt).eps
-    assert r["err_unsafe"][spans < t].max() <= 4 * np.finfo(dt).eps
+    t, eps = thresholds[dt], np.finfo(dt).eps
+    fits, overflows = r["lse"] < t, r["lse"] > t
+    assert not np.any(np.abs(r["lse"] - t) < 0.01)  # every row is clearly on one side
+    assert 0 < t - sum_overflows_at[dt] < np.log(n)
+    assert round(t - sum_overflows_at[dt], 1) == {np.float64: 0.4, np.float32: 1.6}[dt]  # the prose
+    assert r["err_unsafe"][fits].max() <= 4 * eps and r["wrong_unsafe"][fits].max() == 0
+    assert r["wrong_unsafe"][overflows].min() > 0.9999
+    # the sum overflows before the largest score does: exact zeros, wrong and finite, no NaN
+    between = overflows & (spans < t)
+    assert between.any() and r["all_zero_unsafe"][between].all()
+    assert not r["nan_unsafe"][spans < t].any() and r["nan_unsafe"][spans > t].all()
+    assert not r["nonfinite_safe"].any()
+    assert r["err_safe"].max() <= 4 * eps and r["wrong_safe"].max() == 0
