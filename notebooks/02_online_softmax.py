@@ -68,16 +68,22 @@ rng = np.random.default_rng(2)
 # whole tiles):
 
 # %%
-def online_softmax_state(stream):
-    """Read the scores one at a time; return the states (m_t, l_t) after each of them."""
+def online_softmax_state(stream, steps=None):
+    """Read the scores one at a time; return the states (m_t, l_t) after each of them.
+
+    If `steps` is a list, each step's two factors (exp(m - m'), exp(x - m')) are appended to it.
+    """
     m, l = -math.inf, 0.0  # the empty stream
     states = []
     for x in stream:
         m_new = max(m, x)
+        alpha, term = math.exp(m - m_new), math.exp(x - m_new)
         # l' = l · exp(m - m') + exp(x - m')
-        l = l * math.exp(m - m_new) + math.exp(x - m_new)
+        l = l * alpha + term
         m = m_new
         states.append((m, l))
+        if steps is not None:
+            steps.append((alpha, term))
     return states
 
 
@@ -105,42 +111,51 @@ for t, (x, (m, l)) in enumerate(zip(stream, states), start=1):
           f"{l:>#9.4g} {direct:>#17.4g}")
     m_prev = m
 
-print("invariant holds at every step (relative difference < 1e-15):",
-      max(invariant_errors) < 1e-15)
+print(f"largest relative difference between l_t and its definition: {max(invariant_errors):.1e}")
 
 # %% [markdown]
 # Read down the `exp(m-m_t)` column: it is 1 whenever the maximum stays (steps 3, 4, 6, 7), and
 # below 1 when it rises (steps 2, 5, 8), where it shrinks the whole old sum in one multiplication.
 # The figure shows the same eight states: each panel draws the terms $e^{x_j - m_t}$ of $l_t$ for
-# the scores read so far (the newest in orange), so $l_t$ is the total height of the bars. When
-# the maximum rises, every older bar shrinks by the same factor.
+# the scores read so far (the newest in orange), so $l_t$ is their total. The terms span six
+# decades, so the axis is logarithmic: a multiplication by $\alpha = e^{m - m'}$ moves every old
+# bar down by the same distance. Where the maximum rises, the hollow outlines are the old bars
+# before that multiplication, and the panel prints $\alpha$.
 
 # %%
 def draw_state(ax, t):
-    """Bars e^(x_j - m_t) for the first t scores; their total height is l_t."""
+    """Bars e^(x_j - m_t) for the first t scores (log scale); their total is l_t."""
     m, l = states[t - 1]
+    m_old = states[t - 2][0] if t > 1 else -math.inf
     positions = np.arange(1, len(stream) + 1)
     terms = [math.exp(x - m) for x in stream[:t]]
     ax.bar(positions[: t - 1], terms[:-1], color="C0", label="earlier scores")
     ax.bar(positions[t - 1], terms[-1], color="C1", label="newest score")
+    if 1 < t and m > m_old:  # the max rose: show the old bars before the rescaling
+        before = [math.exp(x - m_old) for x in stream[: t - 1]]
+        ax.bar(positions[: t - 1], before, fill=False, edgecolor="0.35", ls="--", lw=0.8,
+               label="earlier scores before\nthe rescaling")
+        ax.text(0.5, 0.9, rf"old bars $\times\ \alpha = e^{{m - m'}} = {math.exp(m_old - m):.3f}$",
+                transform=ax.transAxes, ha="center", va="center", fontsize=9)
     ax.axhline(1.0, color="grey", ls=":", lw=1, label="$e^0$: the maximum's term")
+    ax.set_yscale("log")
     ax.set_xticks(positions)
     ax.set_xlim(0.4, len(stream) + 0.6)
-    ax.set_ylim(0, 1.08)
+    ax.set_ylim(1e-5, 40)
     ax.set_title(f"t={t}: x={stream[t - 1]:g}, m={m:g}, l={l:.3f}", fontsize=10)
 
 
-fig, axes = plt.subplots(2, 4, figsize=(11, 5), sharex=True, sharey=True)
+fig, axes = plt.subplots(2, 4, figsize=(11, 5.5), sharex=True, sharey=True)
 for t, ax in enumerate(axes.flat, start=1):
     draw_state(ax, t)
 for ax in axes[1]:
     ax.set_xlabel("position j in the stream")
 for ax in axes[:, 0]:
     ax.set_ylabel("$e^{x_j - m_t}$ (dimensionless)")
-# the first panel has room for the legend; the third has an example of each kind of line
-axes[0, 0].legend(*axes[0, 2].get_legend_handles_labels(), loc="upper right", fontsize=8)
+# the legend below the panels, with an example of each kind of bar and line (from t = 2)
+fig.legend(*axes[0, 1].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=9)
 fig.suptitle("Online softmax state after each score: the bars are the terms of $l_t$")
-fig.tight_layout()
+fig.tight_layout(rect=(0, 0.08, 1, 1))
 plt.show()
 
 # %% [markdown]
@@ -161,7 +176,7 @@ def show_state(t):
     draw_state(ax, t)
     ax.set_xlabel("position j in the stream")
     ax.set_ylabel("$e^{x_j - m_t}$ (dimensionless)")
-    ax.legend(loc="upper right", fontsize=9)
+    ax.legend(loc="upper left", fontsize=9)
     fig.tight_layout()
     plt.show()
 
@@ -188,40 +203,46 @@ def two_pass_state(stream):
 m_online, l_online = states[-1]
 m_two, l_two = two_pass_state(stream)
 weights_online = np.exp(np.array(stream) - m_online) / l_online
-print("m identical:", m_online == m_two)
-print("l relative difference < 1e-15:", abs(l_online - l_two) / l_two < 1e-15)
+print(f"m online - m two-pass: {m_online - m_two}; l relative difference: "
+      f"{abs(l_online - l_two) / l_two:.1e}")
 print("weights:", ", ".join(f"{w:.3g}" for w in weights_online))
 print("lse = m + log l =", f"{m_online + math.log(l_online):.4f}")
 
 # %% [markdown]
 # The same check on a long stream whose scores are spread far beyond what the textbook formula
 # survives: 10,000 scores drawn with standard deviation 1000, so that $e^{x}$ overflows for about
-# a quarter of them. The online state never forms anything larger than 1 besides $l$ itself, and
-# $l \le t$. We also shift the eight-score stream by 1000: every $x_j - m_t$ is unchanged (and
+# a quarter of them. The online state never forms anything larger than 1 besides $l$ itself: the
+# cell records both factors of every step, $e^{m - m'}$ and $e^{x - m'}$, and $l \le t$. We also
+# shift the eight-score stream by 1000: every $x_j - m_t$ is unchanged (and
 # computed exactly), so the sums are identical bit for bit while $m$ moves by 1000.
 
 # %%
 long_stream = rng.normal(0.0, 1000.0, size=10_000)
 with np.errstate(over="ignore"):
     overflowing = float(np.isinf(np.exp(long_stream)).mean())
-m_long, l_long = online_softmax_state(long_stream.tolist())[-1]
+long_steps = []
+long_states = online_softmax_state(long_stream.tolist(), long_steps)
+m_long, l_long = long_states[-1]
 m_long_two, l_long_two = two_pass_state(long_stream)
+largest_factor = max(max(alpha, term) for alpha, term in long_steps)
+
 print(f"fraction of the long stream where exp(x) overflows: {overflowing:.2f}")
-print("long stream: m identical:", m_long == m_long_two,
-      "| l relative difference < 1e-13:", abs(l_long - l_long_two) / l_long_two < 1e-13)
+print(f"long stream: largest exp(m - m') or exp(x - m') formed: {largest_factor:g}; "
+      f"l after {len(long_states):,} scores: {l_long:.2f}")
+print(f"long stream: m online - m two-pass: {m_long - m_long_two}; l relative difference: "
+      f"{abs(l_long - l_long_two) / l_long_two:.1e}")
 
 shifted_states = online_softmax_state([x + 1000.0 for x in stream])
-print("stream + 1000: l identical at every step:",
-      all(ls == l for (_, ls), (_, l) in zip(shifted_states, states)),
-      "| m shifted by exactly 1000:",
-      all(ms == m + 1000.0 for (ms, _), (m, _) in zip(shifted_states, states)))
+l_changes = max(abs(ls - l) for (_, ls), (_, l) in zip(shifted_states, states))
+m_shifts = sorted({ms - m for (ms, _), (m, _) in zip(shifted_states, states)})
+print(f"stream + 1000: largest change of any l_t: {l_changes}; m_t moved by {m_shifts}")
 
 # %% [markdown]
 # ## Against flash_lib
 #
-# Softmax of a row $x$ is attention of one query whose scores are $x$: take the query $1$, the
-# keys $x_j$ (feature size 1), scale 1, and the identity matrix as values, so that the output row
-# is the weights themselves. `flash_lib.flash_attention` walks over the keys in blocks of
+# Softmax of a row is attention with identity values (chapter 1's device: query 1, keys $x_j$,
+# scale 1, values the identity matrix), so the output row is the weights themselves.
+# `flash_lib.flash_attention` walks over the keys in blocks of
 # `block_k`, carrying $m$ and $l$ per query row with exactly the update derived above; with
 # `block_k=1` it reads one score per step, as our loop does. With `return_lse=True` it also returns
 # $\mathrm{lse} = m + \log l$.
@@ -234,11 +255,9 @@ v = np.eye(n)
 out_1, lse_1 = flash_lib.flash_attention(q, k, v, scale=1.0, block_k=1, return_lse=True)
 out_all, lse_all = flash_lib.flash_attention(q, k, v, scale=1.0, return_lse=True)
 lse_online = m_online + math.log(l_online)
-print("block_k=1: weights match (< 1e-15):", np.abs(out_1[0] - weights_online).max() < 1e-15,
-      "| lse matches (< 1e-14):", abs(lse_1[0] - lse_online) < 1e-14)
-print("default block_k: weights match (< 1e-15):",
-      np.abs(out_all[0] - weights_online).max() < 1e-15,
-      "| lse matches (< 1e-14):", abs(lse_all[0] - lse_online) < 1e-14)
+for name, out_fl, lse_fl in (("block_k=1", out_1, lse_1), ("default block_k", out_all, lse_all)):
+    print(f"{name}: largest weight difference {np.abs(out_fl[0] - weights_online).max():.1e}, "
+          f"lse difference {abs(lse_fl[0] - lse_online):.1e}")
 
 # %% [markdown]
 # ## What we showed
@@ -247,7 +266,8 @@ print("default block_k: weights match (< 1e-15):",
 #   is carried through a stream by $m' = \max(m, x)$, $l' = l \, e^{m - m'} + e^{x - m'}$, starting
 #   from $(-\infty, 0)$; the invariant held after each of the eight steps.
 # - The rescaling factor is exactly 1 when the maximum does not rise and below 1 when it does; $l$
-#   stays in $[1, t]$.
+#   stays in $[1, t]$. On a stream where $e^x$ overflows for a quarter of the scores, neither
+#   factor of any step exceeds 1: nothing but $l$ is ever larger than 1.
 # - The online state ends with the two-pass $m$ exactly and the two-pass $l$ to $10^{-15}$ on the
 #   short stream and $10^{-13}$ on a 10,000-score stream where $e^x$ overflows for about a quarter
 #   of the scores.
@@ -270,6 +290,10 @@ assert rises == [1, 2, 5, 8]
 assert m_online == m_two and abs(l_online - l_two) / l_two < 1e-15
 assert 0.2 < overflowing < 0.3
 assert m_long == m_long_two and abs(l_long - l_long_two) / l_long_two < 1e-13
+# nothing larger than 1 besides l: both factors of every step are in [0, 1], and l_t <= t
+assert all(0 <= alpha <= 1 and 0 <= term <= 1 for alpha, term in long_steps)
+assert max(term for _, term in long_steps) == 1.0  # each rise of the max contributes e^0
+assert all(1 <= l <= t for t, (_, l) in enumerate(long_states, start=1))
 assert all(ls == l for (_, ls), (_, l) in zip(shifted_states, states))
 assert all(ms == m + 1000.0 for (ms, _), (m, _) in zip(shifted_states, states))
 # against flash_lib
