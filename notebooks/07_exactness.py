@@ -29,7 +29,9 @@
 #   and naive agree to $10^{-9}$ in float64;
 # - we find flash's error of the same order as naive's on every row;
 # - we watch the unsafe softmax of chapter 1 return inf or NaN once a row's largest score passes
-#   $\ln(\text{largest float})$.
+#   chapter 1's threshold $\log(\text{max})$;
+# - we measure what the order of merging partial results (chapter 3) does to the rounding: a
+#   chain of merges against a balanced tree.
 
 # %%
 import numpy as np
@@ -222,8 +224,8 @@ for dt, fams in rows.items():
 #
 # Both families, one panel each, both dtypes in each. Left: the fixed-span rows against their
 # magnitude $\mu_i$, with the unsafe softmax where it is finite and a dotted line where the
-# largest score (about $\mu$ in this family) reaches $\ln(\text{largest float})$, past which
-# $e^s$ overflows. Right: the fixed-magnitude rows ($\mu \approx 10^4$) against their span. The
+# largest score (about $\mu$ in this family) reaches chapter 1's threshold $\log(\text{max})$,
+# past which $e^s$ overflows. Right: the fixed-magnitude rows ($\mu \approx 10^4$) against their span. The
 # dashed lines are $u\,\mu$ for each dtype.
 
 # %%
@@ -243,13 +245,13 @@ for dt, colors in ((np.float64, ("C0", "C1", "C2")), (np.float32, ("C3", "C4", "
     log_max = np.log(np.finfo(dt).max)
     ax_mu.axvline(log_max, color=colors[2], ls=":", lw=1.5)
     ax_mu.text(log_max * 1.15, 3e-16 if dt == np.float64 else 1e-9,
-               f"ln(max {dt.__name__})\n= {log_max:.1f}", fontsize=7, color=colors[2])
+               f"log(max {dt.__name__})\n= {log_max:.1f}", fontsize=7, color=colors[2])
 ax_mu.plot([], [], "--", color="0.4", lw=1, label=r"$u \cdot \mu$")
 ax_mu.set_title("Fixed span (7 to 12), growing magnitude")
-ax_mu.set_xlabel(r"magnitude of the row's scores, $\mu_i$ (dimensionless)")
+ax_mu.set_xlabel(r"magnitude of the row's scores, $\mu_i$ (nats)")
 ax_mu.set_ylabel("max relative error of the row")
 ax_span.set_title(r"Fixed magnitude ($\mu \approx 10^4$), growing span")
-ax_span.set_xlabel("span of the row's scores, max - min (dimensionless)")
+ax_span.set_xlabel("span of the row's scores, max - min (nats)")
 for ax in (ax_mu, ax_span):
     ax.grid(True, which="major", alpha=0.3)
     ax.set_ylim(1e-16, 30)
@@ -263,8 +265,9 @@ plt.show()
 # order 1 in float32; at a fixed magnitude of $10^4$ they stay where they are while the span
 # grows over six decades. In float64 a magnitude of $10^6$ costs about $10^{-10}$; in float32 a
 # magnitude of $10^3$ already costs about $10^{-4}$, and past $10^7$ the output means nothing.
-# The unsafe softmax follows the same law until its largest score passes 709.78 (float64) or
-# 88.72 (float32): in this family, a magnitude of the same size.
+# The unsafe softmax follows the same law until its largest score passes $\log(\text{max})$ of
+# its format (chapter 1): in this family, where the span is about 10, at a magnitude of about
+# the same size.
 
 # %%
 for dt, fams in rows.items():
@@ -273,7 +276,7 @@ for dt, fams in rows.items():
     overflowed = r["top"][~r["unsafe_finite"]]
     print(f"{dt.__name__}: unsafe softmax finite on every row with largest score below "
           f"{r['top'][r['unsafe_finite']].max():.1f}, inf/NaN on every row from "
-          f"{overflowed.min():.1f} (ln max = {log_max:.2f})")
+          f"{overflowed.min():.1f} (log max = {log_max:.2f})")
 
 # %% [markdown]
 # ## The claim: flash agrees with naive to $10^{-9}$ on scores of magnitude $10^6$
@@ -316,6 +319,101 @@ for dt, fams in rows.items():
           f"{ratios[dt].min():.2f} to {ratios[dt].max():.2f}")
 
 # %% [markdown]
+# ## The order of merges
+#
+# Chapter 3 merged partial results $(o, \mathrm{lse})$ over disjoint sets of keys in any order:
+# every grouping gives the same result in exact arithmetic, so the grouping can only change the
+# rounding. Two groupings of $T$ parts are at the extremes:
+#
+# - **left to right**, $((p_1 \oplus p_2) \oplus p_3) \oplus \dots$: what a ring-attention device
+#   does, one arriving block after another; the last part's result has passed through $T - 1$
+#   merges, each of which rounds the running output once more;
+# - **a balanced tree**, merging neighbours pairwise round after round: every result passes
+#   through only $\lceil \log_2 T \rceil$ merges (the reason pairwise summation beats a running
+#   sum).
+#
+# Roundings of random sign add up like a random walk, so the chain's error should grow with $T$
+# (about as $\sqrt{T}$) and the tree's stay flat. The experiment: 32 queries over 2048 keys
+# ($d = 32$, float64), the keys dealt at random into $T = 1, 2, 4, \dots, 256$ equal parts, three
+# deals per $T$; each part attended with `flash_attention`, the parts merged with
+# `flash_lib.merge_attention` both ways, the result measured against `precise_attention` with this
+# chapter's metric.
+
+# %%
+import functools
+
+n_keys_m, n_q_m, d_m = 2048, 32, 32
+q_m, k_m, v_m = (rng.standard_normal((n, d_m)) for n in (n_q_m, n_keys_m, n_keys_m))
+truth_m = flash_lib.precise_attention(q_m, k_m, v_m)
+
+
+def merge_pair(a, b):
+    return flash_lib.merge_attention(*a, *b)
+
+
+def merge_tree(parts, merge):
+    """Merge neighbours pairwise, round after round: ceil(log2 T) rounds."""
+    while len(parts) > 1:
+        pairs = [merge(a, b) for a, b in zip(parts[0::2], parts[1::2])]
+        parts = pairs + parts[len(pairs) * 2:]  # an odd one out waits for the next round
+    return parts[0]
+
+
+groupings = {"left to right": lambda parts, merge: functools.reduce(merge, parts),
+             "balanced tree": merge_tree}
+
+
+def depth(tree):  # the longest chain of merges from a part to the result
+    return 0 if isinstance(tree, int) else 1 + max(depth(tree[0]), depth(tree[1]))
+
+
+part_counts = 2 ** np.arange(9)
+deals = 3
+merge_err = {name: np.zeros((len(part_counts), deals)) for name in groupings}
+for i, n_parts in enumerate(part_counts):
+    for deal in range(deals):
+        parts = [flash_lib.flash_attention(q_m, k_m[keys], v_m[keys], return_lse=True)
+                 for keys in np.array_split(rng.permutation(n_keys_m), n_parts)]
+        for name, group in groupings.items():
+            out = group(parts, merge_pair)[0]
+            merge_err[name][i, deal] = rowwise_relative_error(out, truth_m).max()
+merge_depths = {name: depth(group(list(range(256)), lambda a, b: (a, b)))
+                for name, group in groupings.items()}
+
+eps64 = np.finfo(np.float64).eps
+for name, errs in merge_err.items():
+    print(f"{name:<13} (depth {merge_depths[name]:>3} at T = 256): mean error in eps at "
+          f"T = 1, 16, 256: " + ", ".join(f"{errs[i].mean() / eps64:.0f}" for i in (0, 4, 8)))
+chain_vs_tree = merge_err["left to right"][-1].mean() / merge_err["balanced tree"][-1].mean()
+tree_means = merge_err["balanced tree"].mean(axis=1)
+tree_flatness = tree_means.max() / tree_means[0]
+print(f"at T = 256 the chain's error is {chain_vs_tree:.1f} times the tree's; the tree's mean error "
+      f"is at most {tree_flatness:.1f} times its error at T = 1")
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 4))
+for i, (name, errs) in enumerate(merge_err.items()):
+    shift = 0.94 if i == 0 else 1.06  # side by side, so that the markers do not hide each other
+    ax.plot(np.repeat(part_counts * shift, deals), errs.ravel() / eps64, "os"[i], color=f"C{i}",
+            ms=4, alpha=0.5)
+    ax.plot(part_counts * shift, errs.mean(axis=1) / eps64, "-", marker="os"[i], color=f"C{i}",
+            label=f"{name} (depth {merge_depths[name]} at T = 256; line: mean of {deals} deals)")
+ax.set_xscale("log", base=2)
+ax.set_ylim(0, None)  # the errors span less than a decade: a linear axis reads better
+ax.set_title("Attention merged from T parts, against extended precision (float64)")
+ax.set_xlabel("number of parts T merged")
+ax.set_ylabel("max relative error of a row (machine epsilons)")
+ax.legend(fontsize=8, loc="upper left")
+ax.grid(True, alpha=0.3)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Merging left to right, the error grows with the number of parts; in a balanced tree it stays
+# where a single call puts it. Even 255 merges in a chain stay within a few tens of machine
+# epsilons, so for exactness the order does not matter; for the last digits, a tree is better.
+
+# %% [markdown]
 # ## Random inputs would have hidden all this
 #
 # Had we scaled random query rows instead, the best key would beat the runner-up by a gap
@@ -352,8 +450,11 @@ print(f"scaled random rows spanning at least 1e6: {wide_random_rows.sum()}, larg
 #   are measurable.
 # - In float32, rows of magnitude $10^7$ or more come out with errors of order 0.1 to 1.
 # - The unsafe softmax returns inf or NaN on every row whose largest score is above
-#   $\ln(\text{largest float})$ (709.78 in float64, 88.72 in float32) and is finite below
-#   that minus $\ln N_k$ (where even the sum of all $N_k$ terms cannot overflow).
+#   $\log(\text{max})$ of its format (chapter 1) and is finite below that minus $\log N_k$
+#   (where even the sum of all $N_k$ terms cannot overflow).
+# - Merging $T$ partial results left to right, the error grows with $T$: at $T = 256$ it is more
+#   than twice a balanced tree's, whose mean error stays within a factor 2 of a single call's at
+#   every $T$.
 # - Scaled random inputs hide the error law: their wide rows become one-hot and come out exact.
 
 # %%
@@ -371,7 +472,7 @@ for dt, fams in rows.items():
         assert large.sum() >= 5 and grow[name][large].min() > 100 * grow[name][small].max(), (dt, name)
         assert flat[name].max() / flat[name].min() < 30, (dt, name, flat[name].max(), flat[name].min())
     assert flat["span"].max() / flat["span"].min() > 1e6 and flat["mu"].max() / flat["mu"].min() < 1.01
-    # overflow of the unsafe softmax: exactly past ln(max), never below ln(max) - ln(Nk)
+    # overflow of the unsafe softmax: exactly past log(max), never below log(max) - log(Nk)
     log_max = np.log(np.finfo(dt).max)
     for r in fams.values():
         assert not r["unsafe_finite"][r["top"] > log_max].any()
@@ -380,10 +481,14 @@ for dt, fams in rows.items():
     assert len(ratios[dt]) >= 40 and np.all((ratios[dt] >= 0.1) & (ratios[dt] <= 10)), ratios[dt]
     assert all(r["rises"].max() >= 1 for r in fams.values())
 
-assert np.isclose(np.log(np.finfo(np.float64).max), 709.78, atol=0.005)
-assert np.isclose(np.log(np.finfo(np.float32).max), 88.72, atol=0.005)
 assert sum(m.sum() for m in claim_rows.values()) >= 100
 assert claim_flash_vs_naive <= 1e-9 and claim_flash_vs_truth <= 1e-9
 wide32 = rows[np.float32]["fixed span, growing magnitude"]
 assert wide32["flash"][wide32["mu"] >= 1e7].min() >= 0.1 and wide32["naive"][wide32["mu"] >= 1e7].min() >= 0.1
+# the order of merges: the chain's T - 1 roundings grow (sqrt(256) = 16 times one merge's rounding
+# if they add as a random walk), the tree's 8 rounds stay flat
+assert merge_depths == {"left to right": 255, "balanced tree": 8}
+assert np.array_equal(merge_err["left to right"][0], merge_err["balanced tree"][0])  # T = 1
+assert chain_vs_tree > 2 and tree_flatness < 2, (chain_vs_tree, tree_flatness)
+assert merge_err["left to right"][-1].mean() > 2 * merge_err["left to right"][0].mean()
 assert wide_random_rows.sum() >= 20 and np.all(err_random[wide_random_rows] == 0)
