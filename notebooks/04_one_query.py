@@ -73,7 +73,7 @@ reference = flash_lib.naive_attention(q[None, :], k, v)[0]
 rel_err = lambda x, ref: flash_lib.rowwise_relative_error(x, ref).max()  # chapter 7's metric, worst row
 
 
-print("scores span", round(s.max() - s.min(), 1), "(dimensionless)")
+print(f"scores span {s.max() - s.min():.1f} nats")
 print(f"two-pass output vs naive_attention: {rel_err(out_two_pass, reference):.1e}")
 
 # %% [markdown]
@@ -203,10 +203,10 @@ w = np.exp(s - m_b)
 closed_form = (w @ v) / w.sum()
 
 err_no_alpha = rel_err(out_no_alpha, reference)
-print("without alpha, output equals the closed form:", rel_err(out_no_alpha, closed_form) < 1e-13)
-print("finite and inside the range of the values:",
-      bool(np.all(np.isfinite(out_no_alpha))
-           and np.all((v.min(axis=0) <= out_no_alpha) & (out_no_alpha <= v.max(axis=0)))))
+outside = np.count_nonzero((out_no_alpha < v.min(axis=0)) | (out_no_alpha > v.max(axis=0)))
+print(f"without alpha vs the closed form: {rel_err(out_no_alpha, closed_form):.1e}; entries that are "
+      f"not finite: {np.count_nonzero(~np.isfinite(out_no_alpha))}, outside the values' range: "
+      f"{outside}")
 print(f"relative error without alpha: {err_no_alpha:.2f}")
 
 # %% [markdown]
@@ -228,8 +228,8 @@ out_asc_no_alpha, _ = stream_one_query(q, k[order_asc], v[order_asc], 100, resca
 
 err_desc = rel_err(out_desc_no_alpha, reference)
 err_asc = rel_err(out_asc_no_alpha, reference)
-print("largest score first: identical with and without alpha:",
-      bool(np.array_equal(out_desc, out_desc_no_alpha)))
+print("largest score first: largest difference with and without alpha:",
+      np.abs(out_desc - out_desc_no_alpha).max())
 print("blocks that raise the max, (random, ascending):",
       (int(sum(a < 1 for *_, a in trace[1:])), int(sum(a < 1 for *_, a in trace_asc[1:]))))
 print(f"relative error without alpha, ascending order: {err_asc:.2f}")
@@ -273,7 +273,7 @@ fig.tight_layout()
 plt.show()
 
 # %%
-print("with alpha, error below 1e-13 at every spread:", bool(np.all(err_right < 1e-13)))
+print(f"with alpha, largest error over every spread: {err_right.max():.0e}")
 print("without alpha, error at spread 0.01 and 100:",
       f"{err_wrong[0]:.0e}", f"{err_wrong[-1]:.1f}")
 
@@ -307,8 +307,7 @@ assert all(e_naive < 1e-13 and e_flash < 1e-13 for _, e_naive, e_flash in stream
 assert stream_errors[1][0] == n_k and stream_errors[7][0] == -(-n_k // 7)
 assert stream_errors[4096][0] == 1
 assert rel_err(out_no_alpha, closed_form) < 1e-13
-assert np.all(np.isfinite(out_no_alpha))
-assert np.all((v.min(axis=0) <= out_no_alpha) & (out_no_alpha <= v.max(axis=0)))
+assert np.all(np.isfinite(out_no_alpha)) and outside == 0
 assert err_no_alpha > 0.1  # wrong in the first significant digit
 assert np.array_equal(out_desc, out_desc_no_alpha) and err_desc < 1e-13
 assert all(a < 1 for *_, a in trace_asc[1:])
