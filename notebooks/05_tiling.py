@@ -33,9 +33,16 @@
 # Every query row has its own running max, sum and accumulator, and rows never interact. So
 # $b_q = $ `block_q` queries can run chapter 4's update side by side: their states become vectors
 # $m, l \in \mathbb R^{b_q}$ and a matrix $\text{acc} \in \mathbb R^{b_q \times d_v}$, and the
-# matrix-vector products become matrix-matrix products. The gain is reuse: a block of $b_k$ =
-# `block_k` keys and values, once loaded, serves $b_q$ queries instead of one (on a GPU: one load
-# from HBM into on-chip memory per query block, not per query).
+# matrix-vector products become matrix-matrix products. The gain is re-use: a block of $b_k$ =
+# `block_k` keys and values, once loaded into fast memory, serves $b_q$ queries instead of one.
+#
+# On a GPU, "fast memory" has a precise meaning. A GPU's main memory is its **HBM**
+# (high-bandwidth memory): tens of GB, where the inputs start and the output must end. Each of its
+# streaming multiprocessors (SMs) has a small on-chip **SRAM**, a couple of hundred KB, an order of
+# magnitude faster. A **thread block** is a group of threads that one SM runs together and that
+# share that SM's SRAM. FlashAttention-2 gives each block of queries to one thread block, which
+# loads its $Q_i$ from HBM into SRAM once and then each $K_j, V_j$ in turn; chapter 10 counts the
+# bytes that cross between the two memories, and the re-use.
 #
 # For the query block $Q_i$ (rows `q_start:q_stop`) and the key block $K_j$, $V_j$ (rows
 # `k_start:k_stop`), one tile does, with $\tau$ the scale and every $\max$, $\exp$ taken row by row:
@@ -60,8 +67,8 @@
 # ## The algorithm box
 #
 # FlashAttention-2's Algorithm 1 (arXiv 2307.08691) in this tutorial's symbols, with what crosses
-# between HBM and SRAM marked. $Q$ is cut into $T_q = \lceil N / b_q \rceil$ blocks $Q_i$ of
-# $b_q$ = `block_q` rows, $K$ and $V$ into $T_k = \lceil N / b_k \rceil$ blocks of $b_k$ =
+# between HBM and SRAM marked. $Q$ is cut into $T_q = \lceil N_q / b_q \rceil$ blocks $Q_i$ of
+# $b_q$ = `block_q` rows, $K$ and $V$ into $T_k = \lceil N_k / b_k \rceil$ blocks of $b_k$ =
 # `block_k` rows.
 #
 # > **for** each query block $i = 1, \dots, T_q$ (one thread block each, in parallel):
@@ -75,19 +82,97 @@
 # > - $O_i = \operatorname{diag}(l)^{-1} \text{acc}$, $\text{lse}_i = m + \log l$;
 # >   **store** $O_i$ and $\text{lse}_i$ to HBM
 #
+# ## The recurrence in flash_lib
 #
-# On a GPU each query block runs as one thread block: a group of threads that one streaming
-# multiprocessor runs together, sharing its on-chip SRAM; the arrays start and end in the GPU's
-# main memory, HBM. Chapter 10 counts the bytes that cross between the two.
+# The two inner lines of the box are one function of `flash_lib`, `online_softmax_update`. This is
+# its source, read from the module itself:
+
+# %%
+import inspect
+
+import numpy as np
+import matplotlib.pyplot as plt
+import flash_lib
+
+print(inspect.getsource(flash_lib.online_softmax_update))
+
+# %% [markdown]
+# Line by line, for one tile whose scores `s` ($S$, shape `(rows, keys)`, $-\infty$ at pairs that
+# are not allowed) the kernel has just computed:
 #
-# These are the lines of the inner function `attend` in `flash_lib.flash_attention` (in
-# `flash_lib.py` at the repository root), with the same names: `s`, `m_new` ($m'$), `p`,
-# `alpha`, `l`, `acc_blk` ($\text{acc}$), and `_finalize(acc_blk, l, m)` for the division and the
-# lse. Two details
-# differ from the formulas: $Q_i$ is multiplied by (part of) $\tau$ once per query block rather
-# than each tile's scores (flash_lib's docstring says how the scale is placed, and why), and `m_ref`, which stands for $m'$ in the exponentials,
-# differs from it only in rows that have seen no allowed key yet; chapter 6 is about those rows.
-# We keep no copy of the kernel here: the cells below call it.
+# - `m_new = np.maximum(m, s.max(axis=-1))` is $m' = \max(m, \operatorname{rowmax} S)$.
+# - `m_ref` is $m'$ except in a row that has seen no allowed key yet, where $m' = -\infty$ and
+#   $s_j - m'$ would be $-\infty - (-\infty)$ = NaN; there it is 0. Chapter 6 is about those rows;
+#   for every other row `m_ref` *is* $m'$.
+# - `alpha = np.exp(m - m_ref)` is $\alpha = e^{m - m'}$: 1 in rows whose max did not rise, below
+#   1 where it did, and $e^{-\infty} = 0$ at a row's first tile, where it multiplies the initial
+#   zeros.
+# - `p = np.exp(...)` is $P = e^{S - m'}$, computed in place in the scores' own buffer (`out=s`):
+#   the tile never exists twice in memory.
+# - `l *= alpha; l += p.sum(axis=-1)` is $l' = \alpha \odot l + P\mathbf 1$, in place.
+# - `acc *= alpha[..., None]; acc += matmul(p, v)` is
+#   $\text{acc}' = \operatorname{diag}(\alpha)\,\text{acc} + P V_j$: the tile's second matrix
+#   product. `matmul` is `np.matmul` unless the kernel passes its own: one that writes into a
+#   buffer reused from tile to tile, and, for the few key blocks whose values hold inf or NaN, one
+#   that keeps masked keys out (chapter 6).
+# - `m[...] = m_new` stores $m \leftarrow m'$ in place, so the caller's arrays carry the state to
+#   the next tile.
+#
+# Everything else in `flash_attention` feeds this function: its inner function `attend` takes one
+# query block, computes each tile's `s` with one matrix product, sets the disallowed pairs to
+# $-\infty$, calls `online_softmax_update`, and after the last tile divides once (`_finalize`:
+# $O_i = \operatorname{diag}(l)^{-1}\text{acc}$, $\text{lse}_i = m + \log l$, and the empty rows
+# of chapter 6). The cell below is that loop, in full, around the function above: for every tile
+# of `tile_schedule` (next section) it computes the scores and calls `online_softmax_update`. It
+# reproduces `flash_attention` bit for bit.
+
+# %%
+def attention_by_tiles(q, k, v, block_q, block_k, scale):
+    """flash_attention's loop, written out: tile_schedule's tiles, online_softmax_update on each."""
+    out = np.empty((q.shape[0], v.shape[1]))
+    for q_start, q_stop, k_start, k_stop in flash_lib.tile_schedule(
+            len(q), len(k), block_q, block_k):
+        if k_start == 0:  # a new query block: load Q_i, fresh state
+            q_blk = q[q_start:q_stop] * scale
+            m, l = np.full(q_stop - q_start, -np.inf), np.zeros(q_stop - q_start)
+            acc = np.zeros((q_stop - q_start, v.shape[1]))
+        s = q_blk @ k[k_start:k_stop].T  # S = τ Q_i K_jᵀ
+        flash_lib.online_softmax_update(m, l, acc, s, v[k_start:k_stop])
+        if k_stop == len(k):  # the query block's last tile: divide once
+            out[q_start:q_stop] = acc / l[:, None]
+    return out
+
+
+rng = np.random.default_rng(5)
+q, k, v = rng.standard_normal((100, 16)), rng.standard_normal((300, 16)), rng.standard_normal((300, 8))
+by_tiles = attention_by_tiles(q, k, v, block_q=32, block_k=64, scale=1 / np.sqrt(16))
+by_kernel = flash_lib.flash_attention(q, k, v, block_q=32, block_k=64)
+print("largest difference from flash_attention:", np.abs(by_tiles - by_kernel).max())
+
+# %% [markdown]
+# **The scale.** Bit for bit above because $\tau = 1/\sqrt{16} = 2^{-2}$ is a power of two.
+# `flash_lib` does not multiply each tile's scores by $\tau$. It writes $\tau = r \cdot 2^e$ with
+# $\tfrac12 \le r < 1$ and multiplies the query block by $r \cdot 2^a$ (once per query block) and
+# each key block by $2^b$, with $a + b = e$ and $b = \operatorname{trunc}(e/2)$:
+#
+# - *accuracy*: multiplying by a power of two is exact, so the scores round exactly as
+#   $(\tau q)k^\top$ does, which carries the same error bound as $\tau(qk^\top)$: one rounding of
+#   the scale against the $d$ roundings of the dot product;
+# - *range*: with half of the power of two on each side, neither factor overflows before the other
+#   brings it back: $\tau q$ alone overflows for $q = 10^{300}$, $\tau = 10^{10}$, although every
+#   score is finite (the cell below);
+# - *cost*: $b_k d$ multiplications per tile for the key block (none when $2^b = 1$) and
+#   $b_q d$ per query block, where scaling the scores would be $b_q b_k$ per tile, one more pass
+#   over the whole tile.
+
+# %%
+q_huge, k_tiny = np.full((1, 4), 1e300), np.full((2, 4), 1e-300)
+with np.errstate(over="ignore"):
+    tau_q = 1e10 * q_huge
+scores_q_first = tau_q @ k_tiny.T  # (τq)kᵀ with τq formed first
+print("τq:", tau_q, "| (τq)kᵀ:", scores_q_first)
+out_huge = flash_lib.flash_attention(q_huge, k_tiny, np.eye(2), scale=1e10)
+print("flash_attention with q = 1e300, k = 1e-300, τ = 1e10 (scores 4e10, equal):", out_huge)
 
 # %% [markdown]
 # ## The tile schedule
@@ -110,10 +195,6 @@
 # visiting order.
 
 # %%
-import numpy as np
-import matplotlib.pyplot as plt
-import flash_lib
-
 n_q, n_k, block_q, block_k = 10, 13, 4, 5
 tiles = flash_lib.tile_schedule(n_q, n_k, block_q, block_k)
 for order, tile in enumerate(tiles):
@@ -126,7 +207,7 @@ for q_start, q_stop, k_start, k_stop in tiles:
 n_tiles_expected = -(-n_q // block_q) * -(-n_k // block_k)  # ceil(Nq/bq) * ceil(Nk/bk)
 print("tiles:", len(tiles), "; ceil(10/4) * ceil(13/5) =", n_tiles_expected)
 print("times each (query, key) pair is covered: from", coverage.min(), "to", coverage.max())
-print("query blocks in the outer loop:", [t[0] for t in tiles] == sorted(t[0] for t in tiles))
+print("query block of each tile, in visiting order:", [t[0] for t in tiles])
 
 
 # %%
@@ -282,8 +363,10 @@ print(f"{grid_err.size} block-size pairs, from {grid_tiles.min()} to {grid_tiles
 #
 # - One tile's update is a handful of matrix operations on $S = \tau Q_i K_j^\top$; after a query
 #   block's last tile, $O_i = \operatorname{diag}(l)^{-1}\text{acc}$ and
-#   $\text{lse}_i = m + \log l$. These are the lines of `flash_attention`'s inner function
-#   `attend`.
+#   $\text{lse}_i = m + \log l$. The update is `flash_lib.online_softmax_update`, shown above;
+#   a loop over `tile_schedule` around it reproduces `flash_attention` bit for bit.
+# - The scale goes on the inputs as powers of two and $r$: the same rounding as $(\tau q)k^\top$,
+#   no overflow of $\tau q$ where the scores are finite.
 # - `tile_schedule` visits $\lceil N_q/b_q \rceil \cdot \lceil N_k/b_k \rceil$ tiles, query blocks
 #   outer and key blocks inner, covering every (query, key) pair exactly once, with partial last
 #   blocks when the block sizes do not divide $N_q$, $N_k$.
@@ -296,6 +379,9 @@ print(f"{grid_err.size} block-size pairs, from {grid_tiles.min()} to {grid_tiles
 #   size tried: 1, non-divisors of $N$, $N$, and larger than $N$.
 
 # %%
+assert np.array_equal(by_tiles, by_kernel)
+assert np.isinf(tau_q).all() and np.isinf(scores_q_first).all()
+assert np.array_equal(out_huge, [[0.5, 0.5]])
 assert len(tiles) == n_tiles_expected == 9
 assert np.all(coverage == 1)
 assert [t[0] for t in flash_lib.tile_schedule(10, 13, 4, 5)] == [0, 0, 0, 4, 4, 4, 8, 8, 8]
