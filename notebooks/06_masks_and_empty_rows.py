@@ -20,6 +20,9 @@
 #
 # - a boolean mask (True = may attend) sets masked scores to $-\infty$, which gives them weight
 #   exactly 0: masked attention is attention over each row's allowed keys;
+# - flash_lib's contract for masked keys: an inf or NaN stored at a masked key (the unused slots
+#   of a KV cache) never reaches a row that may not attend it, although $0 \cdot \text{NaN}$ is
+#   NaN;
 # - causal attention aligned bottom-right, key $j$ allowed for query $i$ iff
 #   $j \le i + (N_k - N_q)$, why that alignment, and which tiles `flash_attention` then skips, for
 #   $N_q = N_k$ and $N_q \ne N_k$;
@@ -76,6 +79,54 @@ print("masked-out keys set to +-1e150: largest change of the output",
       np.abs(out_garbage - out_masked).max())
 
 # %% [markdown]
+# ### Masked keys never leak, not even inf or NaN
+#
+# "The masked keys' contents cannot matter" needs more care than weight 0 when they are not
+# finite. A KV cache is allocated for the longest sequence; a shorter sequence leaves its unused
+# slots holding whatever was there, possibly inf or NaN, and a key-padding mask hides them. But
+# IEEE arithmetic makes $0 \cdot \text{NaN} = \text{NaN}$ and $0 \cdot \infty = \text{NaN}$, so
+# in a plain $PV$ product a weight of exactly 0 does not keep a NaN value out of a row. flash_lib's
+# contract (its module docstring): **an inf or NaN in `k` or `v` at key $j$ reaches exactly the
+# rows allowed to attend key $j$, for every block size**; a row that may not attend it is computed
+# as if key $j$ did not exist. (The kernel finds the few key blocks whose values hold such numbers
+# once per call and, for those blocks only, leaves the disallowed pairs out of the product.)
+#
+# The cell: a batch of two sequences in one cache of 24 slots, holding 17 and 9 tokens; every
+# unused slot of `k` and `v` is NaN or $\pm\infty$; the mask allows each sequence's own tokens.
+# It compares the output with attention over each sequence's tokens alone, for three block sizes,
+# then shows the plain product that leaks.
+
+# %%
+n_cache, lengths = 24, (17, 9)
+q_kv = rng.standard_normal((2, 3, d))  # (sequence, query, feature)
+k_kv = rng.standard_normal((2, n_cache, d))
+v_kv = rng.standard_normal((2, n_cache, d_v))
+padding = np.arange(n_cache)[None, :] < np.array(lengths)[:, None]  # (sequence, slot)
+for b, length in enumerate(lengths):
+    k_kv[b, length:] = np.nan
+    v_kv[b, length:: 2] = np.nan
+    v_kv[b, length + 1:: 2] = np.inf * rng.choice([-1, 1], size=(len(v_kv[b, length + 1:: 2]), d_v))
+cache_mask = padding[:, None, :]  # the same slots hidden from every query of a sequence
+alone = [flash_lib.naive_attention(q_kv[b], k_kv[b, :length], v_kv[b, :length])
+         for b, length in enumerate(lengths)]
+leak_checks = {}
+for block_k in (1, 5, flash_lib.DEFAULT_BLOCK_K):
+    out_kv = flash_lib.flash_attention(q_kv, k_kv, v_kv, mask=cache_mask, block_k=block_k)
+    leak_checks[block_k] = (int(np.isnan(out_kv).sum() + np.isinf(out_kv).sum()),
+                            max(rowwise_relative_error(out_kv[b], alone[b]).max() for b in range(2)))
+    print(f"block_k = {block_k:>3}: non-finite outputs {leak_checks[block_k][0]}, "
+          f"largest error against each sequence's tokens alone {leak_checks[block_k][1]:.1e}")
+
+# The plain product: the weights of the padded slots are exactly 0, and still 0 · NaN = NaN.
+with np.errstate(invalid="ignore"):
+    s_kv = np.where(cache_mask, q_kv @ np.swapaxes(np.nan_to_num(k_kv), -1, -2) / np.sqrt(d), -np.inf)
+    p_kv = np.exp(s_kv - s_kv.max(axis=-1, keepdims=True))
+    plain = (p_kv / p_kv.sum(axis=-1, keepdims=True)) @ v_kv
+print("weights on the padded slots:", np.unique(p_kv[~np.broadcast_to(cache_mask, p_kv.shape)]),
+      "| plain P @ V: NaN in", int(np.isnan(plain).any(axis=-1).sum()), "of",
+      plain.shape[0] * plain.shape[1], "rows")
+
+# %% [markdown]
 # ## Causal, aligned bottom-right
 #
 # In a causal model the token at position $t$ attends to positions $\le t$. When the $N_q$ queries
@@ -111,8 +162,9 @@ for shape in ((6, 6), (2, 5), (5, 2), (1, 7), (16, 40)):
     same_as_tril = np.array_equal(allowed, np.tril(np.ones(shape, dtype=bool), k=n_kc - n_qc))
     err = rowwise_relative_error(out_causal, out_mask).max()
     causal_checks.append((shape, same_as_tril, err))
-    print(f"Nq, Nk = {shape}: rule == tril(k=Nk-Nq): {same_as_tril}; causal=True vs mask=, "
-          f"largest error {err:.1e}")
+    print(f"Nq, Nk = {shape}: pairs where the rule and tril(k=Nk-Nq) differ: "
+          f"{np.count_nonzero(allowed != np.tril(np.ones(shape, dtype=bool), k=n_kc - n_qc))}; "
+          f"causal=True vs mask=, largest error {err:.1e}")
 
 print("\nNq = 2, Nk = 5:")
 print(causal_bottom_right(2, 5).astype(int))
@@ -336,8 +388,8 @@ with np.errstate(invalid="raise", divide="raise", over="raise"):
 out_guarded = np.array([g[0] for g in guarded])
 lse_guarded = np.array([g[1] for g in guarded])
 nonempty = [0, 2, 3]
-print("empty row 1, output exactly 0 (flash, naive, stream):",
-      *(bool(np.all(o[1] == 0)) for o in (out_flash, out_naive, out_guarded)))
+print("empty row 1, largest |output| (flash, naive, stream):",
+      *(np.abs(o[1]).max() for o in (out_flash, out_naive, out_guarded)))
 print("empty row 1, lse (flash, naive, stream):", lse_flash[1], lse_naive[1], lse_guarded[1])
 err_rows = {
     "flash vs naive": rowwise_relative_error(out_flash[nonempty], out_naive[nonempty]).max(),
@@ -374,6 +426,9 @@ print(f"rows 3 and 4 against naive: largest error {rowwise_relative_error(out_c[
 # - A masked score becomes $-\infty$ and its weight exactly 0: each row of masked attention equals
 #   attention over that row's allowed keys only, and overwriting masked-out keys and values with
 #   huge finite numbers changes nothing, bit for bit.
+# - Masked keys never leak: with NaN and $\pm\infty$ in every padded slot of a KV cache, the
+#   output has no NaN or inf at any block size and equals attention over each sequence's own
+#   tokens, where a plain $PV$ product with weights exactly 0 turns every row NaN.
 # - `causal=True` allows key $j$ for query $i$ iff $j \le i + (N_k - N_q)$, the same as
 #   `np.tril(..., k=Nk - Nq)` and as passing that mask, for square, wide and tall shapes.
 # - A tile is visited iff its bottom-left pair is allowed and needs a mask iff its top-right pair
@@ -393,6 +448,9 @@ print(f"rows 3 and 4 against naive: largest error {rowwise_relative_error(out_c[
 # any error of the algorithm (a wrong weight, a missing key) far above.
 assert max(row_errors) < 1e-13
 assert np.array_equal(out_masked, out_garbage)
+for n_bad, err in leak_checks.values():
+    assert n_bad == 0 and err < 1e-13, leak_checks
+assert np.all(np.isnan(plain).any(axis=-1))  # without the contract, every row would be NaN
 assert all(same and err < 1e-13 for _, same, err in causal_checks)
 assert census[(40, 40)] == (15, 25, 5)
 n_blocks = 40 // 8
