@@ -23,17 +23,19 @@
 # - we measure this machine's matrix-product rate (GFLOP/s of a large GEMM): the ceiling that
 #   no attention kernel built on the same matrix products can pass;
 # - we time `flash_attention` against `naive_attention` (and PyTorch's
-#   `scaled_dot_product_attention` when PyTorch is installed) for $N$ from 256 to 4096, and
-#   flash alone at 8192, as seconds and as GFLOP/s;
+#   `scaled_dot_product_attention` when PyTorch is installed) for $N$ from 256 to 2048, as
+#   seconds and as GFLOP/s;
 # - we time flash over a grid of tile sizes `block_q` × `block_k`: too small, and per-tile
 #   overhead dominates;
-# - we time the speed-up that causal attention's skipped tiles buy (chapter 6 derived which tiles
-#   are skipped: $n(n+1)/2$ of $n^2$ are visited for $n$ square blocks per side).
+# - we time the speed-up that causal attention's skipped tiles buy (chapter 6 counted them).
 #
 # Timings depend on the machine and on what else runs on it. The cells that print timings are
 # the only ones whose output the notebook's test (nbval) ignores; the prose quotes no time as a
 # fact, and the numbers printed "on the machine that built this page" are whatever that machine
-# measured. `make bench` runs the full benchmark (`bench/bench_flash.py`: larger $N$, float64
+# measured. For the same reason nothing here *asserts* a speed: on a shared machine a timing can
+# be off by a factor of two, and a test that fails when a neighbour is busy tests the neighbour.
+# What is asserted is what timing cannot change (every kernel's output) and one bound that any
+# honest timing meets (no kernel beats the machine's own matrix-product rate). `make bench` runs the full benchmark (`bench/bench_flash.py`: larger $N$, float64
 # and float32, PyTorch, memory, causal).
 
 # %%
@@ -75,7 +77,7 @@ def attention_flop(n, d=d):
     return 4 * n * n * d
 
 
-def best_times(fns, min_rounds=3, min_seconds=0.25, max_rounds=20, settle=0.15):
+def best_times(fns, min_rounds=2, min_seconds=0.25, max_rounds=20, settle=0.15):
     """Best wall time of each callable in `fns` (a dict), timed in turn, round after round.
 
     At least `min_rounds` rounds, and more (up to `max_rounds`) until `min_seconds` have passed:
@@ -107,7 +109,7 @@ def random_inputs(n):
 # %% [markdown]
 # ## The ceiling: this machine's GEMM rate
 #
-# A $2048 \times 2048$ float32 matrix product, $2 \cdot 2048^3$ flops, through the same BLAS that
+# A $1024 \times 1024$ float32 matrix product, $2 \cdot 1024^3$ flops, through the same BLAS that
 # NumPy uses for the kernels' `@`. Attention's counted flops are matrix-product flops, so a kernel
 # that did nothing else would at best reach this rate; the extra passes (`exp`, max, sum,
 # rescaling) only push it lower.
@@ -122,13 +124,13 @@ try:
     cores = len(os.sched_getaffinity(0))  # the cores this process may run on
 except AttributeError:  # macOS, Windows
     cores = os.cpu_count() or 1
-gemm_a, gemm_b = (rng.standard_normal((2048, 2048), dtype=dtype) for _ in range(2))
+gemm_a, gemm_b = (rng.standard_normal((1024, 1024), dtype=dtype) for _ in range(2))
 gemm_a @ gemm_b  # warm-up: BLAS threads start, output pages are touched
 
 
 def gemm_gflops():
     """max(all-core GEMM rate, one-core GEMM rate · cores), in GFLOP/s, best of a few runs."""
-    flop = 2 * 2048**3
+    flop = 2 * 1024**3
     all_cores = best_times({"gemm": lambda: gemm_a @ gemm_b})["gemm"]
     with threadpool_limits(limits=1, user_api="blas"):
         one_core = best_times({"gemm": lambda: gemm_a @ gemm_b})["gemm"]
@@ -153,7 +155,7 @@ print(f"on the machine that built this page: GEMM ceiling {gemm_rate:.0f} GFLOP/
 # core. Each output is checked against naive's before anything is timed.
 
 # %%
-sizes = [256, 512, 1024, 2048, 4096]
+sizes = [256, 512, 1024, 2048]
 print(f"flash_attention's default tiles: block_q = {flash_lib.DEFAULT_BLOCK_Q}, "
       f"block_k = {flash_lib.DEFAULT_BLOCK_K}")
 
@@ -181,14 +183,14 @@ else:
           f"with {torch.get_num_threads()} threads")
 
 # %%
-max_error = 0.0
+errors = {name: 0.0 for name in kernels}  # each kernel's largest error against naive's output
 seconds = {name: [] for name in kernels}
 for n in sizes:
     q, k, v = random_inputs(n)
     reference = flash_lib.naive_attention(q, k, v)
     for name, kernel in kernels.items():
         out = np.asarray(kernel(q, k, v))  # untimed first run, also the check
-        max_error = max(max_error, float(np.abs(out - reference).max() / np.abs(reference).max()))
+        errors[name] = max(errors[name], float(np.abs(out - reference).max() / np.abs(reference).max()))
     numpy_kernels = [name for name in kernels if name != "torch SDPA"]
     best = best_times({name: (lambda f=kernels[name]: f(q, k, v)) for name in numpy_kernels})
     if "torch SDPA" in kernels:
@@ -198,19 +200,14 @@ for n in sizes:
     for name in kernels:
         seconds[name].append(best[name])
 
-# One point further for flash alone (naive would need three 256 MiB arrays).
-n_big = 8192
-q, k, v = random_inputs(n_big)
-seconds_flash_big = best_times({"flash": lambda: flash_lib.flash_attention(q, k, v)},
-                               min_rounds=2)["flash"]
-
 gflops = {name: np.array([attention_flop(n) for n in sizes]) / np.array(t) / 1e9
           for name, t in seconds.items()}
-gflops_flash_big = attention_flop(n_big) / seconds_flash_big / 1e9
-print("every kernel's output within 1e-4 of naive's (relative to the output's scale):",
-      max_error < 1e-4)
+max_error = max(errors.values())
+print(f"flash's output against naive's, relative to the output's scale: at most "
+      f"{errors['flash']:.0e}")
 
 # %% tags=["nbval-ignore-output"]
+print("errors against naive's output:", ", ".join(f"{name} {e:.0e}" for name, e in errors.items()))
 print("on the machine that built this page "
       "(best time in seconds | GFLOP/s | % of the GEMM ceiling):")
 print(f"{'N':>6}" + "".join(f"{name:>30}" for name in kernels))
@@ -219,31 +216,32 @@ for i, n in enumerate(sizes):
         f"{seconds[name][i]:>12.4f} | {gflops[name][i]:6.1f} | "
         f"{100 * gflops[name][i] / gemm_rate:3.0f}%"
         for name in kernels))
-print(f"{n_big:>6}{seconds_flash_big:>12.4f} | {gflops_flash_big:6.1f} | "
-      f"{100 * gflops_flash_big / gemm_rate:3.0f}%   (flash only)")
 print(f"flash time / naive time at N = {sizes[-1]}: "
       f"{seconds['flash'][-1] / seconds['naive'][-1]:.2f}")
+# The N² growth, as measured (an observation, not an assert: see the top of the chapter).
+i_small, i_large = sizes.index(512), sizes.index(2048)
+print("time at N = 2048 / time at N = 512 (N² predicts 16 once fixed costs are negligible): "
+      + ", ".join(f"{name} {seconds[name][i_large] / seconds[name][i_small]:.1f}"
+                  for name in kernels))
 
 # %% [markdown]
-# On the left the time, which grows as $N^2$ once $N$ is large enough for the arithmetic to
-# outweigh the fixed costs of a call; on the right the rate, with the GEMM ceiling as a line.
+# On the left the time; the work grows as $N^2$ ($4N^2d$ flops), so once $N$ is large enough for
+# the arithmetic to outweigh the fixed costs of a call the time should too, and the dashed line
+# is $N^2$ through naive's largest point (the ratio printed above is this build's measurement).
+# On the right the rate, with the GEMM ceiling as a line.
 
 # %%
 fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(11, 4.5))
 for i, name in enumerate(kernels):
     ax_t.loglog(sizes, seconds[name], "o-", color=f"C{i}", label=name)
     ax_r.semilogx(sizes, gflops[name], "o-", color=f"C{i}", label=name)
-ax_t.loglog([n_big], [seconds_flash_big], "o", color="C0", mfc="none",
-            label=f"flash alone, N = {n_big}")
-ax_r.semilogx([n_big], [gflops_flash_big], "o", color="C0", mfc="none",
-              label=f"flash alone, N = {n_big}")
-n_line = np.array([sizes[1], n_big])
+n_line = np.array([sizes[1], sizes[-1]])
 ax_t.loglog(n_line, seconds["naive"][-1] * (n_line / sizes[-1]) ** 2, "--", color="0.5", lw=1,
             label=r"$\propto N^2$")
 ax_r.axhline(gemm_rate, ls="--", color="k", lw=1, label="GEMM ceiling (float32)")
 for ax in (ax_t, ax_r):
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes + [n_big], [str(n) for n in sizes + [n_big]])
+    ax.set_xticks(sizes, [str(n) for n in sizes])
     ax.set_xlabel("N = Nq = Nk (tokens)")
     ax.grid(True, which="major", alpha=0.3)
 ax_t.legend(fontsize=8, loc="upper left")
@@ -265,17 +263,18 @@ plt.show()
 # overhead, which larger tiles amortise; but the scores tile (`block_q` × `block_k` floats,
 # 1 MiB at 512 × 512) is read and written by several passes, which are fastest while it fits in
 # the caches close to the core. Where the balance lies depends on the machine, so we measure it:
-# the grid below, at $N = 2048$.
+# the grid below, at $N = 1024$. (Only flash runs here, and it holds BLAS at one thread, so no
+# library's threads are left spinning between the calls: a short settle suffices.)
 
 # %%
-n_grid = 2048
-block_sizes = [64, 128, 256, 512, 1024]
+n_grid = 1024
+block_sizes = [64, 256, 1024]
 q, k, v = random_inputs(n_grid)
 grid_fns = {
     (bq, bk): (lambda bq=bq, bk=bk: flash_lib.flash_attention(q, k, v, block_q=bq, block_k=bk))
     for bq in block_sizes for bk in block_sizes
 }
-grid_best = best_times(grid_fns, min_rounds=2)
+grid_best = best_times(grid_fns, settle=0.01)
 grid_gflops = np.array([[attention_flop(n_grid) / grid_best[bq, bk] / 1e9 for bk in block_sizes]
                         for bq in block_sizes])
 
@@ -305,39 +304,23 @@ plt.show()
 # ## Causal attention: the tiles it skips
 #
 # With `causal=True` and $N_q = N_k = N$, `flash_attention` visits $n(n+1)/2$ of the $n^2$ tiles
-# for $n = N / b$ square blocks per side (chapter 6 derives it), fewer by a factor
-# $2n / (n + 1)$, which tends to 2 as the tiles shrink. `flash_lib.tile_schedule` is exactly
-# what the kernel visits, so counting it needs no timing.
+# for $n = N / b$ square blocks per side (chapter 6 derives it and checks `tile_schedule`
+# against it). Time follows tiles only roughly: the diagonal tiles carry the extra masking work,
+# and with causal attention the query blocks no longer cost the same, so the thread pool's last
+# blocks may finish unevenly. We time both at $N = 2048$ with the default tiles and compare the
+# speed-up with the ratio of tiles.
 
 # %%
-n_causal = 4096
-tile_counts = {}
-for b in [64, 128, 256, 512, 1024]:
-    full = len(flash_lib.tile_schedule(n_causal, n_causal, b, b))
-    causal = len(flash_lib.tile_schedule(n_causal, n_causal, b, b, causal=True))
-    tile_counts[b] = (full, causal)
-    n_b = n_causal // b
-    print(f"N = {n_causal}, {b:>4} × {b:<4} tiles: {causal:>5} of {full:>5} visited "
-          f"(n(n+1)/2 = {n_b * (n_b + 1) // 2}), fewer by a factor {full / causal:.2f}")
+n_causal = 2048
 bq, bk = flash_lib.DEFAULT_BLOCK_Q, flash_lib.DEFAULT_BLOCK_K
-default_full = len(flash_lib.tile_schedule(n_causal, n_causal, bq, bk))
-default_causal = len(flash_lib.tile_schedule(n_causal, n_causal, bq, bk, causal=True))
-tile_ratio = default_full / default_causal
-print(f"default {bq} × {bk} tiles: {default_causal} of {default_full} visited, "
-      f"fewer by a factor {tile_ratio:.2f}")
-
-# %% [markdown]
-# Time follows tiles only roughly: the diagonal tiles carry the extra masking work, and with
-# causal attention the query blocks no longer cost the same, so the thread pool's last blocks
-# may finish unevenly. We time both at $N = 4096$ with the default tiles and compare the
-# speed-up with the tile ratio.
-
-# %%
+tile_ratio = (len(flash_lib.tile_schedule(n_causal, n_causal, bq, bk))
+              / len(flash_lib.tile_schedule(n_causal, n_causal, bq, bk, causal=True)))
+print(f"N = {n_causal}, default {bq} × {bk} tiles: causal visits {tile_ratio:.2f}× fewer tiles")
 q, k, v = random_inputs(n_causal)
 causal_best = best_times({
     "full": lambda: flash_lib.flash_attention(q, k, v),
     "causal": lambda: flash_lib.flash_attention(q, k, v, causal=True),
-})
+}, settle=0.01)
 causal_speedup = causal_best["full"] / causal_best["causal"]
 
 # %% tags=["nbval-ignore-output"]
@@ -362,25 +345,14 @@ gemm_rate = max(gemm_rate, gemm_gflops())
 #   float32, relative to the output's scale).
 # - The rates of flash and naive, counted as $4 N^2 d$ flops over the best time, stay below 1.5
 #   times this machine's GEMM rate at every size, as they must (the margin is for timing noise);
-#   the times themselves are in the ignored cells above.
-# - Causal attention with square tiles of size $b$ visits $n(n + 1)/2$ of the $n^2$ tiles
-#   ($n = N/b$): fewer by $2n / (n + 1)$, between 1 and 2 and growing toward 2 as the tiles
-#   shrink; `tile_schedule` agrees at every tile size we tried, including the defaults.
+#   the times themselves, their growth with $N$ (measured against the $N^2$ of the work) and the
+#   causal speed-up are in the ignored cells above: observations of this build, not claims.
 
 # %%
-# 1e-4: float32 attention over up to 4096 keys errs by about 1e-6 (chapter 7); a wrong kernel by 0.1
+# 1e-4: float32 attention over up to 2048 keys errs by about 1e-6 (chapter 7); a wrong kernel by 0.1
 assert max_error < 1e-4, max_error
 # No kernel built on this BLAS beats its GEMM rate; 1.5 leaves room for timing noise. (PyTorch
 # brings its own matrix products and is not held to it.)
 for name in ("flash", "naive"):
     assert np.all(gflops[name] < 1.5 * gemm_rate), (name, gflops[name])
-assert gflops_flash_big < 1.5 * gemm_rate
 assert np.all(grid_gflops < 1.5 * gemm_rate)
-ratios = []
-for b, (full, causal) in tile_counts.items():
-    n_b = n_causal // b
-    assert full == n_b**2 and causal == n_b * (n_b + 1) // 2, (b, full, causal)
-    assert 1 < full / causal < 2
-    ratios.append(full / causal)
-assert ratios == sorted(ratios, reverse=True)  # smaller tiles skip a larger share
-assert 1 < tile_ratio < 2
