@@ -168,8 +168,9 @@ for n_blocks in (2, 16, 256):
 # ## One number instead of two: the log-sum-exp
 #
 # The pair $(m, l)$ carries more than it needs to: $(m + c, \, l \, e^{-c})$ describes the same
-# block for every $c$, because only $l \, e^{m} = \sum_j e^{x_j}$ matters. Its logarithm is the
-# compact state
+# block for every $c$, because only $l \, e^{m} = \sum_j e^{x_j}$ matters. Its logarithm, the
+# log-sum-exp that chapter 1 found deciding where the textbook softmax overflows, is the compact
+# state
 #
 # $$\mathrm{lse} = \log \sum_j e^{x_j} = m + \log l , \qquad m \le \mathrm{lse} \le m + \log n ,$$
 #
@@ -249,7 +250,8 @@ print("merge(a, b) vs merge(b, a): largest difference",
 # - **Split-KV**: cut the keys and values into chunks, attend to each chunk separately (in
 #   parallel), keep each chunk's output and lse, and merge them at the end.
 # - **Flash-decoding** is split-KV on a GPU for text generation. Each step has one new query per
-#   sequence and head against a long cache of keys; FlashAttention parallelises over batch, heads
+#   sequence and head against the keys and values of every earlier token, kept from step to step
+#   (the **KV cache**); FlashAttention parallelises over batch, heads
 #   and blocks of queries, so a single query would leave most of a GPU idle. Flash-decoding
 #   attends to the chunks in parallel, writes one extra number per row and chunk (its lse), and
 #   combines the $T$ chunks in one final reduction (Dao, Haziza, Massa, Sizov, "Flash-Decoding for

@@ -262,7 +262,7 @@ plt.show()
 # In NumPy the key and value blocks are views into `k` and `v` and cost nothing, while $S$ and $P$
 # briefly coexist, so flash_lib's working set is a little different from the count, but just as
 # independent of $N$. One measurement confirms it: `flash_lib.measure_peak_bytes`
-# (tracemalloc) around one query block of 128 rows against $N_k$ from 1024 to 16384 keys, minus the
+# (Python's allocation tracer, `tracemalloc`) around one query block of 128 rows against $N_k$ from 1024 to 16384 keys, minus the
 # returned arrays. Chapter 8 measures memory properly, against $N$ and block sizes.
 
 # %%

@@ -81,7 +81,8 @@ rng = np.random.default_rng(7)
 #   $2 \times 10^4$, $\sigma = \min(1, \text{span}/5)$.
 #
 # Sizes stay small ($N_k = 128$, $d = 32$) because the truth is computed in `longdouble`,
-# without BLAS.
+# without BLAS (the optimised linear-algebra library behind NumPy's matrix products, here
+# OpenBLAS).
 
 # %%
 n_k, d = 128, 32
@@ -189,7 +190,8 @@ for dt in (np.float64, np.float32):
 # 5. **Everything after the scores** (exp, the sums over $N_k$ keys, for flash also the
 #    $2 T_k$ rescalings by $\alpha$ over its $T_k = 8$ key blocks, the division) adds
 #    $\gamma_{N_k + 2T_k + 2} \max|v|$ for the sums and rescalings, and $4u \max|v|$ for exp
-#    (NumPy's `exp` is correct to within an ulp, $2u$ relative) and the division.
+#    (NumPy's `exp` is correct to within an ulp, a unit in the last place, so $2u$ relative) and
+#    the division.
 #
 # Dividing by the row's size $\max_c |o_{ic}|$, with $\kappa_i = \max|v| / \max_c |o_{ic}|$:
 #

@@ -20,7 +20,8 @@
 # one core. This chapter measures where `flash_lib` stands, on whatever machine runs it. In this
 # chapter:
 #
-# - we measure this machine's matrix-product rate (GFLOP/s of a large GEMM): the ceiling that
+# - we measure this machine's matrix-product rate in GFLOP/s ($10^9$ floating-point operations per
+#   second) on a large GEMM (BLAS's general matrix-matrix multiply): the ceiling that
 #   no attention kernel built on the same matrix products can pass;
 # - we time `flash_attention` against `naive_attention` (and PyTorch's
 #   `scaled_dot_product_attention` when PyTorch is installed) for $N$ from 256 to 2048, as

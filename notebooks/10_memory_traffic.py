@@ -321,7 +321,8 @@ print(f"bytes x M, smallest and largest M: {flash_vs_m[0] * sram_sizes[0]:.3e}, 
 # memory-bound.
 #
 # One real GPU: the NVIDIA A100 SXM4 80 GB, whose datasheet gives 2,039 GB/s of HBM2e bandwidth
-# and 312 TFLOP/s of dense float16 tensor-core throughput (NVIDIA A100 Tensor Core GPU datasheet).
+# and 312 TFLOP/s of dense float16 throughput on its tensor cores, the units that multiply small
+# matrices in one step (NVIDIA A100 Tensor Core GPU datasheet).
 # Its ridge point is $312 / 2.039 = 153$ flop/byte.
 
 # %%

@@ -52,10 +52,10 @@ rng = np.random.default_rng(11)
 # %%
 formats = {"float16": np.float16, "bfloat16": bfloat16, "float32": np.float32}
 info = {name: ml_dtypes.finfo(dt) for name, dt in formats.items()}
-print(f"{'dtype':<9} {'fraction bits':>13} {'eps':>10} {'u = eps/2':>10} {'max':>11} {'log(max)':>9}")
+print(f"{'dtype':<9} {'fraction bits':>13} {'eps':>10} {'u = eps/2':>10} {'max':>11}")
 for name, fi in info.items():
     print(f"{name:<9} {fi.nmant:>13} {float(fi.eps):>10.3e} {float(fi.eps) / 2:>10.3e} "
-          f"{float(fi.max):>11.4e} {np.log(float(fi.max)):>9.2f}")
+          f"{float(fi.max):>11.4e}")
 try:
     np.finfo(bfloat16)
 except ValueError as e:
