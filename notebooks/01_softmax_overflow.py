@@ -71,8 +71,8 @@ for dt, t in thresholds.items():
     below = np.exp(dt(t - 0.5))
     with np.errstate(over="ignore"):
         above = np.exp(dt(t + 0.5))
-    print(f"{dt.__name__:<7}: exp(x) overflows for x > {t:.2f};  "
-          f"exp({t - 0.5:.2f}) finite: {bool(np.isfinite(below))},  exp({t + 0.5:.2f}) = {above}")
+    print(f"{dt.__name__:<7}: exp(x) overflows for x > {t:.2f}; "
+          f"exp({t - 0.5:.2f}) = {float(below):.3g}, exp({t + 0.5:.2f}) = {above}")
 
 t64, t32 = thresholds[np.float64], thresholds[np.float32]
 # below log(smallest subnormal), exp(x) rounds to 0: the underflow end
@@ -240,20 +240,19 @@ for dt, r in results.items():
     t, eps = thresholds[dt], np.finfo(dt).eps
     fits, overflows = r["lse"] < t, r["lse"] > t
     between = overflows & (spans < t)
-    print(f"{dt.__name__}: exp overflows above {t:.2f}; the row's lse reaches it at a span of "
-          f"{sum_overflows_at[dt]:.2f}, {t - sum_overflows_at[dt]:.2f} nats earlier")
-    print(f"  unsafe, lse below {t:.2f} (spans up to {spans[fits].max():.2f}): largest error "
-          f"{r['err_unsafe'][fits].max() / eps:.1f} eps, weight on wrong entries "
-          f"{r['wrong_unsafe'][fits].max():.0f}")
-    print(f"  unsafe, lse above {t:.2f} (spans from {spans[overflows].min():.2f}): weight on wrong "
-          f"entries at least {r['wrong_unsafe'][overflows].min():.4f}")
-    print(f"  unsafe, spans {spans[between].min():.2f} to {spans[between].max():.2f} (sum overflows,"
-          f" largest score does not): NaN in {r['nan_unsafe'][between].sum()} of {between.sum()} "
-          f"rows, every entry exactly 0 in {r['all_zero_unsafe'][between].sum()}")
+    print(f"{dt.__name__}: exp overflows above {t:.2f}; the row's lse reaches it at span "
+          f"{sum_overflows_at[dt]:.2f}")
+    print(f"  unsafe, lse < {t:.2f} (spans up to {spans[fits].max():.2f}): error "
+          f"{r['err_unsafe'][fits].max() / eps:.1f} eps, wrong weight {r['wrong_unsafe'][fits].max():.0f}")
+    print(f"  unsafe, lse > {t:.2f} (spans from {spans[overflows].min():.2f}): wrong weight "
+          f"at least {r['wrong_unsafe'][overflows].min():.4f}")
+    print(f"  unsafe, spans {spans[between].min():.2f} to {spans[between].max():.2f} (only the sum "
+          f"overflows): NaN in {r['nan_unsafe'][between].sum()} of {between.sum()} rows,")
+    print(f"     every entry exactly 0 in {r['all_zero_unsafe'][between].sum()}")
     print(f"  unsafe, spans above {t:.2f}: NaN in {r['nan_unsafe'][spans > t].sum()} of "
           f"{(spans > t).sum()} rows")
-    print(f"  safe, every span: largest error {r['err_safe'].max() / eps:.1f} eps, "
-          f"weight on wrong entries {r['wrong_safe'].max():.0f}")
+    print(f"  safe, every span: error {r['err_safe'].max() / eps:.1f} eps, "
+          f"wrong weight {r['wrong_safe'].max():.0f}")
 
 # %% [markdown]
 # Between a span 0.05 nats below the point where its lse reaches $\log(\text{max})$ and one 0.05

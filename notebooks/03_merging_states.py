@@ -125,8 +125,8 @@ for _ in range(1000):
     left, right = merge(merge(a, b), c), merge(a, merge(b, c))
     assoc_m_differs += left[0] != right[0]
     assoc_l = max(assoc_l, rel_diff(left[1], right[1]))
-print(f"of 1000 triples: a ⊕ b != b ⊕ a in {not_commuting}, a ⊕ empty != a in {not_identity}; "
-      f"(a ⊕ b) ⊕ c vs a ⊕ (b ⊕ c): m differs in {assoc_m_differs}, l by at most {assoc_l:.1e}")
+print(f"of 1000 triples: a ⊕ b != b ⊕ a in {not_commuting}, a ⊕ empty != a in {not_identity}")
+print(f"(a ⊕ b) ⊕ c vs a ⊕ (b ⊕ c): m differs in {assoc_m_differs}, l by at most {assoc_l:.1e}")
 
 # %% [markdown]
 # ## Any cut, any order

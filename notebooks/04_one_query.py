@@ -204,9 +204,9 @@ closed_form = (w @ v) / w.sum()
 
 err_no_alpha = rel_err(out_no_alpha, reference)
 outside = np.count_nonzero((out_no_alpha < v.min(axis=0)) | (out_no_alpha > v.max(axis=0)))
-print(f"without alpha vs the closed form: {rel_err(out_no_alpha, closed_form):.1e}; entries that are "
-      f"not finite: {np.count_nonzero(~np.isfinite(out_no_alpha))}, outside the values' range: "
-      f"{outside}")
+print(f"without alpha vs the closed form: {rel_err(out_no_alpha, closed_form):.1e}")
+print(f"entries not finite: {np.count_nonzero(~np.isfinite(out_no_alpha))}, outside the values' "
+      f"range: {outside}")
 print(f"relative error without alpha: {err_no_alpha:.2f}")
 
 # %% [markdown]

@@ -261,9 +261,10 @@ plt.show()
 #
 # In NumPy the key and value blocks are views into `k` and `v` and cost nothing, while $S$ and $P$
 # briefly coexist, so flash_lib's working set is a little different from the count, but just as
-# independent of $N$. One measurement confirms it: `flash_lib.measure_peak_bytes`
-# (Python's allocation tracer, `tracemalloc`) around one query block of 128 rows against $N_k$ from 1024 to 16384 keys, minus the
-# returned arrays. Chapter 8 measures memory properly, against $N$ and block sizes.
+# independent of $N$. One measurement confirms it: `flash_lib.measure_peak_bytes` (Python's
+# allocation tracer, `tracemalloc`) around one query block of 128 rows against $N_k$ from 1024 to
+# 16384 keys, minus the returned arrays. Chapter 8 measures memory properly, against $N$ and
+# block sizes.
 
 # %%
 b_q, b_k, d, d_v = 128, 128, 64, 64

@@ -114,8 +114,8 @@ for block_k in (1, 5, flash_lib.DEFAULT_BLOCK_K):
     out_kv = flash_lib.flash_attention(q_kv, k_kv, v_kv, mask=cache_mask, block_k=block_k)
     leak_checks[block_k] = (int(np.isnan(out_kv).sum() + np.isinf(out_kv).sum()),
                             max(rowwise_relative_error(out_kv[b], alone[b]).max() for b in range(2)))
-    print(f"block_k = {block_k:>3}: non-finite outputs {leak_checks[block_k][0]}, "
-          f"largest error against each sequence's tokens alone {leak_checks[block_k][1]:.1e}")
+    print(f"block_k = {block_k:>3}: non-finite outputs {leak_checks[block_k][0]}; error against "
+          f"each sequence alone {leak_checks[block_k][1]:.1e}")
 
 # The plain product: the weights of the padded slots are exactly 0, and still 0 · NaN = NaN.
 with np.errstate(invalid="ignore"):
@@ -162,9 +162,9 @@ for shape in ((6, 6), (2, 5), (5, 2), (1, 7), (16, 40)):
     same_as_tril = np.array_equal(allowed, np.tril(np.ones(shape, dtype=bool), k=n_kc - n_qc))
     err = rowwise_relative_error(out_causal, out_mask).max()
     causal_checks.append((shape, same_as_tril, err))
-    print(f"Nq, Nk = {shape}: pairs where the rule and tril(k=Nk-Nq) differ: "
-          f"{np.count_nonzero(allowed != np.tril(np.ones(shape, dtype=bool), k=n_kc - n_qc))}; "
-          f"causal=True vs mask=, largest error {err:.1e}")
+    print(f"Nq, Nk = {str(shape):<8}: rule vs tril(k=Nk-Nq): "
+          f"{np.count_nonzero(allowed != np.tril(np.ones(shape, dtype=bool), k=n_kc - n_qc))} "
+          f"pairs differ; causal=True vs mask= {err:.1e}")
 
 print("\nNq = 2, Nk = 5:")
 print(causal_bottom_right(2, 5).astype(int))
@@ -370,8 +370,9 @@ for i in range(n_q):
 # $\log 0$. Both values are the exact ones for an empty set of keys: the empty weighted sum is $0$,
 # and $\text{lse} = \log \sum_{j \in \emptyset} e^{s_j} = \log 0 = -\infty$. The lse convention also
 # composes: chapter 3's `merge_attention` weights a part by $e^{\text{lse}}$, so an empty part
-# merges as weight 0 (chapter 3 showed it; here it is the row that this chapter emptied). Other
-# libraries store other values for that lse, with consequences chapter 16 shows.
+# merges as weight $e^{-\infty} = 0$ and changes nothing (the cell below merges this chapter's empty
+# row with a non-empty one). Other libraries store other values for that lse, with consequences
+# chapter 16 shows.
 #
 # The cell runs the guarded stream, `flash_attention` (with `block_k = 4`, so that row 2's first
 # tile is fully masked) and `naive_attention` under `np.errstate(invalid="raise", divide="raise",
@@ -397,7 +398,9 @@ err_rows = {
     "lse, flash vs naive": np.abs(lse_flash[nonempty] - lse_naive[nonempty]).max(),
     "lse, stream vs naive": np.abs(lse_guarded[nonempty] - lse_naive[nonempty]).max(),
 }
-print("rows 0, 2, 3, largest errors:", {name: f"{e:.1e}" for name, e in err_rows.items()})
+print("rows 0, 2, 3, largest errors:", ", ".join(f"{name} {e:.1e}" for name, e in
+                                                  list(err_rows.items())[:2]))
+print("  ", ", ".join(f"{name} {e:.1e}" for name, e in list(err_rows.items())[2:]))
 
 # An empty part merged with a non-empty one leaves the non-empty one unchanged.
 out_merged, lse_merged = flash_lib.merge_attention(out_flash[1:2], lse_flash[1:2],

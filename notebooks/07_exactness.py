@@ -158,10 +158,11 @@ for dt in (np.float64, np.float32):
         block_max = (qd @ kd.T * dt(tau)).reshape(n_rows, 8, 16).max(axis=-1)
         r["rises"] = (block_max[:, 1:] > np.maximum.accumulate(block_max, axis=1)[:, :-1]).sum(1)
         rows[dt][family] = r
-        print(f"{dt.__name__}, {family}: magnitude {mu.min():.1e} to {mu.max():.1e}, span "
-              f"{span.min():.1e} to {span.max():.1e}; the max rises after the first block "
+        print(f"{dt.__name__}, {family}:\n"
+              f"   magnitude {mu.min():.1e} to {mu.max():.1e}, span {span.min():.1e} to "
+              f"{span.max():.1e}\n   the max rises after the first block "
               f"{int(np.median(r['rises']))} times in the median row ({r['rises'].min()} to "
-              f"{r['rises'].max()}); unsafe softmax inf/NaN on {int((~finite).sum())} rows")
+              f"{r['rises'].max()});\n   unsafe softmax inf/NaN on {int((~finite).sum())} rows")
 
 # %% [markdown]
 # ## Why the error follows the magnitude
@@ -218,7 +219,7 @@ for dt, fams in rows.items():
             e, bound = r[name], derived_bound(r, dt, n_blocks)
             f = np.isfinite(e)
             within[(dt, family, name)] = float(np.max(e[f] / bound[f], initial=0))
-        print(f"{dt.__name__}, {family}: largest error / derived bound: " + ", ".join(
+        print(f"{dt.__name__}, {family}:\n   largest error / derived bound: " + ", ".join(
             f"{name} {within[(dt, family, name)]:.1e}" for name in ("flash", "naive", "unsafe")))
 
 # %% [markdown]
@@ -227,8 +228,8 @@ for dt, fams in rows.items():
 # Both families, one panel each, both dtypes in each. Left: the fixed-span rows against their
 # magnitude $\mu_i$, with the unsafe softmax where it is finite and a dotted line where the
 # largest score (about $\mu$ in this family) reaches chapter 1's threshold $\log(\text{max})$,
-# past which $e^s$ overflows. Right: the fixed-magnitude rows ($\mu \approx 10^4$) against their span. The
-# dashed lines are $u\,\mu$ for each dtype.
+# past which $e^s$ overflows. Right: the fixed-magnitude rows ($\mu \approx 10^4$) against their
+# span. The dashed lines are $u\,\mu$ for each dtype.
 
 # %%
 fig, (ax_mu, ax_span) = plt.subplots(1, 2, figsize=(11, 4.8), sharey=True)
@@ -276,9 +277,9 @@ for dt, fams in rows.items():
     r = fams["fixed span, growing magnitude"]
     log_max = np.log(np.finfo(dt).max)
     overflowed = r["top"][~r["unsafe_finite"]]
-    print(f"{dt.__name__}: unsafe softmax finite on every row with largest score below "
-          f"{r['top'][r['unsafe_finite']].max():.1f}, inf/NaN on every row from "
-          f"{overflowed.min():.1f} (log max = {log_max:.2f})")
+    print(f"{dt.__name__} (log max = {log_max:.2f}): unsafe softmax finite on every row with "
+          f"largest score\n   below {r['top'][r['unsafe_finite']].max():.1f}, inf/NaN on every "
+          f"row from {overflowed.min():.1f}")
 
 # %% [markdown]
 # ## The claim: flash agrees with naive to $10^{-9}$ on scores of magnitude $10^6$
@@ -291,8 +292,8 @@ for dt, fams in rows.items():
 claim_rows = {family: r["mu"] <= 1e6 for family, r in rows[np.float64].items()}
 claim_flash_vs_naive = max(r["flash vs naive"][claim_rows[f]].max() for f, r in rows[np.float64].items())
 claim_flash_vs_truth = max(r["flash"][claim_rows[f]].max() for f, r in rows[np.float64].items())
-print(f"float64, the {sum(m.sum() for m in claim_rows.values())} rows with magnitude up to 1e6: "
-      f"flash vs naive {claim_flash_vs_naive:.1e}, flash vs the truth {claim_flash_vs_truth:.1e}")
+print(f"float64, the {sum(m.sum() for m in claim_rows.values())} rows with magnitude up to 1e6:\n"
+      f"   flash vs naive {claim_flash_vs_naive:.1e}, flash vs the truth {claim_flash_vs_truth:.1e}")
 
 # %% [markdown]
 # ## Flash against naive
@@ -384,13 +385,13 @@ merge_depths = {name: depth(group(list(range(256)), lambda a, b: (a, b)))
 
 eps64 = np.finfo(np.float64).eps
 for name, errs in merge_err.items():
-    print(f"{name:<13} (depth {merge_depths[name]:>3} at T = 256): mean error in eps at "
+    print(f"{name:<13} (depth {merge_depths[name]:>3} at T = 256): mean error (eps) at "
           f"T = 1, 16, 256: " + ", ".join(f"{errs[i].mean() / eps64:.0f}" for i in (0, 4, 8)))
 chain_vs_tree = merge_err["left to right"][-1].mean() / merge_err["balanced tree"][-1].mean()
 tree_means = merge_err["balanced tree"].mean(axis=1)
 tree_flatness = tree_means.max() / tree_means[0]
-print(f"at T = 256 the chain's error is {chain_vs_tree:.1f} times the tree's; the tree's mean error "
-      f"is at most {tree_flatness:.1f} times its error at T = 1")
+print(f"at T = 256 the chain's error is {chain_vs_tree:.1f} times the tree's;\n"
+      f"the tree's mean error is at most {tree_flatness:.1f} times its error at T = 1")
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 4))

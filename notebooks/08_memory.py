@@ -131,9 +131,9 @@ flatness = {b: flash_scratch[b][full_tiles[b]].max() / flash_scratch[b][full_til
             for b in blocks}
 to_bound = {b: flash_scratch[b][full_tiles[b]] / tile_bound[b] for b in blocks}
 for b in blocks:
-    print(f"flash, {b}×{b} tiles, N = {max(b, sizes_flash[0])}..{sizes_flash[-1]}: "
-          f"largest / smallest scratch {flatness[b]:.2f}; scratch / (block_q·(block_k + d + dv)·"
-          f"itemsize) from {to_bound[b].min():.1f} to {to_bound[b].max():.1f}")
+    print(f"flash, {b}×{b} tiles, N = {max(b, sizes_flash[0])}..{sizes_flash[-1]}: largest / "
+          f"smallest scratch {flatness[b]:.1f};\n   scratch / (block_q·(block_k + d + dv)·"
+          f"itemsize): median over N {np.median(to_bound[b]):.1f}")
 
 # %% [markdown]
 # ## The picture
@@ -176,8 +176,8 @@ plt.show()
 
 # %%
 ratio_4096 = {b: naive_scratch[-1] / flash_scratch[b][sizes_flash.index(4096)] for b in blocks}
-print("at N = 4096, naive's scratch / flash's:",
-      ", ".join(f"{r:.0f} ({b}×{b} tiles)" for b, r in ratio_4096.items()))
+print("at N = 4096, naive's scratch / flash's, to 2 digits:",
+      ", ".join(f"{float(f'{r:.2g}'):g} ({b}×{b})" for b, r in ratio_4096.items()))
 extrapolated_gib = naive_fit(16384) / 2**30
 print(f"naive at N = 16384, extrapolated: about {extrapolated_gib:.0f} GiB "
       f"(flash with 512×512 tiles: under 2 MiB)")
@@ -193,8 +193,11 @@ print(f"naive at N = 16384, extrapolated: about {extrapolated_gib:.0f} GiB "
 # - `naive_attention`'s scratch grows as $N^2$: the fitted log-log slope is between 1.9 and 2.1,
 #   and at $N = 4096$ it is about three $N \times N$ float32 arrays (between 2.5 and 3.5).
 # - `flash_attention`'s scratch is flat in $N$: for each of the tile sizes 128, 256 and 512, the
-#   largest and smallest values over $N$ from the tile size to 4096 differ by less than 5%
-#   (below the tile size the tile shrinks with $N$, and so does the scratch).
+#   largest and smallest values over $N$ from the tile size to 4096 differ by less than 10%
+#   (below the tile size the tile shrinks with $N$, and so does the scratch). The margin is for
+#   the few KiB of Python objects that come and go during a call, a few percent of the 128 × 128
+#   tiles' scratch; anything kept per tile would grow with the number of tiles, 1024-fold over
+#   this range at 128 × 128.
 # - It lies between 1 and 2 times $\text{block\_q} \cdot (\text{block\_k} + d + d_v) \cdot
 #   \text{itemsize}$, for one worker.
 # - At $N = 4096$ naive needs over 100 times the scratch of flash at every tile size; at
@@ -204,7 +207,7 @@ print(f"naive at N = 16384, extrapolated: about {extrapolated_gib:.0f} GiB "
 assert 1.9 <= slope_naive <= 2.1, slope_naive
 assert 2.5 <= n_by_n_arrays <= 3.5, n_by_n_arrays
 for b in blocks:
-    assert flatness[b] < 1.05, (
+    assert flatness[b] < 1.1, (
         f"flash scratch with {b}×{b} tiles varies with N: {flash_scratch[b]}. Is something "
         "stored per tile or per block (a list of tiles, one future per block)?")
     assert np.all((to_bound[b] >= 1) & (to_bound[b] <= 2)), (b, to_bound[b])

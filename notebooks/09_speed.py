@@ -36,8 +36,9 @@
 # measured. For the same reason nothing here *asserts* a speed: on a shared machine a timing can
 # be off by a factor of two, and a test that fails when a neighbour is busy tests the neighbour.
 # What is asserted is what timing cannot change (every kernel's output) and one bound that any
-# honest timing meets (no kernel beats the machine's own matrix-product rate). `make bench` runs the full benchmark (`bench/bench_flash.py`: larger $N$, float64
-# and float32, PyTorch, memory, causal).
+# honest timing meets (no kernel beats the machine's own matrix-product rate). `make bench` runs
+# the full benchmark (`bench/bench_flash.py`: larger $N$, float64 and float32, PyTorch, memory,
+# causal).
 
 # %%
 import os
@@ -142,7 +143,7 @@ gemm_rate = gemm_gflops()
 
 # %% tags=["nbval-ignore-output"]
 print(f"on the machine that built this page: GEMM ceiling {gemm_rate:.0f} GFLOP/s (float32, "
-      f"{cores} cores); flash_lib runs up to {flash_lib._THREADS} worker threads")
+      f"{cores} cores);\nflash_lib runs up to {flash_lib._THREADS} worker threads")
 
 # %% [markdown]
 # ## Flash against naive, as $N$ grows
@@ -209,19 +210,18 @@ print(f"flash's output against naive's, relative to the output's scale: at most 
 
 # %% tags=["nbval-ignore-output"]
 print("errors against naive's output:", ", ".join(f"{name} {e:.0e}" for name, e in errors.items()))
-print("on the machine that built this page "
-      "(best time in seconds | GFLOP/s | % of the GEMM ceiling):")
-print(f"{'N':>6}" + "".join(f"{name:>30}" for name in kernels))
+print("on the machine that built this page: best time (ms) | GFLOP/s | % of the GEMM ceiling")
+print(f"{'N':>5}" + "".join(f"{name:>25}" for name in kernels))
 for i, n in enumerate(sizes):
-    print(f"{n:>6}" + "".join(
-        f"{seconds[name][i]:>12.4f} | {gflops[name][i]:6.1f} | "
-        f"{100 * gflops[name][i] / gemm_rate:3.0f}%"
+    print(f"{n:>5}" + "".join(
+        f"{1e3 * seconds[name][i]:>11.2f} | {gflops[name][i]:5.1f} | "
+        f"{100 * gflops[name][i] / gemm_rate:2.0f}%"
         for name in kernels))
 print(f"flash time / naive time at N = {sizes[-1]}: "
       f"{seconds['flash'][-1] / seconds['naive'][-1]:.2f}")
 # The N² growth, as measured (an observation, not an assert: see the top of the chapter).
 i_small, i_large = sizes.index(512), sizes.index(2048)
-print("time at N = 2048 / time at N = 512 (N² predicts 16 once fixed costs are negligible): "
+print("time at N = 2048 / time at N = 512 (N² predicts 16 once fixed costs are negligible):\n   "
       + ", ".join(f"{name} {seconds[name][i_large] / seconds[name][i_small]:.1f}"
                   for name in kernels))
 
@@ -282,7 +282,7 @@ grid_gflops = np.array([[attention_flop(n_grid) / grid_best[bq, bk] / 1e9 for bk
 # %% tags=["nbval-ignore-output"]
 best_bq, best_bk = min(grid_best, key=grid_best.get)
 print(f"on the machine that built this page, at N = {n_grid}: fastest tiles "
-      f"{best_bq} × {best_bk} ({grid_gflops.max():.0f} GFLOP/s); 64 × 64 tiles reach "
+      f"{best_bq} × {best_bk}\n({grid_gflops.max():.0f} GFLOP/s); 64 × 64 tiles reach "
       f"{grid_gflops[0, 0]:.0f} GFLOP/s")
 
 # %%
@@ -326,7 +326,7 @@ causal_speedup = causal_best["full"] / causal_best["causal"]
 
 # %% tags=["nbval-ignore-output"]
 print(f"on the machine that built this page, N = {n_causal}: causal is {causal_speedup:.2f}× "
-      f"faster than full attention, for {tile_ratio:.2f}× fewer tiles")
+      f"faster\nthan full attention, for {tile_ratio:.2f}× fewer tiles")
 
 # %% [markdown]
 # ## The ceiling, again

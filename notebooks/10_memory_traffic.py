@@ -209,17 +209,18 @@ def instrumented(n, b_q, b_k):
 
 
 counted = {}
-print("     N   naive bytes counted  formula - counted   flash bytes counted  formula - counted"
-      "   naive / flash")
+print("bytes moved, counted by the instrumented loops, and formula - counted:")
+print("     N        naive  formula - counted        flash  formula - counted  naive / flash")
 for n in (256, 512, 1000):
     naive, flash, peak, err = instrumented(n, b, b)
     counted[n] = (naive.total(), flash.total(), peak, err)
-    print(f"{n:>6}   {naive.total():>19,}  {naive_bytes(n, d, itemsize) - naive.total():>17}"
-          f"   {flash.total():>19,}  {flash_bytes(n, d, b, itemsize) - flash.total():>17}"
-          f"   {naive.total() / flash.total():>13.2f}")
+    print(f"{n:>6} {naive.total():>12,} {naive_bytes(n, d, itemsize) - naive.total():>18}"
+          f" {flash.total():>12,} {flash_bytes(n, d, b, itemsize) - flash.total():>18}"
+          f" {naive.total() / flash.total():>14.2f}")
 print(f"largest error of either pipeline against flash_lib: {max(c[3] for c in counted.values()):.1e}")
 print(f"peak SRAM of one thread block: {counted[1000][2]:,} bytes of {sram_limit:,}")
-print("flash at N = 1000, by array:", dict(flash.loaded), "loaded;", dict(flash.stored), "stored")
+print("flash at N = 1000, bytes by array: loaded", dict(flash.loaded))
+print("   stored", dict(flash.stored))
 
 # %% [markdown]
 # ## Re-use: what the second dimension of tiling is for
@@ -305,7 +306,9 @@ for ax in (ax_n, ax_m):
 fig.tight_layout()
 plt.show()
 
-print("largest square tile for M (KiB):", {m // 1024: t for m, t in tile_at.items()})
+print("largest square tile (b_q = b_k) for each M:\n  ",
+      ", ".join(f"{m // 1024} KiB: {t}" for m, t in list(tile_at.items())[:5]))
+print("  ", ", ".join(f"{m // 1024} KiB: {t}" for m, t in list(tile_at.items())[5:]))
 print(f"bytes x M, smallest and largest M: {flash_vs_m[0] * sram_sizes[0]:.3e}, "
       f"{flash_vs_m[-1] * sram_sizes[-1]:.3e}")
 
@@ -431,12 +434,13 @@ with threadpool_limits(limits=1, user_api="blas"):
             ns_per[name].append(t / n**2 * 1e9)
 
 # %% tags=["nbval-ignore-output"]
-print("on the machine that built this page: caches", {k: f"{v // 1024} KiB" for k, v in caches.items()})
+print("on the machine that built this page: caches",
+      ", ".join(f"{k} {v // 1024} KiB" for k, v in caches.items()))
 print(f"{'N':>5} {'MiB':>6}" + "".join(f"{name:>17}" for name in ns_per))
 for i, n in enumerate(sizes_cpu):
     print(f"{n:>5} {n * n * 4 / 2**20:>6.2f}" + "".join(f"{ns_per[name][i]:>17.3f}" for name in ns_per))
 in_l3, beyond = sizes_cpu.index(1024), sizes_cpu.index(4096)  # 4 MiB and 64 MiB arrays
-print("per element at 64 MiB / at 4 MiB:",
+print("per element at 64 MiB / at 4 MiB:\n  ",
       ", ".join(f"{name} {ns_per[name][beyond] / ns_per[name][in_l3]:.1f}x" for name in ns_per))
 
 # %%

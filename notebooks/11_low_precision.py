@@ -90,13 +90,14 @@ except TypeError as e:
     einsum_error = f"TypeError: {e}"
 ones = np.ones(1000, dtype=bfloat16)
 sum_bf16, sum_f32 = ones.sum(), ones.sum(dtype=np.float32)
-print("a @ b:", matmul_dtype, "| np.dot(a, b):", dot_dtype, "| np.einsum:", einsum_error)
+print("a @ b:", matmul_dtype, "| np.dot(a, b):", dot_dtype)
+print("np.einsum:", einsum_error)
 print("np.exp(a).dtype:", np.exp(a).dtype, "| a.max().dtype:", a.max().dtype)
 print(f"1000 ones summed in bfloat16: {float(sum_bf16):g} ({sum_bf16.dtype}); "
       f"with dtype=np.float32: {float(sum_f32):g}")
-print("their products agree to rounding of the result to bfloat16:",
+print("a @ b vs np.dot(a, b), relative to the largest entry:",
       f"{np.abs((a @ b) - np.dot(a, b).astype(np.float32)).max() / np.abs(a @ b).max():.1e}",
-      "(relative to the largest entry)")
+      "(bfloat16 rounding)")
 
 
 # %% tags=["nbval-ignore-output"]
@@ -110,8 +111,8 @@ def best_of(fn, repeats=7):
 
 
 t_matmul, t_dot = best_of(lambda: a @ b), best_of(lambda: np.dot(a, b))
-print(f"on the machine that built this page, 256 x 256 bfloat16: np.dot takes {t_dot / t_matmul:.0f}x "
-      f"as long as np.matmul")
+print(f"on the machine that built this page, 256 x 256 bfloat16: np.dot takes "
+      f"{t_dot / t_matmul:.0f}x\nas long as np.matmul")
 
 # %% [markdown]
 # ## Each kernel's error, per dtype
@@ -159,7 +160,8 @@ widened_then_rounded = {
         flash_lib.flash_attention(*(x.astype(np.float32) for x in inputs[name])).astype(dtypes[name]))
     for name in ("float16", "bfloat16")
 }
-print("16-bit output == float32 output on the widened inputs, rounded:", widened_then_rounded)
+print("16-bit output == float32 output on the widened inputs, rounded:")
+print("  ", widened_then_rounded)
 
 # %% [markdown]
 # ## FlashAttention's accuracy rule
@@ -183,8 +185,8 @@ print("16-bit output == float32 output on the widened inputs, rounded:", widened
 #
 # Two kernels of our own face the rule besides `flash_attention`: one that rounds $P$ to the
 # input dtype before $PV$ (next section), and one that keeps its accumulator $\text{acc}$ in the
-# input dtype, rounding it after each of 128 key blocks of 16, a mistake a rule of this kind exists to
-# catch.
+# input dtype, rounding it after each of 128 key blocks of 16, a mistake a rule of this kind
+# exists to catch.
 
 # %%
 def attention_same_dtype(q, k, v):
@@ -260,9 +262,9 @@ for name in ("float16", "bfloat16"):
     u = float(ml_dtypes.finfo(dtypes[name]).eps) / 2
     p_cost[name] = (kernel_error[name]["flash"], row_error(p_rounded(q, k, v), name),
                     row_error(attention_same_dtype(q, k, v), name), u)
-    print(f"{name}: rowwise error against the truth: output rounded only {p_cost[name][0]:.2e}, "
-          f"P rounded too {p_cost[name][1]:.2e}, same-dtype reference {p_cost[name][2]:.2e} "
-          f"(u = {u:.2e})")
+    print(f"{name} (u = {u:.2e}), rowwise error against the truth:\n   output rounded only "
+          f"{p_cost[name][0]:.2e}, P rounded too {p_cost[name][1]:.2e}, same-dtype reference "
+          f"{p_cost[name][2]:.2e}")
 
 # %% [markdown]
 # ## Scores past 65504
@@ -324,7 +326,7 @@ err_flash_big = float(flash_lib.rowwise_relative_error(
     flash_lib.flash_attention(q_big, k_big, v_big), truth_big).max())
 s_big = (q_big.astype(np.float32) @ k_big.astype(np.float32).T) / 8
 print(f"a row of scores from {s_big.min():.0f} to {s_big.max():.0f}: error with float16 scores "
-      f"{err_f16_scores:.2e}, flash_lib {err_flash_big:.2e}")
+      f"{err_f16_scores:.2e},\n   flash_lib {err_flash_big:.2e}")
 
 # %% [markdown]
 # ## The picture
@@ -371,8 +373,9 @@ plt.show()
 #   the widened inputs, rounded: their error is at most the dtype's $u$ plus the float32
 #   computation's error.
 # - FlashAttention's rule, error $\le 2\times$ that of the same-dtype reference against a float32
-#   reference, holds for both our kernels (ratios below 1: they err less than the same-dtype reference) and for rounding $P$ before
-#   $PV$, and fails for a kernel that keeps its accumulator in the 16-bit input dtype.
+#   reference, holds for both our kernels (ratios below 1: they err less than the same-dtype
+#   reference) and for rounding $P$ before $PV$, and fails for a kernel that keeps its
+#   accumulator in the 16-bit input dtype.
 # - Rounding $P$ to the input dtype adds little to the output's own rounding.
 # - float16 scores overflow to $\infty$ past 65504 (and give NaN), even after scaling; scores near
 #   1000 in float16 carry errors of order 1. flash_lib, scoring in float32, is exact to the

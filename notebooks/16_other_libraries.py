@@ -38,6 +38,7 @@
 
 # %%
 import math
+import textwrap
 import warnings
 
 import numpy as np
@@ -149,18 +150,19 @@ for name, lse_empty in (("-inf", -np.inf), ("+inf", np.inf), ("0.0", 0.0)):
         merged[name] = e
 for name, result in merged.items():
     if isinstance(result, ValueError):
-        print(f"empty part with lse {name}: ValueError: {result}")
+        print(textwrap.fill(f"empty part with lse {name}: ValueError: {result}", width=86,
+                            subsequent_indent="   "))
     else:
         err = flash_lib.rowwise_relative_error(result[0], out_part)[0]
-        print(f"empty part with lse {name}: merged lse {result[1][0]:.4f} (true {lse_part[0]:.4f}), "
-              f"output error {err:.3g}")
+        print(f"empty part with lse {name}: merged lse {result[1][0]:.4f} "
+              f"(true {lse_part[0]:.4f}), output error {err:.3g}")
 
 # Converting FlashAttention-2's convention first makes the merge exact.
 lse_fa2 = np.full(1, np.inf, np.float32)
 converted = np.where(lse_fa2 == np.inf, -np.inf, lse_fa2)
 merged_converted = flash_lib.merge_attention(out_part, lse_part, zero_out, converted)
 print("lse +inf converted to -inf, then merged: largest change of row 0:",
-      np.abs(merged_converted[0] - out_part).max(), "in out,",
+      np.abs(merged_converted[0] - out_part).max(), "in out,\n  ",
       np.abs(merged_converted[1] - lse_part).max(), "in lse")
 
 # %% [markdown]
@@ -185,8 +187,8 @@ flash_attn_doc = {(2, 5): np.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=boo
                   (5, 2): np.array([[0, 0], [0, 0], [0, 0], [1, 0], [1, 1]], dtype=bool)}
 for shape, documented in flash_attn_doc.items():
     ours = allowed_by(flash_lib.naive_attention, *shape, causal=True)
-    print(f"seqlen_q, seqlen_k = {shape}: pairs where flash_lib's causal mask and FlashAttention's "
-          f"documented one differ: {np.count_nonzero(ours != documented)}")
+    print(f"seqlen_q, seqlen_k = {shape}: pairs where flash_lib's causal mask and\n"
+          f"   FlashAttention's documented one differ: {np.count_nonzero(ours != documented)}")
 
 # %% [markdown]
 # ## PyTorch
@@ -236,8 +238,8 @@ else:
             with sdpa_kernel(backend):
                 out_t = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=m)[0, 0].numpy()
             err = flash_lib.rowwise_relative_error(out_t, out_ours)
-            print(f"SDPA {backend.name:<15} {mask_name:<10} mask: empty row {out_t[1, :3]}...; "
-                  f"other rows vs flash_lib: {err.max():.1e}")
+            print(f"SDPA {backend.name:<15} {mask_name:<10} mask: empty row {out_t[1, :3]}...;\n"
+                  f"   other rows vs flash_lib: {err.max():.1e}")
             assert np.all(out_t[1] == 0) and err.max() < 1e-5
     softmax_row = torch.softmax(torch.full((4,), -math.inf), dim=-1)
     print("torch.softmax of an all -inf row:", softmax_row)
@@ -280,7 +282,8 @@ else:
         *to_torch(qc, kc, vc), 0.0, True)[0][0, 0].numpy()
     err_c = flash_lib.rowwise_relative_error(
         out_c, flash_lib.naive_attention(qc, kc, vc, mask=np.tril(np.ones((5, 2), bool)))).max()
-    print(f"CPU flash op, is_causal=True, Nq = 5, Nk = 2, vs flash_lib with a top-left mask: {err_c:.1e}")
+    print(f"CPU flash op, is_causal=True, Nq = 5, Nk = 2, vs flash_lib with a top-left mask:\n"
+          f"   {err_c:.1e}")
     assert err_c < 1e-5
 
 # %% [markdown]
@@ -337,9 +340,11 @@ else:
         ours_br = flash_lib.naive_attention(qc, kc, vc, causal=True)
         err_tl = flash_lib.rowwise_relative_error(top_left, ours_tl).max()
         err_br = flash_lib.rowwise_relative_error(bottom_right, ours_br).max()
-        print(f"Nq, Nk = {n_qc}, {n_kc}: is_causal=True vs flash_lib with a top-left mask {err_tl:.1e}; "
-              f"causal_lower_right vs flash_lib causal=True {err_br:.1e}; warnings: "
-              f"{[str(w.message) for w in caught]}")
+        print(f"Nq, Nk = {n_qc}, {n_kc}: is_causal=True vs flash_lib with a top-left mask "
+              f"{err_tl:.1e};\n   causal_lower_right vs flash_lib causal=True {err_br:.1e}; "
+              f"warnings: {len(caught)}")
+        for w in caught:
+            print(textwrap.fill(f"   warning: {w.message}", width=86, subsequent_indent="   "))
         assert err_tl < 1e-5 and err_br < 1e-5
         if n_qc > n_kc:
             print("   rows of causal_lower_right's output that are exactly 0:",
@@ -368,7 +373,8 @@ else:
     out_jax = np.asarray(jax.nn.dot_product_attention(*to_jax(q, k, v), mask=mask[None, None]))[0, :, 0]
     err_rows = flash_lib.rowwise_relative_error(out_jax[[0, 2, 3, 4]], out_ours[[0, 2, 3, 4]]).max()
     err_mean = flash_lib.rowwise_relative_error(out_jax[1], v.mean(axis=0))
-    print(f"JAX, empty row vs the mean of all values: {err_mean:.1e}; other rows vs flash_lib: {err_rows:.1e}")
+    print(f"JAX, empty row vs the mean of all values: {err_mean:.1e}; other rows vs flash_lib: "
+          f"{err_rows:.1e}")
     assert err_mean < 1e-5 and err_rows < 1e-5
     qc, kc, vc = (rng.standard_normal((n, d)).astype(np.float32) for n in (5, 2, 2))
     out_causal = np.asarray(jax.nn.dot_product_attention(*to_jax(qc, kc, vc), is_causal=True))[0, :, 0]
