@@ -260,7 +260,7 @@ for dt, r in results.items():
 # returns a row of exact zeros, finite and with no NaN to flag it ($e^{x_i}/\infty = 0$); once the
 # largest score itself passes $\log(\text{max})$, the top entries become $\infty/\infty$ = NaN.
 #
-# The left panel shows the error where it is defined (a row of zeros has error 1); the right one
+# The top panel shows the error where it is defined (a row of zeros has error 1); the bottom one
 # the share of the true weight on wrong entries. The shaded bands are the spans where the unsafe
 # version's output holds NaN, right of each format's threshold $\log(\text{max})$ (dotted
 # lines); the row goes wrong 0.4 (float64) and 1.6 (float32) nats left of the dotted line, too
@@ -269,7 +269,7 @@ for dt, r in results.items():
 # machine epsilon (grey dotted lines, one per format) at every span.
 
 # %%
-fig, (ax_err, ax_wrong) = plt.subplots(1, 2, figsize=(11, 4.2))
+fig, (ax_err, ax_wrong) = plt.subplots(2, 1, figsize=(8.5, 8), sharex=True)
 for i, (dt, r) in enumerate(results.items()):
     name, eps = dt.__name__, np.finfo(dt).eps
     safe_color, unsafe_color = f"C{2 * i}", f"C{2 * i + 1}"
@@ -291,7 +291,6 @@ ax_err.text(0.12, 1.5, "error 1: a row of zeros", fontsize=8, color="0.3")
 ax_err.set_ylim(1e-19, 10)
 ax_err.set_xlim(spans[0], spans[-1])
 ax_err.set_title("Error against a higher-precision truth")
-ax_err.set_xlabel("span of the row's scores, max - min (nats)")
 ax_err.set_ylabel("normwise relative error (dimensionless)")
 ax_err.legend(loc="center left", bbox_to_anchor=(0, 0.4), fontsize=8)
 ax_wrong.set_ylim(-0.03, 1.03)

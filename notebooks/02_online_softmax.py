@@ -145,17 +145,17 @@ def draw_state(ax, t):
     ax.set_title(f"t={t}: x={stream[t - 1]:g}, m={m:g}, l={l:.3f}", fontsize=10)
 
 
-fig, axes = plt.subplots(2, 4, figsize=(11, 5.5), sharex=True, sharey=True)
+fig, axes = plt.subplots(4, 2, figsize=(8.5, 10), sharex=True, sharey=True)
 for t, ax in enumerate(axes.flat, start=1):
     draw_state(ax, t)
-for ax in axes[1]:
+for ax in axes[-1]:
     ax.set_xlabel("position j in the stream")
 for ax in axes[:, 0]:
     ax.set_ylabel("$e^{x_j - m_t}$ (dimensionless)")
 # the legend below the panels, with an example of each kind of bar and line (from t = 2)
-fig.legend(*axes[0, 1].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=9)
+fig.legend(*axes[0, 1].get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=9)
 fig.suptitle("Online softmax state after each score: the bars are the terms of $l_t$")
-fig.tight_layout(rect=(0, 0.08, 1, 1))
+fig.tight_layout(rect=(0, 0.06, 1, 1))
 plt.show()
 
 # %% [markdown]
