@@ -31,11 +31,12 @@ def test_environment_yml_python_agrees_with_requires_python():
     assert python.removeprefix("python") == _pyproject()["project"]["requires-python"]
 
 
-def test_flash_lib_is_the_one_module_installed():
-    """Flat layout: flash_lib.py is declared explicitly, or setuptools' discovery may fail."""
-    config = _pyproject()
-    assert config["tool"]["setuptools"]["py-modules"] == ["flash_lib"]
-    assert (ROOT / "flash_lib.py").is_file()
+def test_root_modules_are_declared():
+    """Flat layout: each root module is declared explicitly, or setuptools' discovery may fail."""
+    modules = _pyproject()["tool"]["setuptools"]["py-modules"]
+    assert {"flash_lib", "flash_dask"} <= set(modules), modules
+    for name in modules:
+        assert (ROOT / f"{name}.py").is_file(), name
 
 
 def test_ci_runs_the_readme_test_command():
