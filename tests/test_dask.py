@@ -39,6 +39,9 @@ def client():
     with dask.config.set({"distributed.nanny.pre-spawn-environ.FLASH_LIB_THREADS": "1"}):
         cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                                host="127.0.0.1", dashboard_address=None,
+                               # no dashboard; the scheduler's small HTTP server (health,
+                               # metrics) on a free port, not a fixed 8787 another run may hold
+                               scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
                                silence_logs=logging.ERROR)
     _restore(saved)
     client = Client(cluster, set_as_default=False)
