@@ -65,6 +65,10 @@ def start_cluster(n_workers):
     """``n_workers`` processes × 1 thread, flash_lib on one thread in each (set before spawn)."""
     with dask.config.set({
         "distributed.nanny.pre-spawn-environ.FLASH_LIB_THREADS": "1",
+        # Dask's default MALLOC_TRIM_THRESHOLD_=65536 turns off glibc's adaptive mmap threshold
+        # (mallopt(3)): every large NumPy temporary is then mapped afresh, and flash_attention
+        # ran about 30% slower in a worker than in this process. Dropped, for a fair comparison.
+        "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
         # keep every transfer of a run in the log that the byte count sums
         "distributed.admin.low-level-log-length": 1_000_000,
     }):
