@@ -21,9 +21,10 @@ Memory: a pair task holds its q, k and v shards, its partial result and ``flash_
 tile scratch, so a worker's working set is set by the shard sizes, never by ``Nq`` or ``Nk``.
 Only the partials of one query shard's merge tree meet, ``O(split_every)`` at a time.
 
-Note that ``flash_lib`` runs one ``flash_attention`` call at a time per process: run the graph
-on a cluster of processes (``distributed.LocalCluster(processes=True)``, or real machines) for
-the shards to run in parallel; threads in one process take turns.
+Within one process a ``flash_attention`` call already spreads over the cores (its own thread
+pool, ``FLASH_LIB_THREADS``), so Dask threads in the same process add no parallelism: run the
+graph on a cluster of processes (``distributed.LocalCluster(processes=True)``, or machines),
+one thread per worker, for shards to run side by side.
 """
 
 from __future__ import annotations

@@ -61,10 +61,11 @@ d = 64
 # %% [markdown]
 # ## A cluster of two processes
 #
-# Two worker processes with one thread each, on 127.0.0.1, with no dashboard. `flash_lib` runs
-# one `flash_attention` call at a time per process, so parallel shards need processes, not
-# threads; each worker also runs `flash_lib` on a single thread (`FLASH_LIB_THREADS=1`, set in
-# the workers' environment before they start), so a worker is one core. The scheduler runs in
+# Two worker processes with one thread each, on 127.0.0.1, with no dashboard. Within one
+# process a `flash_attention` call already spreads over the cores with its own threads, so more
+# Dask threads in that process would add no parallelism: shards run side by side in separate
+# processes. Each worker runs `flash_lib` on a single thread (`FLASH_LIB_THREADS=1`, set in the
+# workers' environment before they start), so a worker is one core. The scheduler runs in
 # this notebook's process; only its errors would be printed, and only the workers' critical
 # messages.
 
@@ -408,8 +409,10 @@ plt.show()
 # %% [markdown]
 # With causal attention the plain ring is unbalanced: device $p$ computes at $p + 1$ of the $P$
 # steps, so device 0 idles while device $P - 1$ works at every step. The "zigzag" variant of the
-# same repository gives each device two shards, one from the start and one from the end of the
-# sequence, so that every device does the same work (`zigzag_ring_flash_attn.py`, its issue #2).
+# same repository, "more compute-balanced" in its README's words (`zigzag_ring_flash_attn.py`,
+# its issue #2), cuts the sequence into $2P$ chunks and gives rank $r$ chunks $r$ and
+# $2P - 1 - r$ (`extract_local` in its tests): one early chunk, with little to attend to, and one
+# late chunk, with much.
 # The Dask graph has no such imbalance by construction: its scheduler hands the next ready pair
 # to whichever worker is free.
 

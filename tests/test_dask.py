@@ -1,8 +1,9 @@
 """flash_dask.dask_attention: exact on a cluster of processes; its graph, a lost worker, memory.
 
-Every test that computes runs on one ``distributed.LocalCluster`` of 2 worker processes with one
-thread each, on 127.0.0.1 with no dashboard, started once for the session and closed at its end.
-The reference is ``flash_lib.flash_attention`` on the same inputs in this process.
+The tests that take the ``client`` fixture run on one ``distributed.LocalCluster`` of 2 worker
+processes with one thread each, on 127.0.0.1 with no dashboard, started once for the session and
+closed at its end; a few graph-only tests use Dask's in-process schedulers. The reference is
+``flash_lib.flash_attention`` on the same inputs in this process.
 """
 
 import collections
