@@ -91,7 +91,7 @@ def dask_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=F
         Shape ``(..., Nq, dv)`` (the broadcast batch shape), chunked like ``q`` along -2 and in
         one chunk along every other axis; in the inputs' dtype.
     lse : dask.array.Array
-        Shape ``(..., Nq)``, only with ``return_lse=True``; float32 for float16 inputs, else the
+        Shape ``(..., Nq)``, only with ``return_lse=True``; float32 for 16-bit inputs, else the
         inputs' dtype. ``out`` and ``lse`` share one graph: ``dask.compute(out, lse)`` runs it
         once.
 
@@ -107,8 +107,8 @@ def dask_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=F
 
     Notes
     -----
-    float16 inputs: ``flash_attention`` computes them in float32, and so do the pair tasks and
-    the merges here; the output is rounded to float16 once, at the end.
+    float16 and bfloat16 inputs: ``flash_attention`` computes them in float32, and so do the
+    pair tasks and the merges here; the output is rounded to the 16-bit dtype once, at the end.
     """
     split_every = _check_split_every(split_every)
     q, k, v = (_as_array(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
@@ -144,9 +144,9 @@ def dask_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=F
         mask=None if mask is None else np.ones((1, 1), mask.dtype),
         causal=causal, scale=scale, return_lse=True)
     out_dtype, lse_dtype = out_meta.dtype, lse_meta.dtype
-    # float16 is computed in float32 by flash_attention; keeping the partials in float32 too
-    # means the only float16 rounding is the final one, as in one flash_attention call.
-    work = np.dtype(np.float32) if out_dtype == np.float16 else out_dtype
+    # flash_attention computes 16-bit inputs in float32, its lse's dtype; keeping the partials in
+    # that dtype too means the only 16-bit rounding is the final one, as in one call.
+    work = lse_dtype
 
     # The shards: chunks along -2, taken from the Dask inputs; NumPy inputs are wrapped to match.
     q_chunks = _sequence_chunks([("q", q, -2), ("mask", mask, -2)], n_q)
@@ -245,7 +245,7 @@ def _attend_pair(q, k, v, mask=None, *, scale, delta, work):
     corner of the arrays it is given, that is ``c <= r + (n_k - n_q)``, so the shards are cut
     until that corner lies on the diagonal; flash_attention then skips its own tiles above it.
     """
-    q, k, v = (x.astype(work, copy=False) for x in (q, k, v))  # float16 -> float32 only
+    q, k, v = (x.astype(work, copy=False) for x in (q, k, v))  # 16-bit -> float32 only
     attend = functools.partial(flash_lib.flash_attention, scale=scale, return_lse=True)
     if delta is None:
         return attend(q, k, v, mask=mask)

@@ -14,6 +14,7 @@ import time
 
 import dask
 import dask.array as da
+import ml_dtypes
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster
@@ -159,18 +160,29 @@ def test_equals_flash_attention_on_the_cluster(client, case):
                          *flash_lib.flash_attention(q, k, v, return_lse=True, **np_kwargs))
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16],
+                         ids=["float32", "float16", "bfloat16"])
 def test_low_precision_dtypes(client, dtype):
-    """float32 to 1e-5; float16 (computed in float32, rounded once) to one float16 ulp."""
+    """Like flash_attention, 16-bit inputs are computed in float32 and rounded once, at the end.
+
+    So the two outputs are the same float32 numbers (to ~1e-7) rounded to the 16-bit dtype:
+    equal but where a value lies next to a rounding boundary, and there one rounding apart.
+    Partials rounded to 16 bits before merging differed in 44% of the elements, by up to 100s
+    of ulps (the small ones).
+    """
     q, k, v = _inputs(np.random.default_rng(3), (), (), (), 200, 300, 16, 16, dtype)
     out, lse = flash_dask.dask_attention(_chunked(q, 64), _chunked(k, 70), _chunked(v, 70),
                                          causal=True, return_lse=True)
     got_out, got_lse = client.compute([out, lse], sync=True)
     ref_out, ref_lse = flash_lib.flash_attention(q, k, v, causal=True, return_lse=True)
-    assert got_out.dtype == dtype and got_lse.dtype == ref_lse.dtype
-    unit = np.abs(v.astype(np.float64)).max()
-    tol = 1e-5 if dtype == np.float32 else np.finfo(np.float16).eps
-    assert np.abs(got_out.astype(np.float64) - ref_out).max() / unit <= tol
+    assert got_out.dtype == dtype and got_lse.dtype == ref_lse.dtype == np.float32
+    got, ref = got_out.astype(np.float64), ref_out.astype(np.float64)
+    if dtype == np.float32:
+        assert flash_lib.rowwise_relative_error(got, ref).max() <= 1e-5
+    else:
+        eps = float(ml_dtypes.finfo(dtype).eps)
+        assert np.all(np.abs(got - ref) <= eps * np.abs(ref)), "more than one rounding apart"
+        assert np.mean(got != ref) <= 0.02, f"{np.mean(got != ref):.1%} of the elements differ"
     assert np.abs(got_lse.astype(np.float64) - ref_lse).max() <= 1e-5 * (1 + np.abs(ref_lse).max())
 
 
@@ -505,7 +517,7 @@ def test_errors_name_the_argument_and_the_chunks():
 
 def test_type_errors_come_from_flash_lib():
     q, k, v = _qkv()
-    with pytest.raises(TypeError, match="q must be a float16, float32 or float64 array"):
+    with pytest.raises(TypeError, match="q must be a float16, .*float64 array, got dtype int64"):
         flash_dask.dask_attention(q.astype(int), k, v)
     with pytest.raises(TypeError, match="mask must be a boolean array"):
         flash_dask.dask_attention(q, k, v, mask=np.ones((100, 120)))
