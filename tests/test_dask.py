@@ -1,9 +1,9 @@
 """flash_dask.dask_attention: exact on a cluster of processes; its graph, a lost worker, memory.
 
 The tests that take the ``client`` fixture run on one ``distributed.LocalCluster`` of 2 worker
-processes with one thread each, on 127.0.0.1 with no dashboard, started once for this module and
-closed after its last test; a few graph-only tests use Dask's in-process schedulers. The reference is
-``flash_lib.flash_attention`` on the same inputs in this process.
+processes with one thread each, on 127.0.0.1 with no dashboard, started once for this module
+and closed after its last test; a few graph-only tests use Dask's in-process schedulers. The
+reference is ``flash_lib.flash_attention`` on the same inputs in this process.
 """
 
 import collections
