@@ -445,6 +445,12 @@ class Report:
         """The names of the cases with a failure, each once, in order."""
         return list(dict.fromkeys(f.case for f in self.failures))
 
+    def by_dtype(self):
+        """``{dtype: failing case names}`` for every dtype in :data:`DTYPES`; None if not run."""
+        return {dtype: ([r.case for r in self.results if r.dtype == dtype and not r.ok]
+                        if any(r.dtype == dtype for r in self.results) else None)
+                for dtype in DTYPES}
+
     def __str__(self):
         def num(x):
             return "" if x is None else f"{x:.2g}"
