@@ -2,7 +2,7 @@
 
 Attention of queries ``q`` over keys ``k`` and values ``v`` is
 
-    S = scale · q kᵀ,   P = softmax(S) row by row,   out = P v,
+    S = τ · q kᵀ,   P = softmax(S) row by row,   out = P v,      (τ = ``scale``, 1/√d by default)
 
 and the textbook way (:func:`naive_attention`) stores the whole ``Nq × Nk`` matrix ``S``.
 :func:`flash_attention` computes the same ``out`` without ever holding more than one
@@ -15,45 +15,91 @@ and the textbook way (:func:`naive_attention`) stores the whole ``Nq × Nk`` mat
 When a new tile raises the maximum from ``m`` to ``m'``, everything summed so far was scaled
 by ``exp(-m)`` instead of ``exp(-m')``; multiplying ``l`` and ``acc`` by ``exp(m - m')``
 corrects that exactly. After the last tile ``out = acc / l`` and the row's log-sum-exp is
-``lse = m + log(l)``.
+``lse = m + log(l)``. That recurrence is :func:`online_softmax_update`; the rest of this file
+is what feeds it tiles (:func:`flash_attention`), what checks it (:func:`naive_attention`,
+:func:`precise_attention`), and what runs it on several threads.
 
 Symbols, used throughout the code and the notebooks:
 
 =========== ===============================================================================
 ``Nq, Nk``  number of queries, number of keys
 ``d, dv``   feature size of queries/keys, feature size of values
+``τ``       the scale (``scale``), ``1/√d`` unless given
 ``block_q`` rows of queries in one tile; ``block_k``: keys in one tile
 ``m``       running row maximum of the scaled, masked scores
 ``l``       running row sum of ``exp(s - m)``
 ``lse``     log-sum-exp of a row's scaled, masked scores: ``m + log(l)`` (natural log)
 =========== ===============================================================================
 
-Conventions (the same in both kernels, see ``README.md`` for how others differ):
+Contracts, the same in every kernel here (``README.md`` says how other libraries differ):
 
 * ``mask[..., i, j]`` True means query ``i`` may attend to key ``j`` (PyTorch SDPA and JAX).
 * ``causal=True`` allows key ``j`` for query ``i`` iff ``j <= i + (Nk - Nq)``: the diagonal is
   aligned bottom-right, as in FlashAttention >= 2.1, so the last query sees every key.
-* A row with no allowed key gives ``out`` exactly ``0.0`` and ``lse = -inf``, with no NaN and no
-  floating-point warning.
+* **Empty rows.** A row with no allowed key gives ``out`` exactly ``0.0`` and ``lse = -inf``,
+  with no NaN and no floating-point warning, whatever ``q``, ``k`` and ``v`` hold.
+  (FlashAttention stores ``+inf`` as such a row's lse; :func:`merge_attention` says how to
+  convert.)
+* **Masked keys never leak.** An inf or NaN in ``k`` or ``v`` at key ``j`` reaches exactly the
+  rows allowed to attend key ``j``, for every block size: a row that may not attend it is
+  computed as if key ``j`` did not exist. This is the padding of a KV cache, whose unused slots
+  hold garbage. A weight of exactly 0 is not enough for that, because ``0 · inf = NaN`` in IEEE
+  arithmetic; ``_matmul_allowed`` handles the few key blocks that hold such values (they are
+  found once per call, so finite inputs pay nothing). Rows allowed to attend a non-finite key
+  get what IEEE arithmetic gives (NaN or ±inf); a score of ``-inf`` weighs 0, like a masked one.
+* **NaN in q.** A NaN in row ``i`` of ``q`` makes row ``i`` of ``out`` and ``lse`` NaN (unless the
+  row is fully masked) and leaves every other row exact.
+* **The scale** is applied to the inputs, not to the scores: ``τ = r·2^e`` (``0.5 <= r < 1``) is
+  applied as ``q · r·2^a`` and ``k · 2^b`` with ``a + b = e`` and ``b = trunc(e/2)``. Why:
+
+  - *accuracy*: a power of two scales exactly, so the scores round exactly as ``(τq)kᵀ``; that
+    and ``τ(qkᵀ)`` carry the same error bound (one rounding of ``τ`` per product against the
+    dot product's ``d`` roundings), and agree bit for bit when ``τ`` is a power of two;
+  - *cost*: scaling inputs touches ``(block_q + block_k)·d`` numbers per tile; scaling the
+    scores would be one more pass over all ``block_q·block_k`` of them;
+  - *range*: ``τq`` alone overflows for ``q = 1e300, τ = 1e10`` although every score is finite,
+    and ``qkᵀ`` overflows float32 for ``q = k = 1e20`` before ``τ = 1e-30`` shrinks it; with
+    ``√τ`` on each side neither does, unless the scores themselves are near the limit.
+* **Threads.** Query blocks run on up to ``FLASH_LIB_THREADS`` threads (default: the number
+  of cores, at most 4) and every tile is computed by the same calls whichever thread runs it,
+  so results are bit-identical from run to run, from any calling thread, and whatever runs
+  concurrently. That needs BLAS at one thread: how many threads a BLAS uses changes how it
+  splits a matmul, and with it the rounding. NumPy's OpenBLAS keeps that count in one
+  process-wide variable, so a call holds it at 1 while it runs and puts back exactly what it
+  found (the caller's setting, unless another thread changed it meanwhile) when it returns,
+  raises or is interrupted; calls are serialised by a lock, so no call ever sees another's
+  setting. While a call runs, other threads' NumPy matmuls run on one BLAS thread too.
+  Ctrl-C stops a call within about one tile.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import itertools
 import math
 import numbers
 import os
 import threading
 import tracemalloc
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
+try:  # bfloat16 is not a NumPy dtype; ml_dtypes (a dependency) provides it.
+    import ml_dtypes
+
+    _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is in pyproject.toml's dependencies
+    _BFLOAT16 = None
+
 __all__ = [
     "DEFAULT_BLOCK_Q",
     "DEFAULT_BLOCK_K",
+    "online_softmax_update",
     "flash_attention",
     "naive_attention",
     "precise_attention",
@@ -73,33 +119,523 @@ DEFAULT_BLOCK_Q = 512
 #: Keys in one tile, by default (chosen with ``DEFAULT_BLOCK_Q``).
 DEFAULT_BLOCK_K = 512
 
-# Query blocks are independent, so they run on a small thread pool: NumPy releases the GIL in
-# matmul, exp and the reductions, which the single-threaded elementwise passes need to use both
-# cores. Each block is computed by exactly the same calls whichever thread runs it, so results are
-# bit-identical from run to run. FLASH_LIB_THREADS=1 turns it off.
-_THREADS = max(1, int(os.environ.get("FLASH_LIB_THREADS", min(os.cpu_count() or 1, 4))))
-_PARALLEL_MIN_SCORES = 1 << 20
-# The kernel's matmuls are tile-sized: BLAS threads would only fight our workers (or, without
-# workers, spin between small calls), so the kernel runs with one BLAS thread (see _one_blas_thread).
-_BLAS = ThreadpoolController()  # found once at import, a limit then costs ~10 µs to set
-_blas_lock = threading.Lock()
-_blas_users = 0
-_blas_limiter = None
+
+# --------------------------------------------------------------------------------------------
+# The recurrence
+# --------------------------------------------------------------------------------------------
+
+
+def online_softmax_update(m, l, acc, s, v, matmul=np.matmul):
+    """Fold one tile of scores into its rows' running state ``(m, l, acc)``, in place.
+
+    ``m``, ``l``: shape ``(..., rows)``; ``acc``: ``(..., rows, dv)``; ``s``: the tile's scaled
+    scores, ``(..., rows, keys)``, ``-inf`` where a pair is not allowed, overwritten with ``p``;
+    ``v``: the tile's values, ``(..., keys, dv)``. ``matmul(p, v)`` is ``p @ v``; the kernel
+    passes one that writes into a reused buffer and keeps masked keys out (``_matmul_allowed``).
+    """
+    m_new = np.maximum(m, s.max(axis=-1))  # m' = max(m, max_j s_j)
+    # A row with no allowed key yet has m' = -inf, and -inf - (-inf) is NaN; any finite
+    # reference point gives the same e^(-inf) = 0 there, so it uses 0.
+    m_ref = np.where(m_new == -np.inf, 0, m_new)
+    alpha = np.exp(m - m_ref)  # e^(m - m'): re-expresses what was summed against m'
+    p = np.exp(np.subtract(s, m_ref[..., None], out=s), out=s)  # p_j = e^(s_j - m')
+    l *= alpha
+    l += p.sum(axis=-1)  # l' = l·e^(m - m') + Σ_j p_j
+    acc *= alpha[..., None]
+    acc += matmul(p, v)  # acc' = acc·e^(m - m') + Σ_j p_j v_j
+    m[...] = m_new
+
+
+def _finalize(acc, l, m):
+    """``out = acc / l`` and ``lse = m + log(l)``, with empty rows (``l == 0``) as 0 and -inf.
+
+    ``l == 0`` exactly when no key was allowed, because the largest allowed score contributes
+    ``exp(0) = 1``. A NaN row has ``l`` NaN, which is not 0, so it stays NaN in both outputs.
+    """
+    empty = l == 0
+    out = acc / np.where(empty, 1, l)[..., None]
+    lse = np.full_like(l, -np.inf)
+    np.log(l, out=lse, where=~empty)
+    lse += m
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------
+# The tiled kernel
+# --------------------------------------------------------------------------------------------
+
+
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    mask=None,
+    causal=False,
+    scale=None,
+    block_q=DEFAULT_BLOCK_Q,
+    block_k=DEFAULT_BLOCK_K,
+    return_lse=False,
+):
+    """Exact attention, computed tile by tile without storing the ``Nq × Nk`` scores.
+
+    Parameters
+    ----------
+    q, k, v : arrays of shape ``(..., Nq, d)``, ``(..., Nk, d)``, ``(..., Nk, dv)``
+        float16, bfloat16 (``ml_dtypes``), float32 or float64. Leading (batch, head) dimensions
+        broadcast by NumPy's rules across ``q``, ``k``, ``v`` and ``mask``. float16 and bfloat16
+        are computed in float32.
+    mask : bool array broadcastable to ``(..., Nq, Nk)``, optional
+        True where query ``i`` may attend to key ``j``.
+    causal : bool
+        Also forbid key ``j`` for query ``i`` unless ``j <= i + (Nk - Nq)`` (bottom-right).
+    scale : float, optional
+        τ, multiplies the scores; default ``1 / sqrt(d)``. Must be a normal number of the
+        compute dtype (float32 for half-precision inputs).
+    block_q, block_k : int
+        Tile size: queries per block and keys per block. The last blocks may be partial.
+    return_lse : bool
+        Also return the log-sum-exp of each row's scaled, masked scores.
+
+    Returns
+    -------
+    out : ndarray
+        Shape ``(..., Nq, dv)``, in the inputs' dtype.
+    lse : ndarray
+        Shape ``(..., Nq)``, only with ``return_lse=True``: float32 for half-precision inputs
+        (as FlashAttention stores it), else the inputs' dtype; ``-inf`` for rows with no
+        allowed key.
+
+    Notes
+    -----
+    Memory: besides the inputs and the returned arrays, each worker thread holds one query
+    block's tiles, ``O(batch · block_q · (block_k + d + dv))`` elements, independent of ``Nq``
+    and ``Nk`` (``tests/test_memory.py`` measures it), plus one boolean per key.
+
+    The module docstring states the contracts: empty rows, masked keys, NaN, the scale's
+    placement, threads and BLAS.
+    """
+    problem = _check_inputs(q, k, v, mask, causal, scale)
+    block_q = _int_at_least("block_q", block_q, 1)
+    block_k = _int_at_least("block_k", block_k, 1)
+    out = np.zeros(problem.batch + (problem.n_q, problem.dv), dtype=problem.out_dtype)
+    # Not allocated unless asked for: it would be O(Nq) scratch.
+    lse = np.full(problem.batch + (problem.n_q,), -np.inf, problem.acc) if return_lse else None
+
+    def attend(query_block, cancelled):
+        """One query block over its key blocks: the online-softmax recurrence, tile by tile."""
+        q_start, q_stop = query_block
+        rows = problem.batch + (q_stop - q_start,)
+        q_blk = problem.q_tile(q_start, q_stop)
+        m = np.full(rows, -np.inf, dtype=problem.acc)
+        l = np.zeros(rows, dtype=problem.acc)
+        acc = np.zeros(rows + (problem.dv,), dtype=problem.acc)
+        # The scores tile and the p·v product are reused across key blocks: one allocation each.
+        s_buf = np.empty(rows + (min(block_k, problem.n_k),), dtype=problem.acc)
+        pv = np.empty(rows + (problem.dv,), dtype=problem.acc)
+        # exactly this query block's tiles of tile_schedule(...)
+        for k_start, k_stop in _key_blocks(q_stop, problem.n_q, problem.n_k, block_k,
+                                           problem.causal):
+            if cancelled.is_set():
+                return
+            s = s_buf[..., : k_stop - k_start]
+            np.matmul(q_blk, np.swapaxes(problem.k_tile(k_start, k_stop), -1, -2), out=s)
+            allowed = problem.allowed(q_start, q_stop, k_start, k_stop)
+            if allowed is not None:
+                np.copyto(s, -np.inf, where=~allowed)
+            bad = problem.bad_values(k_start, k_stop) if allowed is not None else None
+            if bad is None:
+                matmul = functools.partial(np.matmul, out=pv)
+            else:
+                matmul = functools.partial(_matmul_allowed, allowed=allowed, bad=bad, out=pv)
+            online_softmax_update(m, l, acc, s, problem.v_tile(k_start, k_stop), matmul)
+        # Divide once, at the end.
+        out[..., q_start:q_stop, :], lse_blk = _finalize(acc, l, m)
+        if lse is not None:
+            lse[..., q_start:q_stop] = lse_blk
+
+    # Threads only pay for themselves on real work (a thread pool costs ~0.1 ms to start).
+    n_scores = math.prod(problem.batch) * problem.n_q * problem.n_k
+    n_blocks = -(-problem.n_q // block_q)
+    workers = min(_THREADS, n_blocks) if n_scores >= _PARALLEL_MIN_SCORES else 1
+    with np.errstate(invalid="ignore"):  # see _IEEE_QUIET; the workers inherit it
+        _run_blocks(attend, _query_blocks(problem.n_q, block_q), workers)
+    return (out, lse) if return_lse else out
+
+
+def tile_schedule(n_q, n_k, block_q, block_k, causal=False):
+    """The tiles :func:`flash_attention` visits, in order, as ``(q_start, q_stop, k_start, k_stop)``.
+
+    Query blocks in the outer loop, key blocks in the inner loop (FlashAttention-2's order: each
+    query block's ``m``, ``l`` and ``acc`` live through one inner loop). The last block in each
+    direction may be partial. With ``causal=True`` a tile is visited iff its bottom-left pair
+    (its last query, its first key) is allowed, ``k_start <= (q_stop - 1) + (n_k - n_q)``: the
+    tiles above the bottom-right-aligned diagonal are skipped without being computed.
+    """
+    n_q = _int_at_least("n_q", n_q, 0)
+    n_k = _int_at_least("n_k", n_k, 0)
+    block_q = _int_at_least("block_q", block_q, 1)
+    block_k = _int_at_least("block_k", block_k, 1)
+    causal = _bool("causal", causal)
+    return [
+        (q_start, q_stop, k_start, k_stop)
+        for q_start, q_stop in _query_blocks(n_q, block_q)
+        for k_start, k_stop in _key_blocks(q_stop, n_q, n_k, block_k, causal)
+    ]
+
+
+# The kernel walks these two generators directly rather than a materialised schedule, whose list
+# would hold one tuple per tile: O(Nq·Nk / (block_q·block_k)) memory.
+def _query_blocks(n_q, block_q):
+    for q_start in range(0, n_q, block_q):
+        yield q_start, min(q_start + block_q, n_q)
+
+
+def _key_blocks(q_stop, n_q, n_k, block_k, causal):
+    # One past the last key that the block's last query (q_stop - 1) may see.
+    k_end = max(0, min(n_k, q_stop + (n_k - n_q))) if causal else n_k
+    for k_start in range(0, k_end, block_k):
+        yield k_start, min(k_start + block_k, n_k)
+
+
+def _allowed(mask, causal, n_q, n_k, q_start, q_stop, k_start, k_stop):
+    """Boolean tile of allowed (query, key) pairs, or None when every pair is allowed."""
+    allowed = None
+    if mask is not None:
+        allowed = np.broadcast_to(mask, mask.shape[:-2] + (n_q, n_k))[
+            ..., q_start:q_stop, k_start:k_stop
+        ]
+    # A visited tile needs the causal mask iff its top-right pair (first query, last key) is
+    # disallowed: then some of its pairs are above the diagonal.
+    if causal and k_stop - 1 > q_start + (n_k - n_q):
+        rows = np.arange(q_start, q_stop)[:, None] + (n_k - n_q)
+        tri = np.arange(k_start, k_stop)[None, :] <= rows
+        allowed = tri if allowed is None else allowed & tri
+    return allowed
+
+
+# _IEEE_QUIET: the kernels run with NumPy's "invalid" warning off. Finite inputs raise it only
+# after an overflow, which warns ("overflow encountered") on its own; an inf or NaN in the inputs
+# raises it all the time (inf · 0, inf - inf), and shows in the rows it reaches as NaN or ±inf.
+
+
+def _matmul_allowed(a, b, *, allowed, bad, out=None):
+    """``a @ b`` over the allowed pairs only, where rows ``bad`` of ``b`` hold inf or NaN.
+
+    ``a`` (..., rows, keys) is exactly 0 at the pairs that are not allowed, but IEEE arithmetic
+    makes ``0 · inf = NaN``, so a plain matmul would let a masked key's inf or NaN into a row
+    that may not attend it. Here the finite part is one matmul with those entries zeroed, and
+    the non-finite terms of the allowed pairs are classified exactly: a term ``a_ij · b_jc`` with
+    ``b_jc`` non-finite is NaN if ``b_jc`` is NaN or ``a_ij`` is 0 or NaN, else ±inf by sign; a
+    sum is NaN if any term is NaN or both infinities occur, else the infinity that occurs.
+    Only key blocks holding such values come here (``bad`` is found once per call). ``a`` holds
+    finite numbers or NaN (weights; an infinite ``a_ij`` would turn some ±inf entries into NaN).
+    """
+    finite_b = b.copy()
+    b_bad = b[..., bad, :]
+    finite_b[..., bad, :] = np.where(np.isfinite(b_bad), b_bad, 0)
+    out = np.matmul(a, finite_b, out=out)
+    a_bad = a[..., bad]
+    ok = np.broadcast_to(allowed, a.shape)[..., bad]
+    pos, neg = ok & (a_bad > 0), ok & (a_bad < 0)
+    flat = ok & ~(a_bad > 0) & ~(a_bad < 0)  # a is 0 or NaN
+    b_pos, b_neg, b_nan = b_bad == np.inf, b_bad == -np.inf, np.isnan(b_bad)
+
+    def some(x, y):  # some j with x_ij and y_jc, as a count through one small matmul
+        return np.matmul(x.astype(out.dtype), y.astype(out.dtype)) > 0
+
+    plus = some(pos, b_pos) | some(neg, b_neg)
+    minus = some(pos, b_neg) | some(neg, b_pos)
+    nan = some(ok, b_nan) | some(flat, b_pos | b_neg) | (plus & minus)
+    # Adding 0 leaves a finite sum unchanged; adding ±inf or NaN gives IEEE's sum of the terms.
+    out += np.where(nan, np.nan, np.where(plus, np.inf, np.where(minus, -np.inf, 0)))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The references
+# --------------------------------------------------------------------------------------------
+
+
+def naive_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False):
+    """Textbook attention: the full ``Nq × Nk`` score matrix, then a max-subtracted softmax.
+
+    Same arguments, results and conventions as :func:`flash_attention` (minus the block sizes);
+    it is the oracle the tiled kernel is tested against, so it stays as plain as possible. Its
+    one matmul uses the BLAS threads the caller has set.
+    """
+    problem = _check_inputs(q, k, v, mask, causal, scale)
+    out, lse = _dense_attention(problem, problem.acc)
+    out = out.astype(problem.out_dtype, copy=False)
+    return (out, lse) if return_lse else out
+
+
+def precise_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False):
+    """Attention in more precision than float64: the truth the other kernels are measured against.
+
+    Same semantics as :func:`naive_attention`; the scale is the float64 number the kernels use,
+    so only the kernels' own rounding is measured. Computed in ``np.longdouble`` where that is
+    wider than float64 (x86-64: 64-bit mantissa; aarch64 Linux: 113-bit), else with ``mpmath`` at
+    40 significant digits, elementwise and slow: meant for small inputs. Returns float64 arrays
+    from the mpmath path and longdouble arrays otherwise.
+    """
+    problem = _check_inputs(q, k, v, mask, causal, scale)
+    if np.finfo(np.longdouble).nmant > np.finfo(np.float64).nmant:
+        out, lse = _dense_attention(problem, np.dtype(np.longdouble))
+    else:  # pragma: no cover - only where longdouble is float64 (macOS arm64, Windows)
+        out, lse = _mpmath_attention(problem)
+    return (out, lse) if return_lse else out
+
+
+@np.errstate(invalid="ignore")  # see _IEEE_QUIET
+def _dense_attention(problem, dtype):
+    """The full score matrix in ``dtype``, then a max-subtracted softmax: naive and precise."""
+    n_q, n_k = problem.n_q, problem.n_k
+    s = problem.q_tile(0, n_q, dtype) @ np.swapaxes(problem.k_tile(0, n_k, dtype), -1, -2)
+    allowed = problem.allowed(0, n_q, 0, n_k)
+    if allowed is not None:
+        s = np.where(allowed, s, -np.inf)
+    s = np.broadcast_to(s, problem.batch + s.shape[-2:])  # v or mask may carry more batch dims
+    m = s.max(axis=-1, initial=-np.inf)
+    # Any finite reference point works for an empty row (all its scores are -inf); 0 avoids
+    # the NaN of -inf - (-inf).
+    p = np.exp(s - np.where(m == -np.inf, 0, m)[..., None])
+    v = problem.v_tile(0, n_k, dtype)
+    bad = problem.bad_values(0, n_k) if allowed is not None else None
+    pv = p @ v if bad is None else _matmul_allowed(p, v, allowed=allowed, bad=bad)
+    return _finalize(pv, p.sum(axis=-1), m)
+
+
+def _mpmath_attention(problem):  # pragma: no cover - see precise_attention
+    import mpmath
+
+    mp = mpmath.mp.clone()
+    mp.dps = 40
+    batch, n_q, n_k = problem.batch, problem.n_q, problem.n_k
+    allowed = problem.allowed(0, n_q, 0, n_k)
+    allowed = np.broadcast_to(True if allowed is None else allowed, batch + (n_q, n_k))
+    q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (problem.q, problem.k, problem.v))
+    out = np.zeros(batch + (n_q, problem.dv))
+    lse = np.full(batch + (n_q,), -np.inf)
+    for idx in np.ndindex(*batch, n_q):
+        b, i = idx[:-1], idx[-1]
+        keys = [j for j in range(n_k) if allowed[b + (i, j)]]
+        if not keys:
+            continue
+        s = [mp.mpf(problem.scale) * mp.fsum(mp.mpf(x) * mp.mpf(y) for x, y in zip(q[b + (i,)], k[b + (j,)]))
+             for j in keys]
+        mx = max(s)
+        w = [mp.exp(x - mx) for x in s]
+        total = mp.fsum(w)
+        for c in range(problem.dv):
+            out[b + (i, c)] = float(mp.fsum(wj * mp.mpf(v[b + (j, c)]) for wj, j in zip(w, keys)) / total)
+        lse[b + (i,)] = float(mx + mp.log(total))
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------
+# Combining partial results, and measuring memory and error
+# --------------------------------------------------------------------------------------------
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """Combine the attention of the same queries over two disjoint key sets A and B.
+
+    With ``lse = log Σ exp(s)`` over each set, the weights of A and B in the union are
+    ``exp(lse_a - lse)`` and ``exp(lse_b - lse)`` where ``lse = log(exp(lse_a) + exp(lse_b))``;
+    computed against ``m = max(lse_a, lse_b)`` so that nothing overflows:
+
+        out = (exp(lse_a - m) · out_a + exp(lse_b - m) · out_b) / (exp(lse_a - m) + exp(lse_b - m))
+
+    This is split-KV / flash-decoding's final reduction and ring attention's step. A part with
+    ``lse = -inf`` (no allowed key) contributes nothing, whatever its ``out`` holds (even NaN);
+    if both are empty the row is 0 with ``lse = -inf``. An ``lse`` of ``+inf`` is refused: it is
+    how FlashAttention marks an empty row, not a sum. The formula is symmetric, so
+    ``merge(a, b) == merge(b, a)`` exactly; groupings of three or more parts agree up to rounding.
+
+    Accepts the outputs of every kernel here, :func:`precise_attention`'s longdouble included.
+    Returns ``(out, lse)`` with ``out`` in the dtype of ``out_a``/``out_b`` and ``lse`` in the
+    dtype of the lse arguments (float32 at least).
+    """
+    out_a = _as_float_array("out_a", out_a, longdouble=True)
+    out_b = _as_float_array("out_b", out_b, longdouble=True)
+    lse_a, lse_b = np.asarray(lse_a), np.asarray(lse_b)
+    for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if x.dtype.type not in _FLOAT_DTYPES + (np.longdouble,):
+            raise TypeError(f"{name} must be a float array, got dtype {x.dtype}")
+    if out_a.shape != out_b.shape:
+        raise ValueError(
+            f"out_a and out_b must have the same shape, got {out_a.shape} and {out_b.shape}"
+        )
+    for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if x.shape != out_a.shape[:-1]:
+            raise ValueError(
+                f"{name} must have shape out.shape[:-1] = {out_a.shape[:-1]}, got {x.shape}"
+            )
+        if np.any(x == np.inf):
+            raise ValueError(
+                f"{name} is +inf in {np.count_nonzero(x == np.inf)} row(s). FlashAttention "
+                f"writes +inf as the lse of a row with no allowed key (its out is 0); flash_lib "
+                f"writes -inf, which is log(0), the lse such a row has. Convert before merging: "
+                f"np.where({name} == np.inf, -np.inf, {name})"
+            )
+    work = np.result_type(lse_a.dtype, lse_b.dtype, out_a.dtype, out_b.dtype, np.float32)
+    lse_a, lse_b = lse_a.astype(work), lse_b.astype(work)
+    m = np.maximum(lse_a, lse_b)
+    m_ref = np.where(m == -np.inf, 0, m)
+    w_a, w_b = np.exp(lse_a - m_ref), np.exp(lse_b - m_ref)
+
+    def weighted(w, out, lse):  # an empty part weighs 0, and 0 · NaN must not be NaN
+        return np.where((lse == -np.inf)[..., None], 0, w[..., None] * out.astype(work))
+
+    out, lse = _finalize(weighted(w_a, out_a, lse_a) + weighted(w_b, out_b, lse_b), w_a + w_b, m_ref)
+    out_dtype = np.result_type(out_a.dtype, out_b.dtype)
+    lse_dtype = np.result_type(lse_a.dtype, lse_b.dtype, np.float32)
+    return out.astype(out_dtype, copy=False), lse.astype(lse_dtype, copy=False)
+
+
+def measure_peak_bytes(fn, *args, **kwargs):
+    """Run ``fn(*args, **kwargs)``; return ``(result, peak_bytes)`` allocated during the call.
+
+    Measured from outside by ``tracemalloc``, where NumPy reports its array buffers, so it is
+    evidence about the kernel rather than the kernel's word about itself. ``peak_bytes`` counts
+    from the traced total at the call, so it includes the returned arrays: subtract their
+    ``nbytes`` to get the scratch memory. Allocations from all threads are counted.
+
+    If the caller is tracing already, its own peak survives the call: tracemalloc can only
+    reset the peak, not set it, so a peak above what this call reached is re-created afterwards
+    by one short-lived allocation (it may come out a few hundred bytes higher than it was).
+    """
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    _, callers_peak = tracemalloc.get_traced_memory()
+    try:
+        tracemalloc.reset_peak()
+        base, _ = tracemalloc.get_traced_memory()
+        result = fn(*args, **kwargs)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        if started:
+            tracemalloc.stop()
+        elif callers_peak > tracemalloc.get_traced_memory()[1]:
+            np.empty(callers_peak - tracemalloc.get_traced_memory()[0], np.uint8)  # freed at once
+    return result, peak - base
+
+
+def rowwise_relative_error(out, ref):
+    """Error of each row against a reference: ``max_c |out_ic - ref_ic| / max_c |ref_ic|``.
+
+    The metric of this project's tests, chapters and benchmark: relative to the row's own scale,
+    so that a row of small outputs is held to the same standard as a row of large ones.
+    Entries where ``ref`` is not finite must match exactly (the same infinity, or NaN for NaN),
+    so identical inf rows have error 0; the finite entries are measured against the largest
+    finite ``|ref|`` of the row. A row whose finite reference is all zeros (a fully masked
+    row) has error 0 only if ``out``'s row matches exactly, else inf. A non-finite ``out`` where
+    ``ref`` is finite is inf. Computed in the wider of the two dtypes (``ref`` may be
+    longdouble). Returns an array of shape ``out.shape[:-1]``.
+    """
+    wide = np.result_type(out, ref, np.float64)
+    out, ref = np.asarray(out, wide), np.asarray(ref, wide)
+    if out.ndim == 0 or ref.ndim == 0:
+        raise ValueError(
+            f"out and ref must have at least 1 dimension (..., features), got shapes "
+            f"{out.shape} and {ref.shape}"
+        )
+    if out.shape != ref.shape:
+        raise ValueError(f"out and ref must have the same shape, got {out.shape} and {ref.shape}")
+    if out.shape[-1] == 0:
+        return np.zeros(out.shape[:-1])
+    finite = np.isfinite(ref)
+    same = (out == ref) | (np.isnan(out) & np.isnan(ref))
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.where(same, 0, np.where(finite & np.isfinite(out), np.abs(out - ref), np.inf))
+    size = np.where(finite, np.abs(ref), 0).max(axis=-1)
+    worst = diff.max(axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        err = np.where(size == 0, np.where(worst == 0, 0, np.inf), worst / np.where(size == 0, 1, size))
+    return err
+
+
+# --------------------------------------------------------------------------------------------
+# Input checking, shared by every kernel so that they accept and reject exactly the same inputs
+# --------------------------------------------------------------------------------------------
 
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
+_FLOAT_NAMES = "float16, bfloat16, float32 or float64"
 
 
-# --------------------------------------------------------------------------------------------
-# Input checking, shared by both kernels so they accept and reject exactly the same inputs.
-# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Problem:
+    """Validated inputs (``q``, ``k``, ``v``, ``mask`` unbroadcast) and what the kernels derive."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    mask: np.ndarray | None
+    causal: bool
+    scale: float
+    scale_q: float  # r·2^a, see the module docstring
+    scale_k: float  # 2^b
+    batch: tuple
+    out_dtype: np.dtype
+    acc: np.dtype  # the compute dtype
+
+    @property
+    def n_q(self):
+        return self.q.shape[-2]
+
+    @property
+    def n_k(self):
+        return self.k.shape[-2]
+
+    @property
+    def dv(self):
+        return self.v.shape[-1]
+
+    def q_tile(self, start, stop, dtype=None):
+        dtype = self.acc if dtype is None else dtype
+        return np.multiply(self.q[..., start:stop, :], dtype.type(self.scale_q), dtype=dtype)
+
+    def k_tile(self, start, stop, dtype=None):
+        dtype = self.acc if dtype is None else dtype
+        k = self.k[..., start:stop, :]
+        if self.scale_k == 1:
+            return k.astype(dtype, copy=False)
+        return np.multiply(k, dtype.type(self.scale_k), dtype=dtype)
+
+    def v_tile(self, start, stop, dtype=None):
+        return self.v[..., start:stop, :].astype(self.acc if dtype is None else dtype, copy=False)
+
+    def allowed(self, q_start, q_stop, k_start, k_stop):
+        return _allowed(self.mask, self.causal, self.n_q, self.n_k, q_start, q_stop, k_start, k_stop)
+
+    @functools.cached_property
+    def _bad_keys(self):
+        """Sorted indices of the keys whose value row holds an inf or NaN (in any batch).
+
+        One pass over ``v`` per call, a chunk of keys at a time so that it needs no O(Nk) scratch.
+        """
+        batch_axes = tuple(range(self.v.ndim - 2))
+        found = [
+            start + np.flatnonzero(~np.isfinite(chunk).all(axis=-1).all(axis=batch_axes))
+            for start in range(0, self.n_k, 1024)
+            for chunk in [self.v[..., start : start + 1024, :]]
+        ]
+        return np.concatenate(found) if found else np.zeros(0, dtype=np.intp)
+
+    def bad_values(self, k_start, k_stop):
+        """Positions, within keys ``k_start:k_stop``, of values holding inf or NaN; or None."""
+        bad = self._bad_keys
+        lo, hi = np.searchsorted(bad, (k_start, k_stop))
+        return bad[lo:hi] - k_start if hi > lo else None
 
 
-def _as_float_array(name, x):
+def _as_float_array(name, x, longdouble=False):
     x = np.asarray(x)
-    if x.dtype.type not in _FLOAT_DTYPES:
-        raise TypeError(
-            f"{name} must be a float16, float32 or float64 array, got dtype {x.dtype}"
-        )
+    ok = x.dtype.type in _FLOAT_DTYPES or x.dtype == _BFLOAT16
+    if not ok and not (longdouble and x.dtype == np.longdouble):
+        raise TypeError(f"{name} must be a {_FLOAT_NAMES} array, got dtype {x.dtype}")
     if x.ndim < 2:
         raise ValueError(
             f"{name} must have at least 2 dimensions (..., N, features), got shape {x.shape}"
@@ -114,8 +650,57 @@ def _int_at_least(name, value, low):
     return int(value)
 
 
+def _bool(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def _result_dtype(*dtypes):
+    """The output dtype: NumPy's promotion, with float16 and bfloat16 (no common type) → float32."""
+    half = {np.dtype(np.float16), _BFLOAT16}
+    if len(set(dtypes)) > 1 and set(dtypes) <= half:
+        return np.dtype(np.float32)
+    rest = [d for d in dtypes if d != _BFLOAT16] or [_BFLOAT16]
+    return np.result_type(*rest)
+
+
+def _checked_scale(scale, d, acc):
+    """``scale`` as a float64, refused unless it is a normal number of the compute dtype."""
+    if scale is None:
+        return 1.0 / math.sqrt(d) if d > 0 else 1.0
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, numbers.Real)
+        or scale != scale  # NaN
+        or scale <= 0
+        or (not isinstance(scale, numbers.Integral) and np.isinf(scale))
+    ):
+        raise ValueError(f"scale must be a finite positive number, got {scale!r}")
+    with np.errstate(over="ignore", under="ignore"):  # a longdouble beyond float64's range
+        try:
+            as_float = float(scale)
+        except OverflowError:  # an int such as 10**400
+            as_float = math.inf
+    info = np.finfo(acc)
+    if not float(info.tiny) <= as_float <= float(info.max):
+        raise ValueError(
+            f"scale = {scale!r} is outside the normal range of the compute dtype {acc} "
+            f"[{float(info.tiny):.4g}, {float(info.max):.4g}]: in {acc} it "
+            f"{'overflows' if as_float > 1 else 'vanishes'}"
+        )
+    return as_float
+
+
+def _split_scale(scale):
+    """τ = r·2^e (0.5 <= r < 1) → (r·2^a, 2^b) with a + b = e, b = trunc(e/2)."""
+    r, e = math.frexp(scale)
+    b = int(e / 2)
+    return math.ldexp(r, e - b), math.ldexp(1.0, b)
+
+
 def _check_inputs(q, k, v, mask, causal, scale):
-    """Validate and normalise the arguments; return everything the kernels need."""
+    """Validate and normalise the arguments of every kernel; return a :class:`_Problem`."""
     q = _as_float_array("q", q)
     k = _as_float_array("k", k)
     v = _as_float_array("v", v)
@@ -153,427 +738,134 @@ def _check_inputs(q, k, v, mask, causal, scale):
                 f"{batch + (n_q, n_k)}"
             )
         batch = full[:-2]
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
-    elif (
-        isinstance(scale, bool)
-        or not isinstance(scale, numbers.Real)
-        or not math.isfinite(scale)
-        or scale <= 0
-    ):
-        raise ValueError(f"scale must be a finite positive number, got {scale!r}")
-    out_dtype = np.result_type(q.dtype, k.dtype, v.dtype)
-    # float16 has 11 bits of mantissa and overflows at 65504: sums and products run in float32.
-    acc_dtype = np.float32 if out_dtype == np.float16 else out_dtype
-    return q, k, v, mask, bool(causal), float(scale), batch, out_dtype, np.dtype(acc_dtype)
-
-
-def _finalize(acc, l, m):
-    """``out = acc / l`` and ``lse = m + log(l)``, with empty rows (``l == 0``) as 0 and -inf.
-
-    ``l == 0`` exactly when no key was allowed, because the largest allowed score contributes
-    ``exp(0) = 1``. A NaN row has ``l`` NaN, which is not 0, so it stays NaN in both outputs.
-    """
-    empty = l == 0
-    out = acc / np.where(empty, 1, l)[..., None]
-    lse = np.full_like(l, -np.inf)
-    np.log(l, out=lse, where=~empty)
-    lse += m
-    return out, lse
+    causal = _bool("causal", causal)
+    out_dtype = _result_dtype(q.dtype, k.dtype, v.dtype)
+    # float16 has 11 bits of mantissa and overflows at 65504, bfloat16 has 8 bits: sums and
+    # products run in float32.
+    acc = np.dtype(np.float32) if out_dtype in (np.float16, _BFLOAT16) else out_dtype
+    scale = _checked_scale(scale, d, acc)
+    scale_q, scale_k = _split_scale(scale)
+    return _Problem(q, k, v, mask, causal, scale, scale_q, scale_k, batch, out_dtype, acc)
 
 
 # --------------------------------------------------------------------------------------------
-# The reference
+# Threads and BLAS
 # --------------------------------------------------------------------------------------------
 
 
-def naive_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False):
-    """Textbook attention: the full ``Nq × Nk`` score matrix, then a max-subtracted softmax.
-
-    Same arguments, results and conventions as :func:`flash_attention` (minus the block sizes);
-    it is the oracle the tiled kernel is tested against, so it stays as plain as possible.
-    """
-    q, k, v, mask, causal, scale, batch, out_dtype, acc = _check_inputs(
-        q, k, v, mask, causal, scale
-    )
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    allowed = _allowed(mask, causal, n_q, n_k, 0, n_q, 0, n_k)
-    out, lse = _dense_attention(q, k, v, allowed, scale, batch, acc)
-    out = out.astype(out_dtype, copy=False)
-    return (out, lse) if return_lse else out
-
-
-def _dense_attention(q, k, v, allowed, scale, batch, dtype):
-    """The full score matrix in ``dtype``, then a max-subtracted softmax: naive and precise."""
-    s = (q.astype(dtype) @ np.swapaxes(k.astype(dtype), -1, -2)) * dtype.type(scale)
-    if allowed is not None:
-        s = np.where(allowed, s, -np.inf)
-    s = np.broadcast_to(s, batch + s.shape[-2:])  # v or mask may carry more batch dims than q, k
-    m = s.max(axis=-1, initial=-np.inf)
-    # Any finite reference point works for an empty row (all its scores are -inf); 0 avoids
-    # the NaN of -inf - (-inf).
-    p = np.exp(s - np.where(m == -np.inf, 0, m)[..., None])
-    return _finalize(p @ v.astype(dtype), p.sum(axis=-1), m)
-
-
-def precise_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False):
-    """Attention in more precision than float64: the truth the other kernels are measured against.
-
-    Same semantics as :func:`naive_attention`; the scale is the float64 number the kernels use,
-    so only the kernels' own rounding is measured. Computed in ``np.longdouble`` where that is
-    wider than float64 (x86-64: 64-bit mantissa; aarch64 Linux: 113-bit), else with ``mpmath`` at
-    40 significant digits, elementwise and slow: meant for small inputs. Returns float64 arrays
-    from the mpmath path and longdouble arrays otherwise.
-    """
-    q, k, v, mask, causal, scale, batch, _, _ = _check_inputs(q, k, v, mask, causal, scale)
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    allowed = _allowed(mask, causal, n_q, n_k, 0, n_q, 0, n_k)
-    if np.finfo(np.longdouble).nmant > np.finfo(np.float64).nmant:
-        out, lse = _dense_attention(q, k, v, allowed, scale, batch, np.dtype(np.longdouble))
-    else:  # pragma: no cover - only where longdouble is float64 (macOS arm64, Windows)
-        allowed = np.broadcast_to(True if allowed is None else allowed, batch + (n_q, n_k))
-        out, lse = _mpmath_attention(q, k, v, allowed, scale, batch)
-    return (out, lse) if return_lse else out
-
-
-def _mpmath_attention(q, k, v, allowed, scale, batch):  # pragma: no cover - see caller
-    import mpmath
-
-    mp = mpmath.mp.clone()
-    mp.dps = 40
-    q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
-    out = np.zeros(batch + (q.shape[-2], v.shape[-1]))
-    lse = np.full(batch + (q.shape[-2],), -np.inf)
-    for idx in np.ndindex(*batch, q.shape[-2]):
-        b, i = idx[:-1], idx[-1]
-        keys = [j for j in range(k.shape[-2]) if allowed[b + (i, j)]]
-        if not keys:
-            continue
-        s = [mp.mpf(scale) * mp.fsum(mp.mpf(x) * mp.mpf(y) for x, y in zip(q[b + (i,)], k[b + (j,)]))
-             for j in keys]
-        mx = max(s)
-        w = [mp.exp(x - mx) for x in s]
-        total = mp.fsum(w)
-        for c in range(v.shape[-1]):
-            out[b + (i, c)] = float(mp.fsum(wj * mp.mpf(v[b + (j, c)]) for wj, j in zip(w, keys)) / total)
-        lse[b + (i,)] = float(mx + mp.log(total))
-    return out, lse
-
-
-# --------------------------------------------------------------------------------------------
-# The tiled kernel
-# --------------------------------------------------------------------------------------------
-
-
-def tile_schedule(n_q, n_k, block_q, block_k, causal=False):
-    """The tiles :func:`flash_attention` visits, in order, as ``(q_start, q_stop, k_start, k_stop)``.
-
-    Query blocks in the outer loop, key blocks in the inner loop (FlashAttention-2's order: each
-    query block's ``m``, ``l`` and ``acc`` live through one inner loop). The last block in each
-    direction may be partial. With ``causal=True`` a tile is visited only if at least one of its
-    (query, key) pairs is allowed, that is ``k_start <= (q_stop - 1) + (n_k - n_q)``; the tiles
-    above the bottom-right-aligned diagonal are skipped without being computed.
-    """
-    n_q = _int_at_least("n_q", n_q, 0)
-    n_k = _int_at_least("n_k", n_k, 0)
-    block_q = _int_at_least("block_q", block_q, 1)
-    block_k = _int_at_least("block_k", block_k, 1)
-    return [
-        (q_start, q_stop, k_start, k_stop)
-        for q_start, q_stop in _query_blocks(n_q, block_q)
-        for k_start, k_stop in _key_blocks(q_stop, n_q, n_k, block_k, causal)
-    ]
-
-
-# The kernel walks these two generators directly rather than a materialised schedule, whose list
-# would hold one tuple per tile: O(Nq·Nk / (block_q·block_k)) memory.
-def _query_blocks(n_q, block_q):
-    for q_start in range(0, n_q, block_q):
-        yield q_start, min(q_start + block_q, n_q)
-
-
-def _key_blocks(q_stop, n_q, n_k, block_k, causal):
-    # One past the last key that the block's last query (q_stop - 1) may see.
-    k_end = max(0, min(n_k, q_stop + (n_k - n_q))) if causal else n_k
-    for k_start in range(0, k_end, block_k):
-        yield k_start, min(k_start + block_k, n_k)
-
-
-def _allowed(mask, causal, n_q, n_k, q_start, q_stop, k_start, k_stop):
-    """Boolean tile of allowed (query, key) pairs, or None when every pair is allowed."""
-    allowed = None
-    if mask is not None:
-        allowed = np.broadcast_to(mask, mask.shape[:-2] + (n_q, n_k))[
-            ..., q_start:q_stop, k_start:k_stop
-        ]
-    # Only tiles crossing the causal diagonal need an explicit causal mask.
-    if causal and k_stop - 1 > q_start + (n_k - n_q):
-        rows = np.arange(q_start, q_stop)[:, None] + (n_k - n_q)
-        tri = np.arange(k_start, k_stop)[None, :] <= rows
-        allowed = tri if allowed is None else allowed & tri
-    return allowed
-
-
-def flash_attention(
-    q,
-    k,
-    v,
-    *,
-    mask=None,
-    causal=False,
-    scale=None,
-    block_q=DEFAULT_BLOCK_Q,
-    block_k=DEFAULT_BLOCK_K,
-    return_lse=False,
-):
-    """Exact attention, computed tile by tile without storing the ``Nq × Nk`` scores.
-
-    Parameters
-    ----------
-    q, k, v : arrays of shape ``(..., Nq, d)``, ``(..., Nk, d)``, ``(..., Nk, dv)``
-        float16, float32 or float64. Leading (batch, head) dimensions broadcast by NumPy's rules
-        across ``q``, ``k``, ``v`` and ``mask``. float16 is computed in float32.
-    mask : bool array broadcastable to ``(..., Nq, Nk)``, optional
-        True where query ``i`` may attend to key ``j``.
-    causal : bool
-        Also forbid key ``j`` for query ``i`` unless ``j <= i + (Nk - Nq)`` (bottom-right).
-    scale : float, optional
-        Multiplies the scores; default ``1 / sqrt(d)``.
-    block_q, block_k : int
-        Tile size: queries per block and keys per block. The last blocks may be partial.
-    return_lse : bool
-        Also return the log-sum-exp of each row's scaled, masked scores.
-
-    Returns
-    -------
-    out : ndarray
-        Shape ``(..., Nq, dv)``, in the inputs' dtype.
-    lse : ndarray
-        Shape ``(..., Nq)``, only with ``return_lse=True``: float32 for float16 inputs (as
-        FlashAttention stores it), else the inputs' dtype; ``-inf`` for rows with no allowed key.
-
-    Notes
-    -----
-    Memory: besides the inputs and the returned arrays, each worker thread holds one query
-    block's tiles, ``O(batch · block_q · (block_k + d + dv))`` elements, independent of ``Nq``
-    and ``Nk`` (``tests/test_memory.py`` measures it).
-
-    NaN: a NaN in row ``i`` of ``q`` makes row ``i`` of ``out`` (and of ``lse``) NaN and leaves
-    every other row exact. A NaN in key ``j`` of ``k`` reaches every row allowed to attend key
-    ``j``; one in ``v`` reaches every row whose tiles multiply it, even with weight 0 (IEEE
-    ``0 · NaN = NaN``). NaN is never turned into a silent number.
-    """
-    q, k, v, mask, causal, scale, batch, out_dtype, acc = _check_inputs(
-        q, k, v, mask, causal, scale
-    )
-    block_q = _int_at_least("block_q", block_q, 1)
-    block_k = _int_at_least("block_k", block_k, 1)
-    n_q, n_k, dv = q.shape[-2], k.shape[-2], v.shape[-1]
-
-    # Broadcast views (no copies), so that every tile below has the full batch shape and the
-    # per-tile updates can run in place.
-    q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
-    out = np.zeros(batch + (n_q, dv), dtype=out_dtype)
-    # Not allocated unless asked for: it would be O(Nq) scratch.
-    lse = np.full(batch + (n_q,), -np.inf, dtype=acc) if return_lse else None
-
-    def attend(query_block):
-        """One query block over its key blocks: the online-softmax recurrence, tile by tile."""
-        q_start, q_stop = query_block
-        rows = batch + (q_stop - q_start,)
-        # Scale the (block_q × d) queries once rather than every (block_q × block_k) tile.
-        q_blk = q[..., q_start:q_stop, :].astype(acc) * acc.type(scale)
-        m = np.full(rows, -np.inf, dtype=acc)  # running max of the scores
-        l = np.zeros(rows, dtype=acc)  # running Σ exp(s - m)
-        acc_blk = np.zeros(rows + (dv,), dtype=acc)  # running Σ exp(s - m) · v
-        # The scores tile and the p·v product are reused across key blocks: one allocation each.
-        s_buf = np.empty(rows + (min(block_k, n_k),), dtype=acc)
-        pv = np.empty(rows + (dv,), dtype=acc)
-        # exactly this query block's tiles of tile_schedule(...)
-        for k_start, k_stop in _key_blocks(q_stop, n_q, n_k, block_k, causal):
-            k_blk = k[..., k_start:k_stop, :].astype(acc, copy=False)
-            v_blk = v[..., k_start:k_stop, :].astype(acc, copy=False)
-            s = s_buf[..., : k_stop - k_start]
-            # s = scale · q kᵀ for this tile (the scale is already in q_blk)
-            np.matmul(q_blk, np.swapaxes(k_blk, -1, -2), out=s)
-            allowed = _allowed(mask, causal, n_q, n_k, q_start, q_stop, k_start, k_stop)
-            if allowed is not None:
-                np.copyto(s, -np.inf, where=~allowed)
-            m_new = np.maximum(m, s.max(axis=-1))
-            # m_ref = m', except 0 for rows with no allowed key yet: there every score is -inf,
-            # and -inf - (-inf) would be NaN, while any finite reference gives exp(-inf) = 0.
-            m_ref = np.where(m_new == -np.inf, 0, m_new)
-            # alpha = exp(m - m'): moves what was summed against the old max onto the new one.
-            alpha = np.exp(m - m_ref)
-            # p = exp(s - m'), in place: s becomes p.
-            np.subtract(s, m_ref[..., None], out=s)
-            p = np.exp(s, out=s)
-            # l' = l · exp(m - m') + Σ_j p_j
-            l *= alpha
-            l += p.sum(axis=-1)
-            # acc' = acc · exp(m - m') + p v
-            acc_blk *= alpha[..., None]
-            acc_blk += np.matmul(p, v_blk, out=pv)
-            m = m_new
-        # Divide once, at the end.
-        out[..., q_start:q_stop, :], lse_blk = _finalize(acc_blk, l, m)
-        if return_lse:
-            lse[..., q_start:q_stop] = lse_blk
-
-    # Threads only pay for themselves on real work (a thread pool costs ~0.1 ms to start).
-    n_scores = math.prod(batch) * n_q * n_k
-    n_blocks = -(-n_q // block_q)
-    workers = min(_THREADS, n_blocks) if n_scores >= _PARALLEL_MIN_SCORES else 1
-    _run_blocks(attend, _query_blocks(n_q, block_q), workers)
-    return (out, lse) if return_lse else out
-
-
-@contextlib.contextmanager
-def _one_blas_thread():
-    """Limit BLAS to one thread while any flash_attention call runs, then restore it.
-
-    The BLAS thread count is process-wide, so concurrent calls share one limit: the first to
-    enter sets it and the last to leave restores the caller's setting.
-    """
-    global _blas_users, _blas_limiter
-    with _blas_lock:
-        if _blas_users == 0:
-            _blas_limiter = _BLAS.limit(limits=1, user_api="blas")
-        _blas_users += 1
+def _threads_from_environment():
+    raw = os.environ.get("FLASH_LIB_THREADS")
+    if raw is None:
+        return min(os.cpu_count() or 1, 4)
     try:
-        yield
-    finally:
-        with _blas_lock:
-            _blas_users -= 1
-            if _blas_users == 0:
-                _blas_limiter.restore_original_limits()
+        threads = int(raw)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise ValueError(f"FLASH_LIB_THREADS must be a positive integer, got {raw!r}")
+    return threads
 
 
-def _run_blocks(fn, blocks, workers):
-    """Run ``fn`` on every query block, on ``workers`` threads each with one BLAS thread.
+# Query blocks are independent, so they run on a small thread pool: NumPy releases the GIL in
+# matmul, exp and the reductions, which the single-threaded elementwise passes need to use all
+# cores. FLASH_LIB_THREADS=1 turns it off.
+_THREADS = _threads_from_environment()
+_PARALLEL_MIN_SCORES = 1 << 20
+# One kernel call at a time holds BLAS at one thread (see _one_blas_thread).
+_KERNEL_LOCK = threading.Lock()
+# True inside a kernel call (and its workers): a nested call runs inline, under the outer's lock.
+_IN_KERNEL = contextvars.ContextVar("flash_lib_in_kernel", default=False)
+# Found once at import (NumPy's BLAS is loaded by then); setting a count then costs ~1 µs.
+_BLAS_LIBS = ThreadpoolController().select(user_api="blas").lib_controllers
+
+
+def _run_blocks(work_on, blocks, workers):
+    """Call ``work_on(block, cancelled)`` for every block, on ``workers`` threads, BLAS at one.
 
     Workers take the next block from one shared iterator, so the bookkeeping is O(workers)
     whatever the number of blocks. Each worker runs in a copy of the caller's context, so
     ``np.errstate`` (a context variable) holds inside the workers as it does for the caller.
+    If a worker raises, or the caller is interrupted (Ctrl-C), ``cancelled`` is set: every worker
+    stops before its next tile, and the exception reaches the caller once they have.
     """
-    blocks = iter(blocks)
-    lock = threading.Lock()
-
-    def work():
-        while True:
-            with lock:
-                block = next(blocks, None)
-            if block is None:
+    cancelled = threading.Event()
+    if _IN_KERNEL.get():
+        for block in blocks:
+            work_on(block, cancelled)
+        return
+    with _KERNEL_LOCK, _one_blas_thread():
+        token = _IN_KERNEL.set(True)
+        try:
+            if workers == 1:
+                for block in blocks:
+                    work_on(block, cancelled)
                 return
-            fn(block)
+            blocks, take = iter(blocks), threading.Lock()
 
-    with _one_blas_thread():
-        if workers == 1:
-            work()
-            return
-        with ThreadPoolExecutor(workers) as pool:
-            futures = [pool.submit(contextvars.copy_context().run, work) for _ in range(workers)]
-            for f in futures:
-                f.result()
+            def work():
+                _one_blas_thread_here()
+                while not cancelled.is_set():
+                    with take:
+                        block = next(blocks, None)
+                    if block is None:
+                        return
+                    work_on(block, cancelled)
+
+            pool = ThreadPoolExecutor(workers, thread_name_prefix="flash_lib")
+            try:
+                futures = [pool.submit(contextvars.copy_context().run, work) for _ in range(workers)]
+                done, _ = wait(futures, return_when=FIRST_EXCEPTION)  # Ctrl-C interrupts this
+                for future in done:
+                    future.result()
+            finally:
+                cancelled.set()
+                pool.shutdown(wait=True)
+        finally:
+            _IN_KERNEL.reset(token)
 
 
-# --------------------------------------------------------------------------------------------
-# Combining partial results, and measuring memory and error
-# --------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _one_blas_thread():
+    """Hold each BLAS library at one thread during a kernel call, then restore what was there.
 
-
-def merge_attention(out_a, lse_a, out_b, lse_b):
-    """Combine the attention of the same queries over two disjoint key sets A and B.
-
-    With ``lse = log Σ exp(s)`` over each set, the weights of A and B in the union are
-    ``exp(lse_a - lse)`` and ``exp(lse_b - lse)`` where ``lse = log(exp(lse_a) + exp(lse_b))``;
-    computed against ``m = max(lse_a, lse_b)`` so that nothing overflows:
-
-        out = (exp(lse_a - m) · out_a + exp(lse_b - m) · out_b) / (exp(lse_a - m) + exp(lse_b - m))
-
-    This is split-KV / flash-decoding's final reduction and ring attention's step. A part with
-    ``lse = -inf`` (no allowed key) has weight 0; if both are empty the row stays 0 with
-    ``lse = -inf``. The formula is symmetric, so ``merge(a, b) == merge(b, a)`` exactly;
-    different groupings of three or more parts agree up to rounding.
-
-    Returns ``(out, lse)`` with ``out`` in the dtype of ``out_a``/``out_b`` and ``lse`` in the
-    dtype of the lse arguments (float32 at least).
+    How many threads a BLAS uses changes how it splits a matmul, and so the rounding (measured
+    with NumPy's OpenBLAS: a 512 × 64 × 512 float32 product differs in 37% of rows between 1
+    and 2 threads), and the kernel's own threads already use the cores. NumPy's OpenBLAS keeps
+    the count in one process-wide variable. threadpoolctl (>= 3.8) lets only one "controlling"
+    Python thread change it and silently ignores the others, which would leave a call from any
+    other thread at the caller's count, so OpenBLAS's own setter is called instead. What is put
+    back is what was found, unless another thread changed it during the call: theirs stands.
     """
-    out_a = _as_float_array("out_a", out_a)
-    out_b = _as_float_array("out_b", out_b)
-    lse_a = np.asarray(lse_a)
-    lse_b = np.asarray(lse_b)
-    for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
-        if x.dtype.type not in _FLOAT_DTYPES:
-            raise TypeError(f"{name} must be a float array, got dtype {x.dtype}")
-    if out_a.shape != out_b.shape:
-        raise ValueError(
-            f"out_a and out_b must have the same shape, got {out_a.shape} and {out_b.shape}"
-        )
-    for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
-        if x.shape != out_a.shape[:-1]:
-            raise ValueError(
-                f"{name} must have shape out.shape[:-1] = {out_a.shape[:-1]}, got {x.shape}"
-            )
-    work = np.result_type(lse_a.dtype, lse_b.dtype, out_a.dtype, np.float32)
-    lse_a, lse_b = lse_a.astype(work), lse_b.astype(work)
-    m = np.maximum(lse_a, lse_b)
-    m_ref = np.where(m == -np.inf, 0, m)
-    w_a, w_b = np.exp(lse_a - m_ref), np.exp(lse_b - m_ref)
-    out, lse = _finalize(
-        w_a[..., None] * out_a.astype(work) + w_b[..., None] * out_b.astype(work),
-        w_a + w_b,
-        m_ref,
-    )
-    out_dtype = np.result_type(out_a.dtype, out_b.dtype)
-    lse_dtype = np.result_type(lse_a.dtype, lse_b.dtype, np.float32)
-    return out.astype(out_dtype, copy=False), lse.astype(lse_dtype, copy=False)
-
-
-def measure_peak_bytes(fn, *args, **kwargs):
-    """Run ``fn(*args, **kwargs)``; return ``(result, peak_bytes)`` allocated during the call.
-
-    Measured from outside by ``tracemalloc``, where NumPy reports its array buffers, so it is
-    evidence about the kernel rather than the kernel's word about itself. ``peak_bytes`` counts
-    from the traced total at the call, so it includes the returned arrays: subtract their
-    ``nbytes`` to get the scratch memory. Allocations from all threads are counted.
-    """
-    started = not tracemalloc.is_tracing()
-    if started:
-        tracemalloc.start()
+    found = [(lib, lib.get_num_threads()) for lib in _BLAS_LIBS]
+    for lib, _ in found:
+        _set_blas_threads(lib, 1)
     try:
-        tracemalloc.reset_peak()
-        base, _ = tracemalloc.get_traced_memory()
-        result = fn(*args, **kwargs)
-        _, peak = tracemalloc.get_traced_memory()
+        yield
     finally:
-        if started:
-            tracemalloc.stop()
-    return result, peak - base
+        for lib, threads in found:
+            if threads is not None and lib.get_num_threads() == 1:
+                _set_blas_threads(lib, threads)
 
 
-def rowwise_relative_error(out, ref):
-    """Error of each row against a reference: ``max_c |out_ic - ref_ic| / max_c |ref_ic|``.
+def _one_blas_thread_here():
+    """A BLAS threaded by OpenMP keeps its count per thread: each worker sets its own."""
+    for lib in _BLAS_LIBS:
+        if lib.threading_layer == "openmp":
+            lib.set_num_threads(1)
 
-    The metric of this project's tests, chapters and benchmark: relative to the row's own scale,
-    so that a row of small outputs is held to the same standard as a row of large ones. A row
-    whose reference is all zeros (a fully masked row) has error 0 only if ``out``'s row is exactly
-    zero too, else inf. NaN in ``out`` where ``ref`` has none is inf; a row that is NaN in both
-    counts as 0. Computed in the wider of the two dtypes (``ref`` may be longdouble). Returns an
-    array of shape ``out.shape[:-1]``.
-    """
-    wide = np.result_type(out, ref, np.float64)
-    out, ref = np.asarray(out, wide), np.asarray(ref, wide)
-    if out.shape != ref.shape:
-        raise ValueError(f"out and ref must have the same shape, got {out.shape} and {ref.shape}")
-    if out.shape[-1] == 0:
-        return np.zeros(out.shape[:-1])
-    diff = np.abs(out - ref).max(axis=-1)
-    size = np.abs(ref).max(axis=-1)
-    zero_ref = size == 0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        err = np.where(zero_ref, np.where(diff == 0, 0, np.inf), diff / np.where(zero_ref, 1, size))
-    both_nan = np.isnan(out).all(axis=-1) & np.isnan(ref).all(axis=-1)
-    return np.where(both_nan, 0, np.where(np.isnan(err), np.inf, err))
+
+def _set_blas_threads(lib, threads):
+    if lib.internal_api == "openblas" and lib.threading_layer != "openmp":
+        _openblas_setter(lib)(threads)
+    else:
+        lib.set_num_threads(threads)
+
+
+@functools.cache
+def _openblas_setter(lib):
+    """``openblas_set_num_threads`` of this OpenBLAS, under whichever affixes its build uses."""
+    for prefix, suffix in itertools.product(("", "scipy_"), ("", "64_", "_64")):
+        name = f"{prefix}openblas_set_num_threads{suffix}"
+        if hasattr(lib.dynlib, name) and hasattr(lib.dynlib, name.replace("set", "get")):
+            return getattr(lib.dynlib, name)
+    return lib.set_num_threads  # pragma: no cover - an OpenBLAS without the setter

@@ -275,6 +275,7 @@ def machine_info(torch, torch_reason):
                 f"{pool['num_threads']} threads")
     except ImportError:
         log("  (threadpoolctl not installed: BLAS thread count not shown)")
+    openblas_kernels()
     env = {k: os.environ[k] for k in ("FLASH_LIB_THREADS", "OPENBLAS_NUM_THREADS",
                                        "OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ}
     log(f"thread settings in the environment: {env or 'none'}")
@@ -285,6 +286,41 @@ def machine_info(torch, torch_reason):
     else:
         log(f"torch {torch.__version__}, get_num_threads() = {torch.get_num_threads()}, "
             f"SDPA backend for float64 CPU: {torch_backend(torch)}")
+
+
+FORCING = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+
+
+def openblas_kernels():
+    """Which OpenBLAS kernel runs here, and which this CPU would pick with nothing forced.
+
+    OPENBLAS_CORETYPE makes OpenBLAS use that CPU's kernels instead of the ones it detects (some
+    machines set it, e.g. Haswell's AVX2 kernels on an AVX-512 CPU), so GEMM and every kernel
+    built on it run slower than on a user's machine. The native choice is read from a child
+    process started without those variables.
+    """
+    import subprocess
+
+    import threadpoolctl
+
+    probe = ("import numpy, threadpoolctl; print(*sorted({p.get('architecture') or '?' for p in "
+             "threadpoolctl.threadpool_info() if p['internal_api'] == 'openblas'}))")
+    here = " ".join(sorted({p.get("architecture") or "?" for p in threadpoolctl.threadpool_info()
+                            if p["internal_api"] == "openblas"})) or "none (not OpenBLAS)"
+    env = {k: v for k, v in os.environ.items() if k not in FORCING}
+    native = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                            text=True).stdout.strip() or "?"
+    forced = {k: os.environ[k] for k in FORCING if k in os.environ}
+    log(f"OpenBLAS kernel: {here}; native for this CPU: {native}; forced by the environment: "
+        f"{forced or 'nothing'}")
+    if forced and here != native:
+        log(f"!! WARNING: the environment ({', '.join(forced)}) forces a lesser OpenBLAS kernel ({here}) than this CPU "
+            f"runs natively ({native}): every figure below is slower than on a user's machine. "
+            f"Rerun with `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE`.")
+    elif forced:
+        log(f"   ({', '.join(forced)} set, but it is the native kernel: the figures are native)")
+    RECORDS.append({"section": "machine", "openblas_kernel": here, "native_kernel": native,
+                    "forced": forced})
 
 
 MAIN_COLUMNS = [

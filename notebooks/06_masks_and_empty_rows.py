@@ -25,9 +25,10 @@
 #   $N_q = N_k$ and $N_q \ne N_k$;
 # - the row with no allowed key: $e^{-\infty - (-\infty)}$ is NaN, where that NaN enters a naive
 #   streaming loop (also in rows that do have allowed keys), the guard that keeps it out, and the
-#   result, an output of 0 with lse $= -\infty$, in both `flash_attention` and `naive_attention`;
-# - what PyTorch, FlashAttention and JAX do with such rows, and where their causal diagonals sit
-#   when $N_q \ne N_k$, from their sources.
+#   result, an output of 0 with lse $= -\infty$, in both `flash_attention` and `naive_attention`.
+#
+# Other libraries make other choices for empty rows and for the causal diagonal; the appendix
+# (chapter 16) compares them, tested against PyTorch and JAX where they are installed.
 
 # %% [markdown]
 # ## Boolean masks
@@ -48,6 +49,7 @@
 import numpy as np
 import matplotlib.pyplot as plt
 import flash_lib
+from flash_lib import rowwise_relative_error
 
 rng = np.random.default_rng(6)
 n_q, n_k, d, d_v = 6, 50, 8, 4
@@ -58,22 +60,20 @@ mask = rng.random((n_q, n_k)) < 0.6
 mask[:, -5:] = False  # five keys no query may see
 
 
-def rel_err(x, ref):
-    """The largest row error, max_c |x_ic - ref_ic| / max_c |ref_ic| (flash_lib's metric)."""
-    return flash_lib.rowwise_relative_error(x, ref).max()
-
-
 out_masked = flash_lib.flash_attention(q, k, v, mask=mask, block_q=4, block_k=16)
 row_errors = [
-    rel_err(out_masked[i], flash_lib.naive_attention(q[i : i + 1], k[mask[i]], v[mask[i]])[0])
+    rowwise_relative_error(out_masked[i], flash_lib.naive_attention(q[i : i + 1], k[mask[i]],
+                                                                    v[mask[i]])[0])
     for i in range(n_q)
 ]
-print("each row = attention over that row's allowed keys only:", max(row_errors) < 1e-13)
+print(f"each row against attention over that row's allowed keys only: largest error "
+      f"{max(row_errors):.1e}")
 
 k_garbage, v_garbage = k.copy(), v.copy()
 k_garbage[-5:], v_garbage[-5:] = 1e150, -1e150
 out_garbage = flash_lib.flash_attention(q, k_garbage, v_garbage, mask=mask, block_q=4, block_k=16)
-print("masked-out keys and values do not matter:", bool(np.array_equal(out_masked, out_garbage)))
+print("masked-out keys set to +-1e150: largest change of the output",
+      np.abs(out_garbage - out_masked).max())
 
 # %% [markdown]
 # ## Causal, aligned bottom-right
@@ -92,8 +92,7 @@ print("masked-out keys and values do not matter:", bool(np.array_equal(out_maske
 # $N_q > N_k$ the first $N_q - N_k$ queries have no allowed key at all: empty rows, the subject of
 # the next section. `flash_attention(..., causal=True)` uses this rule; the cell builds the same
 # mask explicitly with `np.tril(..., k=Nk - Nq)`, checks that `causal=True` and `mask=` agree, and
-# prints it for the two shapes FlashAttention's documentation uses as examples (quoted at the end of
-# the chapter).
+# prints it for a wide and a tall shape.
 
 
 # %%
@@ -110,9 +109,10 @@ for shape in ((6, 6), (2, 5), (5, 2), (1, 7), (16, 40)):
     out_causal = flash_lib.flash_attention(qc, kc, vc, causal=True, block_q=3, block_k=4)
     out_mask = flash_lib.naive_attention(qc, kc, vc, mask=allowed)
     same_as_tril = np.array_equal(allowed, np.tril(np.ones(shape, dtype=bool), k=n_kc - n_qc))
-    close = np.allclose(out_causal, out_mask, rtol=1e-13, atol=1e-15)
-    causal_checks.append((shape, same_as_tril, close))
-    print(f"Nq, Nk = {shape}: rule = tril(k=Nk-Nq): {same_as_tril}, causal=True = mask=: {close}")
+    err = rowwise_relative_error(out_causal, out_mask).max()
+    causal_checks.append((shape, same_as_tril, err))
+    print(f"Nq, Nk = {shape}: rule == tril(k=Nk-Nq): {same_as_tril}; causal=True vs mask=, "
+          f"largest error {err:.1e}")
 
 print("\nNq = 2, Nk = 5:")
 print(causal_bottom_right(2, 5).astype(int))
@@ -122,19 +122,37 @@ print(causal_bottom_right(5, 2).astype(int))
 # %% [markdown]
 # ### Which tiles causal skips
 #
-# `tile_schedule(..., causal=True)` keeps a tile only if at least one of its pairs is allowed,
-# that is if `k_start <= (q_stop - 1) + (Nk - Nq)`; the tiles above the diagonal are never
-# computed. Of the tiles it keeps, only those the diagonal crosses need a mask (flash_lib's
-# `_allowed` builds the triangle only for those); the ones wholly below the diagonal run unmasked.
-# For $N_q = N_k = N$ with $n = N / b$ blocks of size $b$ in both directions, that is
-# $n(n+1)/2$ of the $n^2$ tiles, a fraction $\tfrac12 + \tfrac1{2n}$, and $n$ of them crossed by the
-# diagonal.
+# A tile holds the pairs $(i, j)$ with $q_{\text{start}} \le i < q_{\text{stop}}$ and
+# $k_{\text{start}} \le j < k_{\text{stop}}$. The rule $j \le i + (N_k - N_q)$ is easiest to
+# satisfy with $i$ large and $j$ small, so a tile contains an allowed pair **iff its bottom-left
+# pair** (last query, first key) is allowed:
+#
+# $$\text{visit the tile} \iff k_{\text{start}} \le (q_{\text{stop}} - 1) + (N_k - N_q) .$$
+#
+# It is hardest to satisfy with $i$ small and $j$ large, so every pair of a tile is allowed iff
+# its **top-right pair** (first query, last key) is, and the tile needs an explicit mask iff
+#
+# $$k_{\text{stop}} - 1 > q_{\text{start}} + (N_k - N_q) .$$
+#
+# These are the two tests in flash_lib (`_key_blocks` stops the key loop at the first tile that
+# fails the first; `_allowed` builds the triangle only for tiles that pass the second); the tiles
+# above the diagonal are never computed, those wholly below it run unmasked. **Counting them.**
+# For $N_q = N_k = N$ and square blocks of size $b$ dividing $N$, $n = N / b$ blocks per side,
+# query block $r$ ($r = 0, \dots, n - 1$) has bottom-left pairs $i = (r + 1) b - 1$,
+# $j = c\,b$, allowed iff $c \le r$: it visits $r + 1$ key blocks, and causal visits
+#
+# $$\sum_{r=0}^{n-1} (r + 1) = \frac{n(n+1)}{2} \quad \text{of the } n^2 \text{ tiles}, $$
+#
+# a fraction $\tfrac12 + \tfrac1{2n}$. Its top-right pair $i = r b$, $j = (c + 1) b - 1$ is
+# disallowed iff $c \ge r$, so of the visited tiles only the diagonal one, $c = r$, needs a
+# mask: $n$ tiles in all.
 #
 # The figure shows three cases with 8-wide blocks: $N_q = N_k = 40$; a prompt chunk of
 # $N_q = 24$ queries against $N_k = 40$ keys; and decoding, $N_q = 1$, where the one query sees
 # every key, so every tile is visited and none needs a mask. Shaded squares are allowed pairs,
-# numbered tiles are visited (in that order), hatched ones are skipped. The cell also checks the
-# rule against the mask: a tile is visited exactly when it contains an allowed pair.
+# numbered tiles are visited (in that order), hatched ones are skipped. The cell checks the two
+# corner tests against the mask itself: a tile is visited exactly when some pair in it is
+# allowed, and needs a mask exactly when some pair in it is not.
 
 # %%
 def tile_census(n_q, n_k, block_q, block_k):
@@ -142,9 +160,12 @@ def tile_census(n_q, n_k, block_q, block_k):
     allowed = causal_bottom_right(n_q, n_k)
     visited = flash_lib.tile_schedule(n_q, n_k, block_q, block_k, causal=True)
     every = flash_lib.tile_schedule(n_q, n_k, block_q, block_k)
+    shift = n_k - n_q
     any_allowed = [t for t in every if allowed[t[0] : t[1], t[2] : t[3]].any()]
-    assert visited == any_allowed  # visited exactly when the tile has an allowed pair
+    bottom_left = [t for t in every if t[2] <= (t[1] - 1) + shift]
+    assert visited == any_allowed == bottom_left  # visited iff the bottom-left pair is allowed
     needs_mask = [t for t in visited if not allowed[t[0] : t[1], t[2] : t[3]].all()]
+    assert needs_mask == [t for t in visited if t[3] - 1 > t[0] + shift]  # top-right pair
     return allowed, visited, every, needs_mask
 
 
@@ -288,7 +309,7 @@ for i in range(n_q):
 # While a row has seen no allowed key, every $s_j$ and $m$ are $-\infty$, so $p_j = e^{-\infty} = 0$
 # and $\alpha = e^{-\infty} = 0$ (multiplying $l = 0$ and $\text{acc} = 0$): no NaN, and nothing
 # changes for rows with a finite max. Any finite reference would do; 0 is also FlashAttention's
-# choice (quoted below). In flash_lib this is `m_ref` in `flash_attention`'s tile loop, and
+# choice (chapter 16). In flash_lib this is `m_ref` in `flash_attention`'s tile loop, and
 # `naive_attention` uses the same reference for its whole rows.
 #
 # At the end, $l = 0$ exactly when the row had no allowed key: otherwise its largest allowed score
@@ -297,8 +318,8 @@ for i in range(n_q):
 # $\log 0$. Both values are the exact ones for an empty set of keys: the empty weighted sum is $0$,
 # and $\text{lse} = \log \sum_{j \in \emptyset} e^{s_j} = \log 0 = -\infty$. The lse convention also
 # composes: chapter 3's `merge_attention` weights a part by $e^{\text{lse}}$, so an empty part
-# merges as weight 0, which is what a split-KV kernel needs when one split of keys happens to be
-# fully masked for some row.
+# merges as weight 0 (chapter 3 showed it; here it is the row that this chapter emptied). Other
+# libraries store other values for that lse, with consequences chapter 16 shows.
 #
 # The cell runs the guarded stream, `flash_attention` (with `block_k = 4`, so that row 2's first
 # tile is fully masked) and `naive_attention` under `np.errstate(invalid="raise", divide="raise",
@@ -318,18 +339,20 @@ nonempty = [0, 2, 3]
 print("empty row 1, output exactly 0 (flash, naive, stream):",
       *(bool(np.all(o[1] == 0)) for o in (out_flash, out_naive, out_guarded)))
 print("empty row 1, lse (flash, naive, stream):", lse_flash[1], lse_naive[1], lse_guarded[1])
-print("rows 0, 2, 3 agree, flash vs naive and guarded stream vs naive:",
-      rel_err(out_flash[nonempty], out_naive[nonempty]) < 1e-13,
-      rel_err(out_guarded[nonempty], out_naive[nonempty]) < 1e-13)
-print("lse of rows 0, 2, 3 agree:", rel_err(lse_flash[nonempty], lse_naive[nonempty]) < 1e-13,
-      rel_err(lse_guarded[nonempty], lse_naive[nonempty]) < 1e-13)
+err_rows = {
+    "flash vs naive": rowwise_relative_error(out_flash[nonempty], out_naive[nonempty]).max(),
+    "stream vs naive": rowwise_relative_error(out_guarded[nonempty], out_naive[nonempty]).max(),
+    "lse, flash vs naive": np.abs(lse_flash[nonempty] - lse_naive[nonempty]).max(),
+    "lse, stream vs naive": np.abs(lse_guarded[nonempty] - lse_naive[nonempty]).max(),
+}
+print("rows 0, 2, 3, largest errors:", {name: f"{e:.1e}" for name, e in err_rows.items()})
 
 # An empty part merged with a non-empty one leaves the non-empty one unchanged.
 out_merged, lse_merged = flash_lib.merge_attention(out_flash[1:2], lse_flash[1:2],
                                                    out_flash[0:1], lse_flash[0:1])
-print("merge(empty row, row 0) = row 0:",
-      bool(np.array_equal(out_merged, out_flash[0:1])
-           and np.array_equal(lse_merged, lse_flash[0:1])))
+print("merge(empty row, row 0) - row 0: largest difference",
+      np.abs(out_merged - out_flash[0:1]).max(), "in out,", np.abs(lse_merged - lse_flash[0:1]).max(),
+      "in lse")
 
 # %% [markdown]
 # The same holds for the rows that causal attention empties when $N_q > N_k$: with $N_q = 5$,
@@ -343,109 +366,7 @@ with np.errstate(invalid="raise", divide="raise", over="raise"):
     out_cn, lse_cn = flash_lib.naive_attention(qc, kc, vc, causal=True, return_lse=True)
 print("rows that are exactly 0:", [i for i in range(5) if np.all(out_c[i] == 0)])
 print("lse:", lse_c[:3], "(flash)", lse_cn[:3], "(naive)")
-print("rows 3 and 4 agree with naive:", rel_err(out_c[3:], out_cn[3:]) < 1e-13)
-
-# %% [markdown]
-# ## What other implementations do
-#
-# Stated from their sources (no PyTorch or JAX is imported here; the NumPy lines below only
-# reproduce each convention's arithmetic).
-#
-# **PyTorch, `torch.nn.functional.scaled_dot_product_attention`.** Before 2.5.0, a fully masked
-# row of a boolean `attn_mask` gave NaN: the masked scores became $-\infty$ and the softmax divided
-# 0 by 0 (reported in pytorch/pytorch issues #103749 and #103963; #41508 is the same problem in
-# `nn.MultiheadAttention`). Since 2.5.0 such rows give 0; the v2.5.0
-# release notes: "Before this PR, fully masked rows in the attn_mask passed to
-# nn.functional.scaled_dot_product_attention would yield NANs in the output, after this PR, fully
-# masked rows yield 0s." The change is PR #131060 (a private `_safe_softmax`) and PR #133882
-# (a re-land of #131863: the fused kernels updated and SDPA's math path calling
-# `at::_safe_softmax`, in `aten/src/ATen/native/transformers/attention.cpp`), which takes the
-# softmax and then writes 0 into every row whose scores are all $-\infty$. The public
-# `torch.softmax` was left as it was: PR #131060's description shows it returning NaN for an all
-# $-\infty$ row.
-#
-# **FlashAttention.** The docstring of `flash_attn_func` (`flash_attn/flash_attn_interface.py`):
-# "If the row of the mask is all zero, the output will be zero." Its kernels use the same guard
-# as flash_lib, in `csrc/flash_attn/src/softmax.h`: "If max is -inf, then all elements must have
-# been -inf (possibly due to masking). We don't want (-inf - (-inf)) since that would give NaN.",
-# followed by `max_scaled = max(mi) == -INFINITY ? 0.f : max(mi) * scale`. FlashAttention takes no
-# arbitrary boolean mask; its rows become empty through causal masking with
-# `seqlen_q > seqlen_k` (or a local window).
-#
-# **JAX, `jax.nn.dot_product_attention`.** The XLA implementation does not use $-\infty$: in
-# `jax/_src/nn/functions.py`, `_apply_masks` replaces masked logits with
-# `_get_large_negative(dtype)`, which is `-0.7 * jnp.finfo(dtype).max`, and then takes an ordinary
-# softmax. In a row with some allowed key that is as good as $-\infty$ (the masked weights underflow
-# to exactly 0). In a fully masked row every logit is the same finite number, so the softmax is
-# uniform, $1/N_k$ for every key, and the output is the mean of *all* the value rows. (When
-# `query_seq_lengths` and `key_value_seq_lengths` are passed, padded query rows are additionally
-# multiplied by 0 at the end; a mask alone does not do that.)
-#
-# The cell reproduces the JAX convention's arithmetic in float64 and the PyTorch one
-# (softmax, then 0 for all $-\infty$ rows) on the example above.
-
-# %%
-tau = 1 / np.sqrt(d)
-scores = tau * (q @ k.T)
-
-# JAX: masked logits become -0.7 * finfo.max, then a plain softmax.
-logits = np.where(mask, scores, -0.7 * np.finfo(np.float64).max)
-weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
-out_jax_style = (weights / weights.sum(axis=-1, keepdims=True)) @ v
-
-# PyTorch >= 2.5 (_safe_softmax): softmax of the -inf-masked scores, then 0 where a row is all -inf.
-masked = np.where(mask, scores, -np.inf)
-all_masked = np.all(masked == -np.inf, axis=-1, keepdims=True)
-with np.errstate(invalid="ignore"):
-    p_torch = np.exp(masked - masked.max(axis=-1, keepdims=True))
-    p_torch = p_torch / p_torch.sum(axis=-1, keepdims=True)
-print("plain softmax of the empty row:", p_torch[1, :3], "...")
-out_torch_style = np.where(all_masked, 0.0, p_torch) @ v
-
-print("JAX-style empty row = mean of all values:", np.allclose(out_jax_style[1], v.mean(axis=0)))
-print("JAX-style rows 0, 2, 3 = flash_lib:",
-      rel_err(out_jax_style[nonempty], out_flash[nonempty]) < 1e-13)
-print("PyTorch-style (>= 2.5) = flash_lib on every row:",
-      rel_err(out_torch_style, out_flash) < 1e-13)
-
-# %% [markdown]
-# ### Where the causal diagonal sits
-#
-# All of these agree when $N_q = N_k$. When $N_q \ne N_k$ they do not:
-#
-# | implementation | `causal` / `is_causal` when $N_q \ne N_k$ | source |
-# |---|---|---|
-# | flash_lib | bottom-right: $j \le i + (N_k - N_q)$ | `flash_lib.py` |
-# | FlashAttention $\ge$ 2.1 | bottom-right (2.0 was top-left) | README, "2.1: Change behavior of causal flag"; `flash_attn_func` docstring |
-# | PyTorch SDPA `is_causal=True` | top-left: `torch.ones(L, S, dtype=torch.bool).tril(diagonal=0)` | the reference implementation in the `scaled_dot_product_attention` documentation |
-# | PyTorch `torch.nn.attention.bias.causal_lower_right` | bottom-right, opt-in: `tril(diagonal=S - L)` | documentation of `CausalVariant.LOWER_RIGHT` |
-# | JAX `dot_product_attention(is_causal=True)` | top-left: `jnp.tril(jnp.ones((T, S)))` | `_get_causal_mask` in `jax/_src/nn/functions.py` |
-#
-# FlashAttention's docstring shows the bottom-right masks for `seqlen_q = 2, seqlen_k = 5` and
-# `seqlen_q = 5, seqlen_k = 2`, as rows of 1 (keep) and 0 (masked out); the cell compares them with
-# `causal_bottom_right`. With top-left alignment, a decoding step ($N_q = 1$) would let the new
-# token see only key 0, the first token of the sequence, and no row is ever empty. To reproduce a
-# top-left library with flash_lib, pass its mask explicitly:
-# `mask=np.tril(np.ones((Nq, Nk), bool))`.
-
-# %%
-# Quoted from the flash_attn_func docstring (1 = keep, 0 = masked out).
-flash_attn_doc_2x5 = np.array([[1, 1, 1, 1, 0],
-                               [1, 1, 1, 1, 1]], dtype=bool)
-flash_attn_doc_5x2 = np.array([[0, 0], [0, 0], [0, 0], [1, 0], [1, 1]], dtype=bool)
-print("flash_lib's rule = FlashAttention's documented masks:",
-      bool(np.array_equal(causal_bottom_right(2, 5), flash_attn_doc_2x5)
-           and np.array_equal(causal_bottom_right(5, 2), flash_attn_doc_5x2)))
-
-top_left_decode = np.tril(np.ones((1, 40), dtype=bool))
-print("decoding, Nq = 1, Nk = 40: keys seen, top-left:", int(top_left_decode.sum()),
-      " bottom-right:", int(causal_bottom_right(1, 40).sum()))
-
-top_left = np.tril(np.ones((16, 40), dtype=bool))
-q16, k40, v40 = (rng.standard_normal(shape) for shape in ((16, d), (40, d), (40, d_v)))
-out_tl = flash_lib.flash_attention(q16, k40, v40, mask=top_left, block_q=8, block_k=8)
-out_tl_naive = flash_lib.naive_attention(q16, k40, v40, mask=top_left)
-print("top-left via mask=, flash = naive:", rel_err(out_tl, out_tl_naive) < 1e-13)
+print(f"rows 3 and 4 against naive: largest error {rowwise_relative_error(out_c[3:], out_cn[3:]).max():.1e}")
 
 # %% [markdown]
 # ## What we showed
@@ -454,11 +375,11 @@ print("top-left via mask=, flash = naive:", rel_err(out_tl, out_tl_naive) < 1e-1
 #   attention over that row's allowed keys only, and overwriting masked-out keys and values with
 #   huge finite numbers changes nothing, bit for bit.
 # - `causal=True` allows key $j$ for query $i$ iff $j \le i + (N_k - N_q)$, the same as
-#   `np.tril(..., k=Nk - Nq)` and as passing that mask, for square, wide and tall shapes; it
-#   matches FlashAttention's documented masks for $2 \times 5$ and $5 \times 2$.
-# - `tile_schedule(..., causal=True)` visits a tile exactly when it contains an allowed pair: 15 of
-#   25 tiles for $N_q = N_k = 40$ with 8-wide blocks ($n(n+1)/2$ of $n^2$, $n = 5$ of them masked),
-#   and every tile, none masked, for decoding.
+#   `np.tril(..., k=Nk - Nq)` and as passing that mask, for square, wide and tall shapes.
+# - A tile is visited iff its bottom-left pair is allowed and needs a mask iff its top-right pair
+#   is not; for $n$ square blocks per side that is $n(n+1)/2$ of $n^2$ tiles, $n$ of them masked:
+#   15 of 25, 5 masked, for $N_q = N_k = 40$ with 8-wide blocks, and every tile, none masked, for
+#   decoding.
 # - $e^{-\infty - (-\infty)}$ is NaN. In a streaming loop without a guard it enters at the first
 #   block in which a row has seen no allowed key: fully masked rows, but also a left-padded row
 #   whose answer is well defined and which `naive_attention` computes finitely.
@@ -466,18 +387,16 @@ print("top-left via mask=, flash = naive:", rel_err(out_tl, out_tl_naive) < 1e-1
 #   detected at the end, an empty row gives output exactly 0 and lse $= -\infty$ in the guarded
 #   stream, `flash_attention` and `naive_attention`, with no invalid operation, division by zero or
 #   overflow; the other rows are unaffected, and merging an empty part changes nothing.
-# - PyTorch SDPA (since 2.5.0) and FlashAttention also return 0 for empty rows; JAX's finite mask
-#   value gives them uniform weights, the mean of all values, while agreeing with flash_lib on every
-#   other row. PyTorch's `is_causal` and JAX's `is_causal` align top-left, FlashAttention $\ge$ 2.1
-#   and flash_lib bottom-right; with top-left alignment a decoding query would see 1 key of 40.
 
 # %%
+# 1e-13 is about 450 float64 epsilons: rounding on rows of at most 50 keys stays far below it,
+# any error of the algorithm (a wrong weight, a missing key) far above.
 assert max(row_errors) < 1e-13
 assert np.array_equal(out_masked, out_garbage)
-assert all(same and close for _, same, close in causal_checks)
+assert all(same and err < 1e-13 for _, same, err in causal_checks)
 assert census[(40, 40)] == (15, 25, 5)
 n_blocks = 40 // 8
-assert census[(40, 40)][0] == n_blocks * (n_blocks + 1) // 2
+assert census[(40, 40)][:3:2] == (n_blocks * (n_blocks + 1) // 2, n_blocks)
 assert census[(1, 40)] == (5, 5, 0)
 assert census[(24, 40)][0] < census[(24, 40)][1]
 assert empty_row.max() == -np.inf and np.all(np.isnan(p_empty))
@@ -487,18 +406,8 @@ assert np.isnan(unguarded[2][2][0][2])  # alpha of row 2's first block is NaN
 assert np.all(np.isfinite(out_naive[nonempty]))
 assert np.all(out_flash[1] == 0) and np.all(out_naive[1] == 0) and np.all(out_guarded[1] == 0)
 assert lse_flash[1] == -np.inf and lse_naive[1] == -np.inf and lse_guarded[1] == -np.inf
-assert rel_err(out_flash[nonempty], out_naive[nonempty]) < 1e-13
-assert rel_err(out_guarded[nonempty], out_naive[nonempty]) < 1e-13
-assert rel_err(lse_flash[nonempty], lse_naive[nonempty]) < 1e-13
+assert max(err_rows.values()) < 1e-13, err_rows
 assert np.array_equal(out_merged, out_flash[0:1]) and np.array_equal(lse_merged, lse_flash[0:1])
 assert [i for i in range(5) if np.all(out_c[i] == 0)] == [0, 1, 2]
 assert np.all(lse_c[:3] == -np.inf) and np.all(lse_cn[:3] == -np.inf)
-assert rel_err(out_c[3:], out_cn[3:]) < 1e-13
-assert np.allclose(out_jax_style[1], v.mean(axis=0))
-assert rel_err(out_jax_style[nonempty], out_flash[nonempty]) < 1e-13
-assert np.all(np.isnan(p_torch[1]))
-assert rel_err(out_torch_style, out_flash) < 1e-13
-assert np.array_equal(causal_bottom_right(2, 5), flash_attn_doc_2x5)
-assert np.array_equal(causal_bottom_right(5, 2), flash_attn_doc_5x2)
-assert top_left_decode.sum() == 1 and causal_bottom_right(1, 40).sum() == 40
-assert rel_err(out_tl, out_tl_naive) < 1e-13
+assert rowwise_relative_error(out_c[3:], out_cn[3:]).max() < 1e-13

@@ -114,7 +114,7 @@ def test_non_float_dtypes_are_a_type_error_naming_the_argument(kernel, which, dt
     args[which] = args[which].astype(dtype)
     name = np.dtype(dtype).name
     with pytest.raises(
-        TypeError, match=rf"^{which} must be a float16, float32 or float64 array, got dtype {name}"
+        TypeError, match=rf"^{which} must be a float16, bfloat16, float32 or float64 array, got dtype {name}"
     ):
         kernel(args["q"], args["k"], args["v"])
 
@@ -183,7 +183,7 @@ OUT, LSE = np.zeros((2, 3, 4)), np.zeros((2, 3))
         ((OUT, LSE[:, :2], OUT, LSE), ValueError, "lse_a must have shape out.shape[:-1] = (2, 3)"),
         ((OUT, LSE, OUT, LSE[0]), ValueError, "lse_b must have shape out.shape[:-1] = (2, 3)"),
         ((OUT, LSE, OUT, LSE.astype(int)), TypeError, "lse_b must be a float array, got dtype"),
-        ((OUT.astype(int), LSE, OUT, LSE), TypeError, "out_a must be a float16, float32 or"),
+        ((OUT.astype(int), LSE, OUT, LSE), TypeError, "out_a must be a float16, bfloat16, float32 or"),
         ((OUT[0, 0], LSE, OUT[0, 0], LSE), ValueError, "out_a must have at least 2 dimensions"),
     ],
     ids=["out shapes differ", "lse_a shape", "lse_b shape", "int lse", "int out", "1-d out"],
@@ -193,3 +193,45 @@ def test_merge_attention_rejects_mismatched_parts(args, error, message):
     arrays, and a 1-d out are refused, each naming the argument."""
     with pytest.raises(error, match=re.escape(message)):
         merge_attention(*args)
+
+
+@pytest.mark.parametrize("which", ["lse_a", "lse_b"])
+def test_merge_attention_refuses_flash_attentions_plus_inf_and_says_how_to_convert(which):
+    """FlashAttention stores +inf as the lse of a row with no allowed key; merging it as a number
+    gave NaN and a warning. Now it is a ValueError that explains the convention and the fix."""
+    lse = {"lse_a": LSE.copy(), "lse_b": LSE.copy()}
+    lse[which][1, 2] = np.inf
+    with pytest.raises(ValueError) as e:
+        merge_attention(OUT, lse["lse_a"], OUT, lse["lse_b"])
+    message = str(e.value)
+    assert message.startswith(f"{which} is +inf in 1 row(s). FlashAttention writes +inf")
+    assert f"np.where({which} == np.inf, -np.inf, {which})" in message
+
+
+@pytest.mark.parametrize("causal", ["False", "True", 0, None])
+def test_tile_schedule_causal_must_be_a_bool(causal):
+    """tile_schedule(causal="False") used to mean causal (a non-empty string is truthy)."""
+    with pytest.raises(TypeError, match=re.escape(f"causal must be a bool, got {causal!r}")):
+        tile_schedule(4, 4, 2, 2, causal=causal)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5", ""])
+def test_flash_lib_threads_must_be_a_positive_integer(value):
+    """FLASH_LIB_THREADS=0 or "two" is refused at import with a message naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", "import flash_lib"], capture_output=True,
+                         text=True, env=dict(os.environ, FLASH_LIB_THREADS=value))
+    assert run.returncode == 1
+    assert f"ValueError: FLASH_LIB_THREADS must be a positive integer, got {value!r}" in run.stderr
+
+
+@pytest.mark.parametrize("shapes", [((), ()), ((), (3,)), ((3,), ())])
+def test_rowwise_relative_error_needs_a_feature_axis(shapes):
+    """0-d arrays have no row to measure: ValueError showing both shapes."""
+    from flash_lib import rowwise_relative_error
+
+    with pytest.raises(ValueError, match="out and ref must have at least 1 dimension"):
+        rowwise_relative_error(np.zeros(shapes[0]), np.zeros(shapes[1]))

@@ -1,6 +1,7 @@
 """Exactness: the tiled kernel computes the same numbers as the textbook one, and both are as
 close to the truth (``precise_attention``, wider than float64) as their dtype allows."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import (
@@ -11,7 +12,7 @@ from conftest import (
 )
 
 import flash_lib
-from flash_lib import flash_attention, naive_attention, precise_attention
+from flash_lib import flash_attention, naive_attention, precise_attention, rowwise_relative_error
 
 
 def wide_span_inputs(seed, n_q=203, n_k=157, d=16, dv=12):
@@ -261,3 +262,73 @@ def test_threads_do_not_change_a_single_bit(monkeypatch):
     for a, b, c in zip(threaded, again, serial):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)
+
+
+def test_rowwise_metric_counts_identical_non_finite_entries_as_equal():
+    """inf where the reference has the same inf, NaN where it has NaN: error 0 (inf - inf is NaN,
+    which used to count as an infinite error); a finite entry beside them is measured against
+    the row's finite scale; a different infinity, or a non-finite out beside a finite ref, is
+    inf."""
+    ref = np.array([[np.inf, 1.0], [np.nan, 2.0], [np.inf, 1.0], [1.0, 2.0], [-np.inf, 4.0]])
+    out = np.array([[np.inf, 1.0], [np.nan, 2.5], [-np.inf, 1.0], [np.inf, 2.0], [-np.inf, 4.0]])
+    err = rowwise_relative_error(out, ref)
+    np.testing.assert_array_equal(err, [0.0, 0.25, np.inf, np.inf, 0.0])
+
+
+def test_measure_peak_bytes_keeps_the_callers_own_peak():
+    """Inside a caller's own tracemalloc session, measuring a kernel must not reset the peak the
+    caller is tracking: a 4 MB peak reached before the call is still (within 1 KiB) the peak
+    after it, and the kernel's own peak is still measured."""
+    import tracemalloc
+
+    from flash_lib import measure_peak_bytes
+
+    q = k = v = np.ones((64, 8))
+    tracemalloc.start()
+    try:
+        big = np.ones(4_000_000, np.uint8)
+        del big
+        _, before = tracemalloc.get_traced_memory()
+        (out, _), peak = measure_peak_bytes(flash_attention, q, k, v, return_lse=True)
+        _, after = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert before >= 4_000_000
+    assert before <= after <= before + 1024, (before, after)
+    assert out.nbytes <= peak < 1_000_000
+
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("kernel", [flash_attention, naive_attention])
+def test_bfloat16_is_computed_in_float32_and_rounded_once(kernel):
+    """bfloat16 in (ml_dtypes): out is the float32 computation rounded once to bfloat16, lse is
+    float32. Per row within half a bfloat16 ulp (2**-8 · max|truth_i|) plus float32's error,
+    the float16 test's bound with bfloat16's eps; accumulating in bfloat16 (8 bits) would miss
+    by ~2**-8·√Nk."""
+    rng = np.random.default_rng(17)
+    n_k = 300
+    q, k, v = (x.astype(BFLOAT16) for x in random_qkv(rng, 41, n_k, 16, dv=8, batch=(2,)))
+    out, lse = kernel(q, k, v, causal=True, return_lse=True)
+    truth = precise_attention(q, k, v, causal=True)
+    assert out.dtype == BFLOAT16 and lse.dtype == np.float32
+    eps_bf16, eps32 = float(ml_dtypes.finfo(BFLOAT16).eps), np.finfo(np.float32).eps
+    v_max = np.abs(v.astype(np.float64)).max(axis=(-2, -1))[:, None]
+    float32_error = eps32 * (np.sqrt(n_k) + score_condition(q.astype(np.float64),
+                                                           k.astype(np.float64), scale=0.25))
+    half_ulp = eps_bf16 / 2 * np.abs(truth).max(axis=-1).astype(np.float64)
+    err = np.abs(out.astype(np.float64) - truth.astype(np.float64)).max(axis=-1)
+    assert np.all(err <= half_ulp + float32_error * v_max)
+
+
+@pytest.mark.parametrize("pair", [(np.float16, BFLOAT16), (BFLOAT16, np.float32),
+                                  (BFLOAT16, np.float64)], ids=str)
+def test_half_precision_mixes_promote(pair):
+    """float16 with bfloat16 has no common NumPy type: both kernels return float32 (as PyTorch
+    promotes); bfloat16 with float32 or float64 returns the wider type."""
+    q, k, v = random_qkv(np.random.default_rng(1), 9, 11, 4)
+    q, k, v = q.astype(pair[0]), k.astype(pair[1]), v.astype(pair[1])
+    expected = np.float32 if BFLOAT16 in pair and np.float16 in pair else np.dtype(pair[1])
+    for kernel in (flash_attention, naive_attention):
+        assert kernel(q, k, v).dtype == expected

@@ -156,3 +156,34 @@ def test_merge_keeps_the_kernels_dtypes(dtype):
     out, lse = merge_attention(*a, *b)
     assert out.dtype == dtype
     assert lse.dtype == (np.float32 if dtype == np.float16 else dtype)
+
+
+def test_an_empty_part_contributes_nothing_even_if_its_out_is_nan():
+    """A part with lse = -inf has weight 0; its out is ignored, NaN included (0 · NaN would be
+    NaN), so garbage in an empty split cannot reach the merged rows."""
+    rng = np.random.default_rng(4)
+    out_a, lse_a = rng.standard_normal((3, 4)), rng.standard_normal(3)
+    out_b, lse_b = np.full((3, 4), np.nan), np.array([-np.inf, -np.inf, 0.5])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = merge_attention(out_a, lse_a, out_b, lse_b)
+    np.testing.assert_array_equal(out[:2], out_a[:2])
+    np.testing.assert_array_equal(lse[:2], lse_a[:2])
+    assert np.isnan(out[2]).all()  # a part that is not empty still counts, NaN and all
+
+
+def test_merging_precise_attention_in_longdouble():
+    """precise_attention's longdouble outputs merge in longdouble: the two halves of the keys
+    merge into attention over all of them, within a few longdouble eps."""
+    from flash_lib import precise_attention
+
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((n, 6)) for n in (7, 10, 10))
+    a = precise_attention(q, k[:4], v[:4], return_lse=True)
+    b = precise_attention(q, k[4:], v[4:], return_lse=True)
+    out, lse = merge_attention(*a, *b)
+    whole, whole_lse = precise_attention(q, k, v, return_lse=True)
+    assert out.dtype == lse.dtype == np.longdouble
+    eps = np.finfo(np.longdouble).eps
+    assert np.abs(out - whole).max() <= 16 * eps * np.abs(v).max()
+    assert np.abs(lse - whole_lse).max() <= 16 * eps * (1 + np.abs(whole_lse).max())

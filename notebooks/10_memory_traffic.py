@@ -1,0 +1,510 @@
+# ---
+# jupyter:
+#   jupytext:
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 10. Memory traffic: why FlashAttention is fast
+#
+# Chapter 8 measured how much memory the kernels *hold*. On a GPU what decides the time is how
+# many bytes they *move* between the large slow memory and the small fast one. In this chapter:
+#
+# - the two memories of a GPU, and a cost model that counts the bytes moved between them;
+# - the bytes of the textbook pipeline, which writes $S$ and $P$ out and reads them back,
+#   $\Theta(Nd + N^2)$, against the tiled kernel's, $\Theta(N^2 d^2 / M)$ for an on-chip memory
+#   of $M$ bytes (FlashAttention, arXiv 2205.14135, Theorem 2), **counted by instrumented code**
+#   that tallies every load and store, not by formula alone;
+# - why the second dimension of tiling exists: one query streaming over the keys (chapter 4)
+#   already needs memory independent of $N$, but it re-reads every key and value once per query;
+#   a block of $b_q$ queries shares each load, and we count that re-use;
+# - arithmetic intensity and a roofline for one real GPU (NVIDIA A100), from its published
+#   bandwidth and peak;
+# - the CPU counterpart, measured on the machine that built this page.
+#
+# Everything about the GPU here is a **model**: it counts bytes, it does not time a GPU (there is
+# none on the machine that runs this notebook).
+
+# %%
+import os
+import time
+from collections import Counter
+
+import numpy as np
+import matplotlib.pyplot as plt
+from threadpoolctl import threadpool_limits
+
+import flash_lib
+
+rng = np.random.default_rng(10)
+
+# %% [markdown]
+# ## Two memories
+#
+# A GPU's **HBM** (high-bandwidth memory) is its main memory: tens of GB, read and written at
+# about 2 TB/s on an A100. Its **SRAM** is on-chip: each of the A100's 108 streaming
+# multiprocessors (SMs) has 192 KB of it, an order of magnitude faster (FlashAttention,
+# arXiv 2205.14135, Section 2.1). A **thread block** is a group of threads that one SM runs
+# together and that share that SM's SRAM; FlashAttention-2 gives each thread block one block of
+# queries (arXiv 2307.08691, Section 3.2). Data must be loaded from HBM into SRAM to be computed
+# on, and results stored back. The model of this chapter:
+#
+# - the inputs $Q, K, V$ ($N \times d$ each, $N_q = N_k = N$, $d_v = d$) start in HBM and the
+#   output $O$ must end there; every element loaded from or stored to HBM costs `itemsize` bytes
+#   (2 for float16);
+# - a thread block can hold at most $M$ bytes in SRAM at once;
+# - the time is at least $\text{bytes} / \text{bandwidth}$ and at least
+#   $\text{flops} / \text{peak}$, whichever is larger.
+#
+# An `HBM` object below holds named arrays and tallies every element that goes in or out. The
+# arithmetic runs in float64 on copies (the numbers are checked against `flash_lib`), while the
+# bytes are counted at the model's `itemsize`.
+
+# %%
+class HBM:
+    """Named arrays in slow memory; every load and store is tallied in bytes."""
+
+    def __init__(self, itemsize, **arrays):
+        self.itemsize = itemsize
+        self.arrays = arrays
+        self.loaded, self.stored = Counter(), Counter()
+
+    def load(self, name, rows=slice(None)):
+        x = self.arrays[name][rows]
+        self.loaded[name] += x.size * self.itemsize
+        return x.copy()  # now "in SRAM"
+
+    def store(self, name, rows, value, itemsize=None):
+        self.arrays[name][rows] = value
+        self.stored[name] += np.size(value) * (itemsize or self.itemsize)
+
+    def total(self):
+        return sum(self.loaded.values()) + sum(self.stored.values())
+
+
+# %% [markdown]
+# ## The textbook pipeline
+#
+# Standard attention as a framework runs it is three kernels, each reading its inputs from HBM
+# and writing its result back (FlashAttention's Algorithm 0):
+#
+# 1. load $Q, K$; compute $S = \tau QK^\top$; store $S$ ($N^2$ elements);
+# 2. load $S$; compute $P = \operatorname{softmax}(S)$; store $P$;
+# 3. load $P, V$; compute $O = PV$; store $O$.
+#
+# That is $4Nd + 4N^2$ elements: $\Theta(Nd + N^2)$, dominated by $S$ and $P$ going out and
+# coming back. (Each matrix product is itself tiled inside its kernel; the model credits it with
+# reading its inputs once, the best case.)
+
+# %%
+def naive_counted(hbm, tau):
+    """Algorithm 0 of FlashAttention, with S and P in HBM."""
+    q, k = hbm.load("Q"), hbm.load("K")
+    hbm.store("S", slice(None), tau * q @ k.T)
+    s = hbm.load("S")
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    hbm.store("P", slice(None), p / p.sum(axis=1, keepdims=True))
+    p, v = hbm.load("P"), hbm.load("V")
+    hbm.store("O", slice(None), p @ v)
+
+
+def naive_bytes(n, d, itemsize):
+    return itemsize * (4 * n * d + 4 * n * n)
+
+
+# %% [markdown]
+# ## The tiled kernel
+#
+# Chapter 5's algorithm box is FlashAttention-2's Algorithm 1 with what is loaded from and stored
+# to HBM marked: each query block $Q_i$ ($b_q$ rows) is loaded once, then every key and value
+# block $K_j, V_j$ ($b_k$ rows) is loaded for it, and only $O_i$ and $\text{lse}_i$ are stored.
+#
+# $S$ and $P$ never leave SRAM. Per query block the loads are $b_q d$ for $Q_i$ and $2 N d$ for
+# all of $K$ and $V$; the stores are $b_q d$ for $O_i$ and $b_q$ lse values (float32, 4 bytes, as
+# FlashAttention stores them). In total
+#
+# $$\text{bytes}_{\text{flash}} = \text{itemsize}\,\bigl(2Nd + T_q \cdot 2Nd\bigr) + 4N
+#   \;\approx\; \text{itemsize} \cdot \frac{2N^2 d}{b_q} \quad (N \gg b_q).$$
+#
+# The SRAM must hold $Q_i$, $K_j$, $V_j$, the tile $S$ (then $P$), $\text{acc}$, $m$ and $l$:
+# $\text{itemsize}\,(b_q d + 2 b_k d + b_q b_k + b_q d + 2 b_q) \le M$. The function below runs
+# exactly the box, checks that capacity on every tile, and tallies every transfer.
+
+# %%
+def sram_bytes(b_q, b_k, d, itemsize):
+    """What one thread block holds while it works on a tile: Q_i, K_j, V_j, S/P, acc, m, l."""
+    return itemsize * (b_q * d + 2 * b_k * d + b_q * b_k + b_q * d + 2 * b_q)
+
+
+def flash_counted(hbm, tau, b_q, b_k, sram_limit):
+    """FlashAttention-2's forward pass, every HBM transfer tallied, SRAM use checked per tile."""
+    n, d = hbm.arrays["Q"].shape
+    peak_sram = 0
+    for q0 in range(0, n, b_q):
+        rows = slice(q0, min(q0 + b_q, n))
+        q_i = hbm.load("Q", rows)
+        m = np.full(len(q_i), -np.inf)
+        l = np.zeros(len(q_i))
+        acc = np.zeros((len(q_i), d))
+        for k0 in range(0, n, b_k):
+            cols = slice(k0, min(k0 + b_k, n))
+            k_j, v_j = hbm.load("K", cols), hbm.load("V", cols)
+            s = tau * q_i @ k_j.T
+            m_new = np.maximum(m, s.max(axis=1))
+            p = np.exp(s - m_new[:, None])
+            alpha = np.exp(m - m_new)
+            l = alpha * l + p.sum(axis=1)
+            acc = alpha[:, None] * acc + p @ v_j
+            m = m_new
+            in_sram = q_i.size + k_j.size + v_j.size + p.size + acc.size + m.size + l.size
+            peak_sram = max(peak_sram, in_sram * hbm.itemsize)
+        hbm.store("O", rows, acc / l[:, None])
+        hbm.store("lse", rows, m + np.log(l), itemsize=4)
+    assert peak_sram <= sram_limit, (peak_sram, sram_limit)
+    return peak_sram
+
+
+def flash_bytes(n, d, b_q, itemsize):
+    t_q = -(-n // b_q)
+    return itemsize * (2 * n * d + t_q * 2 * n * d) + 4 * n
+
+
+# %% [markdown]
+# ## Counted, and checked
+#
+# float16 in the model (`itemsize` = 2), $d = 64$, and an SRAM budget of $M$ = 100 KiB per
+# thread block, for which $b_q = b_k = 128$ fit (the tile size FlashAttention-2 uses for
+# $d = 64$ in its forward pass). For $N$ from 256 to 2048 both pipelines run instrumented; the
+# cell checks each output against `flash_lib` and each tally against the formulas above, to the
+# byte.
+
+# %%
+d, itemsize = 64, 2
+sram_limit = 100 * 1024
+b = 128
+assert sram_bytes(b, b, d, itemsize) <= sram_limit < sram_bytes(b + 16, b + 16, d, itemsize)
+tau = 1 / np.sqrt(d)
+
+
+def instrumented(n, b_q, b_k):
+    q, k, v = (rng.standard_normal((n, d)) for _ in range(3))
+    truth = flash_lib.flash_attention(q, k, v)
+    naive = HBM(itemsize, Q=q, K=k, V=v, S=np.empty((n, n)), P=np.empty((n, n)),
+                O=np.empty((n, d)))
+    naive_counted(naive, tau)
+    flash = HBM(itemsize, Q=q, K=k, V=v, O=np.empty((n, d)), lse=np.empty(n))
+    peak = flash_counted(flash, tau, b_q, b_k, sram_limit)
+    err = max(flash_lib.rowwise_relative_error(hbm.arrays["O"], truth).max()
+              for hbm in (naive, flash))
+    return naive, flash, peak, err
+
+
+counted = {}
+print("     N   naive bytes counted  formula - counted   flash bytes counted  formula - counted"
+      "   naive / flash")
+for n in (256, 512, 1000, 2048):
+    naive, flash, peak, err = instrumented(n, b, b)
+    counted[n] = (naive.total(), flash.total(), peak, err)
+    print(f"{n:>6}   {naive.total():>19,}  {naive_bytes(n, d, itemsize) - naive.total():>17}"
+          f"   {flash.total():>19,}  {flash_bytes(n, d, b, itemsize) - flash.total():>17}"
+          f"   {naive.total() / flash.total():>13.2f}")
+print(f"largest error of either pipeline against flash_lib: {max(c[3] for c in counted.values()):.1e}")
+print(f"peak SRAM of one thread block: {counted[2048][2]:,} bytes of {sram_limit:,}")
+print("flash at N = 2048, by array:", dict(flash.loaded), "loaded;", dict(flash.stored), "stored")
+
+# %% [markdown]
+# ## Re-use: what the second dimension of tiling is for
+#
+# Chapter 4 streamed *one* query over the keys: its memory does not depend on $N$ either. What it
+# does not do is share. Each load of $K_j, V_j$ serves the $b_q$ queries of one block, so every
+# key and value is loaded $T_q = N / b_q$ times, and the loads of $K$ and $V$ are
+# $2 N d \cdot N / b_q$ elements. With $b_q = 1$, chapter 4's stream, that is $2N^2 d$: for
+# $d = 64$ that is $d/2 = 32$ times the textbook pipeline's $4N^2$. Only a block of queries wide
+# enough, $b_q > d/2$ up to lower-order terms, moves fewer bytes than writing $S$ and $P$ out.
+# The counts below are from the instrumented loop at $N = 1024$, with $b_k = 128$ or, for
+# $b_q = 256$, the largest $b_k$ that still fits beside it ($b_k$ does not change the traffic).
+
+# %%
+n_reuse = 1024
+reuse = {}
+print(" b_q   loads of each key and value   K,V bytes loaded   total bytes / naive's")
+for b_q in (1, 16, 32, 64, 128, 256):
+    b_k = next(bk for bk in (128, 64, 32, 16) if sram_bytes(b_q, bk, d, itemsize) <= sram_limit)
+    _, flash, _, _ = instrumented(n_reuse, b_q, b_k)
+    kv_loaded = flash.loaded["K"] + flash.loaded["V"]
+    loads_per_key = kv_loaded // (2 * n_reuse * d * itemsize)
+    reuse[b_q] = (loads_per_key, kv_loaded, flash.total() / naive_bytes(n_reuse, d, itemsize))
+    print(f"{b_q:>4}   {loads_per_key:>27}   {kv_loaded:>16,}   {reuse[b_q][2]:>21.3f}")
+
+# %% [markdown]
+# ## $\Theta(N^2 d^2 / M)$
+#
+# How large can $b_q$ be? The tile $S$ is $b_q \times b_k$ and $Q_i, K_j, V_j, \text{acc}$ are
+# $b \times d$ each, so an SRAM of $M$ bytes allows $b_q$ of order $M / (d \cdot \text{itemsize})$
+# (FlashAttention-1 takes $b_k = \lceil M / 4d \rceil$). Putting $b_q \propto M/d$ into
+# $2N^2 d / b_q$ gives $\Theta(N^2 d^2 / M)$ bytes, FlashAttention's Theorem 2; the
+# $\Theta(Nd)$ of reading the inputs and writing the output once is the floor, reached when one
+# block holds all of $Q$. The textbook pipeline's $4N^2$ does not depend on $M$ at all.
+#
+# Below, the formulas (checked against the instrumented counts above) for $M$ from 16 KiB to
+# 228 KiB (an H100 SM's shared memory) with the largest square tile that fits, and for $N$ from
+# 512 to 65536 at $M$ = 100 KiB.
+
+# %%
+def largest_tile(m_bytes, d, itemsize):
+    """The largest b (a multiple of 16) with b_q = b_k = b fitting in m_bytes of SRAM."""
+    b = 16
+    while sram_bytes(b + 16, b + 16, d, itemsize) <= m_bytes:
+        b += 16
+    return b
+
+
+n_fixed = 16384
+sram_sizes = np.array([16, 24, 32, 48, 64, 96, 128, 164, 192, 228]) * 1024
+tile_at = {int(m): largest_tile(m, d, itemsize) for m in sram_sizes}
+flash_vs_m = np.array([flash_bytes(n_fixed, d, tile_at[int(m)], itemsize) for m in sram_sizes])
+ns = 2 ** np.arange(9, 17)
+naive_vs_n = np.array([naive_bytes(n, d, itemsize) for n in ns], dtype=float)
+flash_vs_n = np.array([flash_bytes(n, d, b, itemsize) for n in ns], dtype=float)
+
+fig, (ax_n, ax_m) = plt.subplots(1, 2, figsize=(11, 4.3))
+ax_n.loglog(ns, naive_vs_n / 2**20, "s-", color="C3", label="textbook pipeline: $4Nd + 4N^2$")
+ax_n.loglog(ns, flash_vs_n / 2**20, "o-", color="C0",
+            label=f"tiled, $b_q = b_k$ = {b}: $2Nd + 2N^2d/b_q$")
+ax_n.loglog(ns, itemsize * 4 * ns * d / 2**20, ":", color="0.4", label="floor: $4Nd$ (Q, K, V, O once)")
+ax_n.set_xscale("log", base=2)
+ax_n.set_xlabel("sequence length N (tokens)")
+ax_n.set_ylabel("HBM traffic per head (MiB)")
+ax_n.set_title(f"Bytes moved against N (float16, d = {d}, M = 100 KiB)")
+ax_n.legend(fontsize=8)
+ax_m.loglog(sram_sizes / 1024, flash_vs_m / 2**20, "o-", color="C0", label="tiled, largest tile that fits")
+ax_m.axhline(naive_bytes(n_fixed, d, itemsize) / 2**20, color="C3", ls="--",
+             label="textbook pipeline (independent of M)")
+ax_m.loglog(sram_sizes / 1024, flash_vs_m[0] * sram_sizes[0] / sram_sizes / 2**20, ":", color="0.4",
+            label=r"$\propto 1/M$")
+ax_m.set_xticks(sram_sizes / 1024, [str(m // 1024) for m in sram_sizes], fontsize=8)
+ax_m.minorticks_off()
+ax_m.set_yticks([250, 500, 1000, 2000, 4000], ["250", "500", "1000", "2000", "4000"])
+ax_m.set_xlabel("SRAM per thread block, M (KiB)")
+ax_m.set_ylabel("HBM traffic per head (MiB)")
+ax_m.set_title(f"Bytes moved against M (N = {n_fixed}, d = {d})")
+ax_m.legend(fontsize=8, loc="upper right")
+for ax in (ax_n, ax_m):
+    ax.grid(True, which="major", alpha=0.3)
+fig.tight_layout()
+plt.show()
+
+print("largest square tile for M (KiB):", {m // 1024: t for m, t in tile_at.items()})
+print(f"bytes x M, smallest and largest M: {flash_vs_m[0] * sram_sizes[0]:.3e}, "
+      f"{flash_vs_m[-1] * sram_sizes[-1]:.3e}")
+
+# %% [markdown]
+# ## Arithmetic intensity and a roofline
+#
+# The **arithmetic intensity** of a kernel is its flops per byte moved. With the two matrix
+# products' $4N^2 d$ flops (chapter 9's convention) the textbook pipeline has
+# $4N^2 d / (2 \cdot 4N^2) = d/2$ flop/byte for large $N$ in float16, whatever $N$; the tiled
+# kernel has $4N^2 d / (2 \cdot 2 N^2 d / b_q) = b_q$ flop/byte. A **roofline** plots the rate a
+# kernel can reach against its intensity: $\min(\text{peak},\ \text{intensity} \times
+# \text{bandwidth})$. Below the ridge point $\text{peak} / \text{bandwidth}$ a kernel is
+# memory-bound.
+#
+# One real GPU: the NVIDIA A100 SXM4 80 GB, whose datasheet gives 2,039 GB/s of HBM2e bandwidth
+# and 312 TFLOP/s of dense float16 tensor-core throughput (NVIDIA A100 Tensor Core GPU datasheet).
+# Its ridge point is $312 / 2.039 = 153$ flop/byte.
+
+# %%
+bandwidth, peak_rate = 2.039e12, 312e12  # A100 SXM4 80GB: bytes/s, dense float16 tensor-core flop/s
+ridge = peak_rate / bandwidth
+n_roof = 4096
+flop = 4 * n_roof**2 * d
+kernels = {
+    "textbook": naive_bytes(n_roof, d, itemsize),
+    f"tiled, b_q = {b}": flash_bytes(n_roof, d, b, itemsize),
+    "chapter 4's stream, b_q = 1": flash_bytes(n_roof, d, 1, itemsize),
+}
+print(f"A100 ridge point: {ridge:.0f} flop/byte; N = {n_roof}, d = {d}, float16, one head")
+print(f"{'kernel':<28} {'flop/byte':>9} {'bound':>7} {'model time (µs)':>16} {'at most TFLOP/s':>16}")
+model = {}
+for name, nbytes in kernels.items():
+    intensity = flop / nbytes
+    t = max(flop / peak_rate, nbytes / bandwidth)
+    model[name] = (intensity, t)
+    print(f"{name:<28} {intensity:>9.1f} {'memory' if intensity < ridge else 'compute':>7} "
+          f"{t * 1e6:>16.1f} {flop / t / 1e12:>16.0f}")
+print(f"matmul flops alone at peak: {flop / peak_rate * 1e6:.1f} µs")
+
+# %%
+x = np.logspace(-1, 3.3, 200)
+fig, ax = plt.subplots(figsize=(8, 4.5))
+ax.loglog(x, np.minimum(peak_rate, x * bandwidth) / 1e12, "k-", lw=1.5, label="A100 roofline")
+ax.axvline(ridge, color="0.6", ls=":", lw=1)
+ax.text(ridge * 1.08, 2, f"ridge {ridge:.0f} flop/byte", color="0.3", fontsize=9)
+for (name, (intensity, t)), marker, color in zip(model.items(), "soD", ("C3", "C0", "C2")):
+    ax.loglog(intensity, flop / t / 1e12, marker, color=color, ms=9,
+              label=f"{name}: {intensity:.0f} flop/byte")
+ax.set_xlabel("arithmetic intensity (flop per HBM byte)")
+ax.set_ylabel("attainable rate (TFLOP/s)")
+ax.set_title(f"Roofline model, A100 SXM4, float16, N = {n_roof}, d = {d}")
+ax.legend(fontsize=9, loc="lower right")
+ax.grid(True, which="major", alpha=0.3)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The textbook pipeline sits far left of the ridge: it could spend at most a fifth of its time
+# computing, the rest waiting for $S$ and $P$. The tiled kernel's intensity is its $b_q$, which
+# is why FlashAttention wants the widest query block its SRAM allows; at $b_q = 128$ it is close
+# to the ridge. The model leaves out much of what a real kernel meets: the GPU's 40 MB L2 cache,
+# which serves repeated loads of $K_j, V_j$ by thread blocks running at the same time; the `exp`
+# and other non-matmul work, which runs on slower units than the tensor cores; and the limits on
+# how many thread blocks an SM can run at once. What it gets right is the order of things: the
+# textbook pipeline is bound by memory, and tiling in two dimensions removes that bound.
+
+# %% [markdown]
+# ## The CPU counterpart, measured here
+#
+# A CPU has the same hierarchy at other sizes: caches of a few hundred KiB per core (L2) and tens
+# of MiB shared (L3) in front of main memory. The cell reads their sizes and times, on one
+# thread, three NumPy passes over an $N \times N$ float32 array (copy, subtract a row vector,
+# `exp`) and `naive_attention` (with $d = 64$), for $N$ from 128 to 4096: nanoseconds per element
+# or per score.
+# Only the timing cells' outputs are exempt from the notebook's test; nothing is asserted about
+# them.
+
+# %%
+def cache_sizes():
+    """{level: bytes} of this CPU's data/unified caches, from Linux's sysfs (empty elsewhere)."""
+    sizes = {}
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    for entry in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        path = os.path.join(base, entry)
+        if not entry.startswith("index"):
+            continue
+        with open(os.path.join(path, "type")) as f:
+            if f.read().strip() == "Instruction":
+                continue
+        with open(os.path.join(path, "level")) as f, open(os.path.join(path, "size")) as g:
+            text = g.read().strip()
+            sizes[f"L{f.read().strip()}"] = int(text[:-1]) * {"K": 2**10, "M": 2**20}[text[-1]]
+    return sizes
+
+
+def best_time(fn, repeats=5):
+    best = np.inf
+    for _ in range(repeats):
+        fn()  # untimed: warm caches, let other threads go idle
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+caches = cache_sizes()
+sizes_cpu = [128, 256, 362, 512, 724, 1024, 1448, 2048, 2896, 4096]
+ns_per = {name: [] for name in ("copy", "subtract", "exp", "naive_attention")}
+with threadpool_limits(limits=1, user_api="blas"):
+    for n in sizes_cpu:
+        s = rng.standard_normal((n, n), dtype=np.float32)
+        row = s.max(axis=1, keepdims=True)
+        out = np.empty_like(s)
+        q, k, v = (rng.standard_normal((n, d), dtype=np.float32) for _ in range(3))
+        timings = {
+            "copy": best_time(lambda: np.copyto(out, s)),
+            "subtract": best_time(lambda: np.subtract(s, row, out=out)),
+            "exp": best_time(lambda: np.exp(s, out=out)),
+            "naive_attention": best_time(lambda: flash_lib.naive_attention(q, k, v), 3),
+        }
+        for name, t in timings.items():
+            ns_per[name].append(t / n**2 * 1e9)
+
+# %% tags=["nbval-ignore-output"]
+print("on the machine that built this page: caches", {k: f"{v // 1024} KiB" for k, v in caches.items()})
+print(f"{'N':>5} {'MiB':>6}" + "".join(f"{name:>17}" for name in ns_per))
+for i, n in enumerate(sizes_cpu):
+    print(f"{n:>5} {n * n * 4 / 2**20:>6.2f}" + "".join(f"{ns_per[name][i]:>17.3f}" for name in ns_per))
+in_l3, beyond = sizes_cpu.index(1024), sizes_cpu.index(4096)  # 4 MiB and 64 MiB arrays
+print("per element at 64 MiB / at 4 MiB:",
+      ", ".join(f"{name} {ns_per[name][beyond] / ns_per[name][in_l3]:.1f}x" for name in ns_per))
+
+# %%
+fig, ax = plt.subplots(figsize=(8, 4.5))
+mib = np.array(sizes_cpu) ** 2 * 4 / 2**20
+for name, marker in zip(ns_per, "os^x"):
+    ax.loglog(mib, ns_per[name], marker + "-", label=name + (" (per score)" if "att" in name else ""))
+for i, (level, size) in enumerate(caches.items()):
+    if level in ("L2", "L3"):
+        ax.axvline(size / 2**20, color="0.5", ls=":", lw=1)
+        ax.text(size / 2**20 * 1.07, 0.11, level, color="0.3")
+ax.set_xlabel("size of one N × N float32 array (MiB)")
+ax.set_ylabel("time per element or score (ns), one thread")
+ax.set_title("One pass over N × N numbers on this CPU, best of several runs")
+ax.legend(fontsize=8, loc="upper right", ncol=2)
+ax.set_ylim(0.1, 100)
+ax.grid(True, which="major", alpha=0.3)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# What to look for (the ratios printed above are this build's): the passes that only move data,
+# copy and subtract, get slower per element once one array outgrows the last-level cache; when
+# this chapter was written, on a 2-core AMD EPYC with 512 KiB of L2 per core and 32 MiB of L3,
+# by two to three times. `exp` costs about the same at every size: it is limited by arithmetic,
+# not memory. The textbook kernel's time per score shows no cliff there: its `exp` and the
+# fixed cost of each NumPy call outweigh the slower passes. On a CPU, with its large caches, the N² arrays cost
+# mostly memory *capacity* (chapter 8); on a GPU, whose SRAM is a thousand times smaller than its
+# HBM and whose arithmetic is much faster per byte, they cost *time* as well, which is what
+# FlashAttention was built to remove.
+#
+# ## What we showed
+#
+# - In a model that counts HBM bytes, the textbook pipeline moves $4Nd + 4N^2$ elements and the
+#   tiled kernel $2Nd + 2N^2 d / b_q$ (plus the lse); an instrumented loop that tallies every
+#   load and store agrees with both formulas to the byte at $N$ = 256, 512, 1000 and 2048, and
+#   its output agrees with `flash_lib` to rounding.
+# - At $d = 64$ and $b_q = 128$ (100 KiB of SRAM) the tiled kernel moves about a quarter of the
+#   textbook pipeline's bytes; every key and value is loaded $N / b_q$ times.
+# - Streaming one query at a time ($b_q = 1$, chapter 4) needs no $N^2$ memory but moves about
+#   $d/2 = 32$ times the textbook pipeline's bytes; blocks of queries wider than $d/2$ are what
+#   make tiling move fewer bytes.
+# - With the largest tile an SRAM of $M$ bytes allows, traffic falls as $1/M$ toward the
+#   $\Theta(Nd)$ floor: $\Theta(N^2 d^2 / M)$ against $\Theta(Nd + N^2)$.
+# - Arithmetic intensity: $d/2 = 32$ flop/byte for the textbook pipeline, about $b_q$ for the
+#   tiled kernel; against the A100's ridge of 153 flop/byte the first is memory-bound by a factor
+#   of about 5, the second close to balanced.
+
+# %%
+for n, (naive_total, flash_total, peak, err) in counted.items():
+    assert naive_total == naive_bytes(n, d, itemsize), n
+    assert flash_total == flash_bytes(n, d, b, itemsize), n
+    assert err < 1e-13, (n, err)
+    assert peak <= sram_limit
+# a quarter of the bytes at b_q = 128 (exactly 4 = 4N^2 / (2N^2 d / b_q) in the limit)
+assert 3 < counted[2048][0] / counted[2048][1] < 4
+# each key and value is loaded once per query block
+for b_q, (loads_per_key, kv_loaded, vs_naive) in reuse.items():
+    assert loads_per_key == -(-n_reuse // b_q)
+    assert kv_loaded == 2 * n_reuse * d * itemsize * loads_per_key
+# chapter 4's stream moves more than the textbook pipeline; wide query blocks move less
+assert reuse[1][2] > 0.9 * d / 2 and reuse[16][2] > 1 and reuse[64][2] < 1 and reuse[128][2] < 0.3
+# Θ(N² d² / M): bytes × M stays within a factor 2 over a 14× range of M (N ≫ b_q)
+products = flash_vs_m * sram_sizes
+assert products.max() / products.min() < 2, products
+assert np.all(np.diff(flash_vs_m) < 0)
+# naive grows as N², flash stays a fixed fraction of it at large N
+assert np.allclose(np.diff(np.log2(naive_vs_n[-3:])), 2, atol=0.01)
+assert np.allclose(flash_vs_n[-1] / naive_vs_n[-1], 2 * d / b / 4, rtol=0.01)
+# intensities: d/2 for the textbook pipeline, about b_q for the tiled kernel
+assert abs(model["textbook"][0] - d / 2) / (d / 2) < 0.02
+assert abs(model[f"tiled, b_q = {b}"][0] - b) / b < 0.05
+assert 0.15 < (flop / peak_rate) / model["textbook"][1] < 0.25  # "at most a fifth of its time"
+assert model["textbook"][0] < ridge / 4 and model[f"tiled, b_q = {b}"][0] > ridge / 2
+assert 150 < ridge < 156

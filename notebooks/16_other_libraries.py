@@ -1,0 +1,414 @@
+# ---
+# jupyter:
+#   jupytext:
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 16. Appendix: what other libraries do
+#
+# `flash_lib` fixes three conventions that real libraries do not share: what a row with no
+# allowed key returns (its output, and its lse), and where the causal diagonal sits when
+# $N_q \ne N_k$. This appendix says what FlashAttention, PyTorch (SDPA, its CPU flash kernel,
+# FlexAttention) and JAX do, each with its source, and why the differences matter when results
+# are merged (chapter 3) or fed to a backward pass. In this chapter:
+#
+# - the lse of an empty row in each library: FlashAttention writes $+\infty$ (and $-\infty$ for
+#   split-KV partials), PyTorch's CPU flash kernel 0.0, FlexAttention $-\infty$, flash_lib
+#   $-\infty$; what each does to a merge and to $P = e^{s - \text{lse}}$;
+# - the output of an empty row: 0 in FlashAttention and PyTorch SDPA since 2.5 (with caveats per
+#   backend and code path), the mean of all values in JAX;
+# - causal alignment: bottom-right in FlashAttention $\ge$ 2.1 and flash_lib, top-left in
+#   PyTorch's `is_causal` and JAX.
+#
+# **How the statements are checked.** FlashAttention needs a CUDA GPU, so its behaviour is quoted
+# from its source (Dao-AILab/flash-attention, read at commit `0251105a`, August 2026). PyTorch and
+# JAX are tested here, against the real libraries, whenever they are importable: those cells
+# follow chapter 9's pattern (their output is exempt from the notebook's test because it depends
+# on what is installed), and their `assert`s fail if the library disagrees with what this page
+# says. `pip install -e '.[bench]'` installs the CPU build of PyTorch that the project pins.
+
+# %%
+import math
+import warnings
+
+import numpy as np
+
+import flash_lib
+
+rng = np.random.default_rng(16)
+
+# %% tags=["nbval-ignore-output"]
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError:
+    torch = None
+    print("PyTorch is not installed: its statements below stand on the cited sources only.")
+else:
+    print(f"PyTorch {torch.__version__} is installed: its statements are tested below.")
+try:
+    import jax
+except ImportError:
+    jax = None
+    print("JAX is not installed: its statements below stand on the cited sources only.")
+else:
+    print(f"JAX {jax.__version__} is installed: its statements are tested below.")
+
+# %% [markdown]
+# ## The inputs
+#
+# Five queries over six keys, float32, with query 1 allowed no key at all (an empty row) and the
+# other rows a random mask with at least one allowed key each. flash_lib's answer: an empty row
+# has output 0 and lse $-\infty$ (chapter 6).
+
+# %%
+n_q, n_k, d = 5, 6, 8
+q, k, v = (rng.standard_normal((n, d)).astype(np.float32) for n in (n_q, n_k, n_k))
+mask = rng.random((n_q, n_k)) < 0.6
+mask[:, 0] = True
+mask[1] = False  # the empty row
+out_ours, lse_ours = flash_lib.flash_attention(q, k, v, mask=mask, return_lse=True)
+print("flash_lib, empty row 1: out =", out_ours[1, :3], "... lse =", lse_ours[1])
+print("lse of the other rows:", np.round(lse_ours[[0, 2, 3, 4]], 4))
+
+# %% [markdown]
+# ## FlashAttention
+#
+# **Output.** "If the row of the mask is all zero, the output will be zero." (docstrings of
+# `flash_attn_func` and its variants, `flash_attn/flash_attn_interface.py`). FlashAttention takes
+# no boolean mask; rows become empty through causal masking with `seqlen_q > seqlen_k` or a
+# local window. Its kernels guard $-\infty - (-\infty)$ as flash_lib does, with a reference of 0
+# for a row whose max is still $-\infty$ (`csrc/flash_attn/src/softmax.h`:
+# `max_scaled = max(mi) == -INFINITY ? 0.f : max(mi) * scale`).
+#
+# **lse.** FlashAttention-2's CUDA kernels finish a row in `normalize_softmax_lse`
+# (`csrc/flash_attn/src/softmax.h`):
+#
+# ```
+# lse(mi) = (sum == 0.f || sum != sum) ? (Split ? -INFINITY : INFINITY)
+#                                      : row_max(mi) * softmax_scale + __logf(sum);
+# ```
+#
+# so an empty row's lse is $+\infty$, except in the partial results of split-KV
+# (flash-decoding), which are $-\infty$ so that the combine step gives them weight
+# $e^{-\infty} = 0$. Its test reference does the same on purpose (`tests/test_flash_attn.py`):
+# "lse could be -inf (i.e. all values in scores are -inf), and we want to set those to inf so
+# that when we do torch.exp(m - lse), we get 0.0 instead of NaN." The newer kernels chose the
+# other sign: FlashAttention-3's `hopper/softmax.h` and FlashAttention-4's
+# `flash_attn/cute/softmax.py` write $-\infty$, and FlashAttention-3's backward then maps an lse
+# of $-\infty$ to 0 before using it (`hopper/flash_bwd_preprocess_kernel.h`:
+# `lse == -INFINITY ? 0.f : lse * float(M_LOG2E)`).
+#
+# **Why the sign matters: the backward pass.** A backward pass recomputes the weights from the
+# stored lse, $P_{ij} = e^{s_{ij} - \text{lse}_i}$, and an empty row has $s_{ij} = -\infty$:
+
+# %%
+s_empty = np.full(4, -np.inf, dtype=np.float32)  # an empty row's masked scores
+with np.errstate(invalid="ignore"):
+    p_from = {name: np.exp(s_empty - np.float32(lse))
+              for name, lse in (("+inf (FlashAttention-2)", np.inf),
+                                ("-inf (flash_lib, FA-3/4, FlexAttention)", -np.inf),
+                                ("0.0 (PyTorch's CPU flash kernel)", 0.0))}
+for name, p in p_from.items():
+    print(f"lse = {name:<42} P = exp(s - lse) = {p}")
+p_guarded = np.exp(s_empty - np.float32(0.0))  # the -inf convention with FA-3's guard: lse -> 0
+print(f"lse = -inf, mapped to 0 before use (FlashAttention-3's backward):   P = {p_guarded}")
+
+# %% [markdown]
+# With $+\infty$ or 0 the recomputed weights are 0 without a branch; with $-\infty$ they are NaN
+# unless the backward guards, as FlashAttention-3 and FlexAttention do (below). flash_lib keeps
+# $-\infty$ because it is the exact value, $\log \sum_{j \in \emptyset} e^{s_j} = \log 0$, and
+# because it merges correctly, which the others do not.
+#
+# **Why the sign matters: merging.** Chapter 3's merge weights each part by $e^{\text{lse}}$. A
+# part with lse $-\infty$ weighs nothing. A part with lse $+\infty$ claims infinite weight: the
+# merged lse becomes $+\infty$ and the output NaN, or, in flash_lib, a `ValueError` that says
+# how to convert. A part with lse 0 weighs $e^0 = 1$ and is merged as if it were a real part
+# with output 0: **silently wrong**. Below, row 0 of our inputs merged with an "empty" part
+# carrying each convention's lse.
+
+# %%
+out_part, lse_part = out_ours[:1], lse_ours[:1]  # row 0: a real part
+zero_out = np.zeros_like(out_part)
+merged = {}
+for name, lse_empty in (("-inf", -np.inf), ("+inf", np.inf), ("0.0", 0.0)):
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            merged[name] = flash_lib.merge_attention(out_part, lse_part, zero_out,
+                                                     np.full(1, lse_empty, np.float32))
+        except ValueError as e:
+            merged[name] = e
+for name, result in merged.items():
+    if isinstance(result, ValueError):
+        print(f"empty part with lse {name}: ValueError: {result}")
+    else:
+        err = flash_lib.rowwise_relative_error(result[0], out_part)[0]
+        print(f"empty part with lse {name}: merged lse {result[1][0]:.4f} (true {lse_part[0]:.4f}), "
+              f"output error {err:.3g}")
+
+# Converting FlashAttention-2's convention first makes the merge exact.
+lse_fa2 = np.full(1, np.inf, np.float32)
+converted = np.where(lse_fa2 == np.inf, -np.inf, lse_fa2)
+merged_converted = flash_lib.merge_attention(out_part, lse_part, zero_out, converted)
+print("lse +inf converted to -inf, then merged: exact:",
+      np.array_equal(merged_converted[0], out_part) and np.array_equal(merged_converted[1], lse_part))
+
+# %% [markdown]
+# **Causal alignment.** Since version 2.1, "If seqlen_q != seqlen_k and causal=True, the causal
+# mask is aligned to the bottom right corner of the attention matrix, instead of the top-left
+# corner" (README, "2.1: Change behavior of causal flag"; the same in the `flash_attn_func`
+# docstring), which shows the masks for `seqlen_q = 2, seqlen_k = 5` and `seqlen_q = 5,
+# seqlen_k = 2` as rows of 1 (keep) and 0 (masked out). We compare them with flash_lib's rule
+# $j \le i + (N_k - N_q)$, read off `naive_attention` itself: an identity matrix as values makes
+# the output row the weights, nonzero exactly at the allowed keys.
+
+# %%
+def allowed_by(kernel, n_q, n_k, **kwargs):
+    """Which keys each query may attend, read off a kernel's output with identity values."""
+    qq = rng.standard_normal((n_q, 4))
+    kk = rng.standard_normal((n_k, 4))
+    return kernel(qq, kk, np.eye(n_k), **kwargs) != 0
+
+
+# Quoted from the flash_attn_func docstring (1 = keep, 0 = masked out).
+flash_attn_doc = {(2, 5): np.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=bool),
+                  (5, 2): np.array([[0, 0], [0, 0], [0, 0], [1, 0], [1, 1]], dtype=bool)}
+for shape, documented in flash_attn_doc.items():
+    ours = allowed_by(flash_lib.naive_attention, *shape, causal=True)
+    print(f"seqlen_q, seqlen_k = {shape}: flash_lib's causal mask == FlashAttention's documented one:",
+          bool(np.array_equal(ours, documented)))
+
+# %% [markdown]
+# ## PyTorch
+#
+# **SDPA, empty rows.** Before 2.5.0, a fully masked row of `attn_mask` gave NaN (pytorch/pytorch
+# issues #103749 and #103963; #41508 for `nn.MultiheadAttention`). The v2.5.0 release notes:
+# "Before this PR, fully masked rows in the attn_mask passed to
+# nn.functional.scaled_dot_product_attention would yield NANs in the output, after this PR, fully
+# masked rows yield 0s." The changes are PR #131060 (a private `_safe_softmax`) and PR #133882 (a
+# re-land of #131863, "Update fused kernels and call _safe_softmax from SDPA"): the math path
+# calls `at::_safe_softmax`, which takes the softmax and writes 0 into every row whose scores are
+# all $-\infty$ (`aten/src/ATen/native/transformers/attention.cpp`). The public `torch.softmax`
+# is unchanged and still returns NaN for such a row.
+#
+# That guarantee holds per backend and per code path, not for every attention in PyTorch:
+#
+# - `nn.MultiheadAttention(..., need_weights=True)` computes its weights with a plain softmax and
+#   returns NaN for fully masked rows (issue #160064, 2025; #41508 is still open), and on CUDA
+#   with dropout as well (issue #152028, reproduced on an A100 with torch 2.11 and a 2.12
+#   nightly in May 2026);
+# - all-NaN rows from SDPA with fully $-\infty$ rows of a float mask were reported against 2.8.0
+#   (issue #163997, a build without CUDA on macOS arm64);
+# - a cuDNN backward (the default SDPA backend on H100/H200 since 2.11) returned NaN in the
+#   query gradient when a row's lse fell below $-88.7$ with an explicit mask (issue #196678, a
+#   regression, closed): the padded part of a key tile was scored 0 instead of $-\infty$, and
+#   $e^{0 - \text{lse}}$ overflowed float32, the $P = e^{s - \text{lse}}$ of the section above.
+#
+# The cell tests, on this machine's PyTorch: SDPA's math backend and its CPU flash backend,
+# with a boolean mask and with the equivalent $-\infty$ float mask; `torch.softmax` of an all
+# $-\infty$ row; and `nn.MultiheadAttention` with `need_weights` False and True.
+
+# %% tags=["nbval-ignore-output"]
+def to_torch(*arrays):
+    return [torch.from_numpy(np.ascontiguousarray(x))[None, None] for x in arrays]  # (1, 1, N, d)
+
+
+if torch is None:
+    print("PyTorch not installed: skipped")
+else:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    tq, tk, tv = to_torch(q, k, v)
+    bool_mask = torch.from_numpy(mask)
+    float_mask = torch.zeros(n_q, n_k).masked_fill(~bool_mask, -math.inf)
+    for backend in (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION):
+        for mask_name, m in (("bool", bool_mask), ("float -inf", float_mask)):
+            with sdpa_kernel(backend):
+                out_t = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=m)[0, 0].numpy()
+            err = flash_lib.rowwise_relative_error(out_t, out_ours)
+            print(f"SDPA {backend.name:<15} {mask_name:<10} mask: empty row {out_t[1, :3]}...; "
+                  f"other rows vs flash_lib: {err.max():.1e}")
+            assert np.all(out_t[1] == 0) and err.max() < 1e-5
+    softmax_row = torch.softmax(torch.full((4,), -math.inf), dim=-1)
+    print("torch.softmax of an all -inf row:", softmax_row)
+    assert torch.isnan(softmax_row).all()
+
+    mha = torch.nn.MultiheadAttention(d, 1, batch_first=True)
+    x = torch.from_numpy(q)[None]
+    not_allowed = torch.zeros(n_q, n_q, dtype=torch.bool)
+    not_allowed[1] = True  # nn.MultiheadAttention's bool mask: True = may NOT attend
+    with torch.no_grad():
+        y_fast, _ = mha(x, x, x, attn_mask=not_allowed, need_weights=False)
+        y_weights, weights = mha(x, x, x, attn_mask=not_allowed, need_weights=True)
+    print("MultiheadAttention, empty row, need_weights=False:", y_fast[0, 1, :3].numpy(), "...")
+    print("MultiheadAttention, empty row, need_weights=True: ", y_weights[0, 1, :3].numpy(), "...")
+    assert torch.all(y_fast[0, 1] == 0) and torch.isnan(y_weights[0, 1]).all()
+
+# %% [markdown]
+# **The CPU flash kernel's lse.** SDPA does not return an lse, but the private op behind its CPU
+# flash backend does: `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu` returns
+# `(output, logsumexp)`. For an empty row its lse is 0.0: the value that merges as weight 1.
+
+# %% tags=["nbval-ignore-output"]
+if torch is None:
+    print("PyTorch not installed: skipped")
+else:
+    out_cpu, lse_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        tq, tk, tv, 0.0, False, attn_mask=float_mask[None, None])
+    out_cpu, lse_cpu = out_cpu[0, 0].numpy(), lse_cpu[0, 0].numpy()
+    print("CPU flash op, empty row: out", out_cpu[1, :3], "... lse", lse_cpu[1])
+    print(f"other rows: lse vs flash_lib {np.abs(lse_cpu[[0, 2, 3, 4]] - lse_ours[[0, 2, 3, 4]]).max():.1e}")
+    assert np.all(out_cpu[1] == 0) and lse_cpu[1] == 0.0
+    assert np.allclose(lse_cpu[[0, 2, 3, 4]], lse_ours[[0, 2, 3, 4]], atol=1e-5)
+    # Merged as chapter 3 merges, that lse gives row 0 a weight it does not have.
+    wrong = flash_lib.merge_attention(out_part, lse_part, out_cpu[1:2], lse_cpu[1:2])
+    print(f"row 0 merged with this empty part: output error {flash_lib.rowwise_relative_error(wrong[0], out_part)[0]:.3g}")
+    assert flash_lib.rowwise_relative_error(wrong[0], out_part)[0] > 0.01
+    # its causal flag is top-left, like SDPA's is_causal
+    qc, kc, vc = (rng.standard_normal((n, d)).astype(np.float32) for n in (5, 2, 2))
+    out_c = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        *to_torch(qc, kc, vc), 0.0, True)[0][0, 0].numpy()
+    err_c = flash_lib.rowwise_relative_error(
+        out_c, flash_lib.naive_attention(qc, kc, vc, mask=np.tril(np.ones((5, 2), bool)))).max()
+    print(f"CPU flash op, is_causal=True, Nq = 5, Nk = 2, vs flash_lib with a top-left mask: {err_c:.1e}")
+    assert err_c < 1e-5
+
+# %% [markdown]
+# **FlexAttention.** Its math reference (`torch/_higher_order_ops/flex_attention.py`) sets the
+# lse of a fully masked row to $-\infty$ (`torch.where(masked_rows, -float("inf"), logsumexp)`)
+# and, in its backward, zeroes the weights where lse is $-\infty$
+# (`torch.where(masked_out_rows.unsqueeze(-1), 0, softmax_scores)`): the guard that the
+# $-\infty$ convention needs. Called without `torch.compile`, `flex_attention` runs that
+# reference (and warns that it is slow; the cell silences the warning).
+
+# %% tags=["nbval-ignore-output"]
+if torch is None:
+    print("PyTorch not installed: skipped")
+else:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    mask_t = torch.from_numpy(mask)
+    block_mask = create_block_mask(lambda b, h, qi, ki: mask_t[qi, ki], 1, 1, n_q, n_k, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out_flex, lse_flex = flex_attention(tq, tk, tv, block_mask=block_mask, return_lse=True)
+    out_flex, lse_flex = out_flex[0, 0].numpy(), lse_flex[0, 0].numpy()
+    print("FlexAttention (eager), empty row: out", out_flex[1, :3], "... lse", lse_flex[1])
+    print(f"other rows vs flash_lib: out {flash_lib.rowwise_relative_error(out_flex, out_ours).max():.1e}, "
+          f"lse {np.abs(lse_flex[[0, 2, 3, 4]] - lse_ours[[0, 2, 3, 4]]).max():.1e}")
+    assert np.all(out_flex[1] == 0) and lse_flex[1] == -np.inf
+    assert np.allclose(lse_flex[[0, 2, 3, 4]], lse_ours[[0, 2, 3, 4]], atol=1e-5)
+
+# %% [markdown]
+# **Causal alignment.** `is_causal=True` is top-left: the documentation of
+# `scaled_dot_product_attention` gives its reference implementation as
+# `torch.ones(L, S, dtype=torch.bool).tril(diagonal=0)`. Bottom-right is opt-in, through
+# `torch.nn.attention.bias.causal_lower_right` (`CausalVariant.LOWER_RIGHT`:
+# `tril(diagonal=S - L)`). Creating such a bias with more queries than keys warns "Lower right
+# causal bias will produce NaNs in the output when seq_len_q > seq_len_kv!"; the cell checks what
+# SDPA actually returns for those empty rows on this machine. Each is compared with flash_lib, top-left
+# through an explicit `mask=np.tril(...)`.
+
+# %% tags=["nbval-ignore-output"]
+if torch is None:
+    print("PyTorch not installed: skipped")
+else:
+    from torch.nn.attention.bias import causal_lower_right
+
+    for n_qc, n_kc in ((5, 2), (3, 7)):
+        qc, kc, vc = (rng.standard_normal((n, d)).astype(np.float32) for n in (n_qc, n_kc, n_kc))
+        tqc, tkc, tvc = to_torch(qc, kc, vc)
+        top_left = F.scaled_dot_product_attention(tqc, tkc, tvc, is_causal=True)[0, 0].numpy()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            bias = causal_lower_right(n_qc, n_kc)
+        bottom_right = F.scaled_dot_product_attention(tqc, tkc, tvc, attn_mask=bias)[0, 0].numpy()
+        ours_tl = flash_lib.naive_attention(qc, kc, vc, mask=np.tril(np.ones((n_qc, n_kc), bool)))
+        ours_br = flash_lib.naive_attention(qc, kc, vc, causal=True)
+        err_tl = flash_lib.rowwise_relative_error(top_left, ours_tl).max()
+        err_br = flash_lib.rowwise_relative_error(bottom_right, ours_br).max()
+        print(f"Nq, Nk = {n_qc}, {n_kc}: is_causal=True vs flash_lib with a top-left mask {err_tl:.1e}; "
+              f"causal_lower_right vs flash_lib causal=True {err_br:.1e}; warnings: "
+              f"{[str(w.message) for w in caught]}")
+        assert err_tl < 1e-5 and err_br < 1e-5
+        if n_qc > n_kc:
+            print("   rows of causal_lower_right's output that are exactly 0:",
+                  [i for i in range(n_qc) if np.all(bottom_right[i] == 0)])
+            assert np.all(bottom_right[: n_qc - n_kc] == 0) and len(caught) == 1
+
+# %% [markdown]
+# ## JAX
+#
+# `jax.nn.dot_product_attention` (its XLA implementation, `jax/_src/nn/functions.py`) does not
+# use $-\infty$: `_apply_masks` replaces masked logits with `_get_large_negative(dtype)`, which
+# is `-0.7` times the dtype's largest value (capped at float32's range), and then takes an
+# ordinary softmax. In a row with some allowed key that is as good as $-\infty$ (the masked
+# weights underflow to exactly 0). In a fully masked row every logit is the same finite number,
+# so the weights are uniform, $1/N_k$, and the output is the mean of *all* the value rows. Its
+# causal mask is top-left: `_get_causal_mask` is `jnp.tril(jnp.ones((T, S), dtype=bool))`. JAX
+# orders axes (batch, sequence, heads, features).
+
+# %% tags=["nbval-ignore-output"]
+if jax is None:
+    print("JAX not installed: skipped")
+else:
+    def to_jax(*arrays):
+        return [x[None, :, None, :] for x in arrays]  # (1, N, 1, d)
+
+    out_jax = np.asarray(jax.nn.dot_product_attention(*to_jax(q, k, v), mask=mask[None, None]))[0, :, 0]
+    err_rows = flash_lib.rowwise_relative_error(out_jax[[0, 2, 3, 4]], out_ours[[0, 2, 3, 4]]).max()
+    err_mean = flash_lib.rowwise_relative_error(out_jax[1], v.mean(axis=0))
+    print(f"JAX, empty row vs the mean of all values: {err_mean:.1e}; other rows vs flash_lib: {err_rows:.1e}")
+    assert err_mean < 1e-5 and err_rows < 1e-5
+    qc, kc, vc = (rng.standard_normal((n, d)).astype(np.float32) for n in (5, 2, 2))
+    out_causal = np.asarray(jax.nn.dot_product_attention(*to_jax(qc, kc, vc), is_causal=True))[0, :, 0]
+    ours_tl = flash_lib.naive_attention(qc, kc, vc, mask=np.tril(np.ones((5, 2), bool)))
+    err_tl = flash_lib.rowwise_relative_error(out_causal, ours_tl).max()
+    print(f"JAX is_causal=True, Nq = 5, Nk = 2, vs flash_lib with a top-left mask: {err_tl:.1e}")
+    assert err_tl < 1e-5
+
+# %% [markdown]
+# ## Summary
+#
+# | | empty row: output | empty row: lse | causal with $N_q \ne N_k$ |
+# |---|---|---|---|
+# | flash_lib | 0 | $-\infty$ | bottom-right |
+# | FlashAttention-2 (CUDA) | 0 | $+\infty$ ($-\infty$ in split-KV partials) | bottom-right since 2.1 (top-left in 2.0) |
+# | FlashAttention-3, -4 | 0 | $-\infty$ | bottom-right |
+# | PyTorch SDPA | 0 since 2.5 (NaN before; per backend and path, see above) | not returned | `is_causal`: top-left; `causal_lower_right`: bottom-right |
+# | PyTorch CPU flash op (private) | 0 | 0.0 | top-left (its `is_causal`) |
+# | PyTorch FlexAttention | 0 | $-\infty$ (its backward guards it) | whatever `mask_mod` says |
+# | JAX `dot_product_attention` | mean of all values | not returned | top-left |
+#
+# To reproduce a top-left library with flash_lib, pass its mask explicitly,
+# `mask=np.tril(np.ones((Nq, Nk), bool))`. To merge FlashAttention-2's partial results with
+# `merge_attention`, convert an lse of $+\infty$ to $-\infty$ first; never merge an lse of 0.0
+# from PyTorch's CPU op for an empty row.
+
+# %%
+# the conventions' arithmetic, checked without any library
+assert np.all(p_from["+inf (FlashAttention-2)"] == 0)
+assert np.all(np.isnan(p_from["-inf (flash_lib, FA-3/4, FlexAttention)"]))
+assert np.all(p_from["0.0 (PyTorch's CPU flash kernel)"] == 0) and np.all(p_guarded == 0)
+assert np.array_equal(merged["-inf"][0], out_part) and np.array_equal(merged["-inf"][1], lse_part)
+# +inf: an error, or a result that is not finite; never a plausible number
+assert isinstance(merged["+inf"], ValueError) or not np.all(np.isfinite(merged["+inf"][0]))
+# 0.0: finite and wrong
+assert np.all(np.isfinite(merged["0.0"][0]))
+assert flash_lib.rowwise_relative_error(merged["0.0"][0], out_part)[0] > 0.01
+assert np.array_equal(merged_converted[0], out_part)
+for shape, documented in flash_attn_doc.items():
+    assert np.array_equal(allowed_by(flash_lib.naive_attention, *shape, causal=True), documented)
+    assert np.array_equal(allowed_by(flash_lib.flash_attention, *shape, causal=True, block_q=2,
+                                     block_k=1), documented)
+assert np.all(out_ours[1] == 0) and lse_ours[1] == -np.inf
