@@ -168,6 +168,24 @@ def test_scale_ignored_is_named():
     assert "the scale argument (10000) is ignored" in diagnoses(report, "large_scale")
 
 
+def test_a_nan_that_becomes_a_number_or_spreads_is_caught():
+    def hides(q, k, v, **kwargs):  # as if NaN were filtered out with nan_to_num
+        out, lse = flash_lib.flash_attention(q, k, v, **kwargs, return_lse=True)
+        return np.nan_to_num(out), np.nan_to_num(lse)
+
+    def spreads(q, k, v, **kwargs):  # a NaN anywhere in a batch element poisons all its rows
+        out, lse = flash_lib.flash_attention(q, k, v, **kwargs, return_lse=True)
+        poisoned = np.isnan(out).any(axis=(-2, -1), keepdims=True)
+        return np.where(poisoned, np.nan, out), np.where(poisoned[..., 0], np.nan, lse)
+
+    report = flash_check.check_kernel(hides, cases=["nan_in_q"], dtypes=("float64",))
+    assert "NaN row" in {f.check for f in report.failures}, str(report)
+    assert "became a silent number" in diagnoses(report)
+    report = flash_check.check_kernel(spreads, cases=["nan_in_q"], dtypes=("float64",))
+    assert {f.check for f in report.failures} >= {"non-finite"}, str(report)
+    assert "reached other rows" in diagnoses(report)
+
+
 def test_masked_garbage_that_leaks_is_named():
     report = flash_check.check_kernel(_weights_only, features=("mask", "causal"),
                                       cases=["masked_nonfinite"])
