@@ -103,6 +103,10 @@ __all__ = [
     "flash_attention",
     "naive_attention",
     "precise_attention",
+    "attention_backward_tile",
+    "flash_attention_backward",
+    "naive_attention_backward",
+    "precise_attention_backward",
     "merge_attention",
     "tile_schedule",
     "measure_peak_bytes",
@@ -353,6 +357,194 @@ def _matmul_allowed(a, b, *, allowed, bad, out=None):
 
 
 # --------------------------------------------------------------------------------------------
+# The backward pass
+# --------------------------------------------------------------------------------------------
+
+
+def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=None):
+    """One tile ``(i, j)`` of FlashAttention-2's backward: add to ``dK_j``, ``dV_j``; return dQ's share.
+
+    ``q``, ``k``: the tile's queries and keys, already scaled (``τ_q·q_i``, ``τ_k·k_j``, so that
+    ``q kᵀ`` is the forward's ``S_ij``); ``v``: ``V_j``; ``dout``: ``dO_i``; ``lse``: the forward's
+    ``lse_i``, with ``+inf`` for rows that have no allowed key; ``D``: ``D_i = rowsum(dO_i ∘ O_i)``;
+    ``dk``, ``dv``: ``dK_j``, ``dV_j`` accumulators, added to in place (``dk`` lacks its
+    factor ``τ_k``); returns ``dS_ij K_j`` (lacking ``τ_q``), this tile's share of ``dQ_i``.
+    ``matmul(a, b, which)`` is ``a @ b``; the kernel passes one that keeps masked pairs out when
+    an operand holds inf or NaN (``which`` names the operand whose rows are summed over).
+    """
+    matmul = matmul or (lambda a, b, which: a @ b)
+    s = q @ np.swapaxes(k, -1, -2)  # S_ij, as the forward computed it
+    if allowed is not None:
+        np.copyto(s, -np.inf, where=~allowed)
+    p = np.exp(np.subtract(s, lse[..., None], out=s), out=s)  # P_ij = e^(S_ij - lse_i): no max, no sum
+    if allowed is not None and np.isnan(lse).any():  # e^(-inf - NaN) is NaN: a NaN row's masked
+        np.copyto(p, 0, where=~allowed)  # pairs must still weigh exactly 0
+    dv += matmul(np.swapaxes(p, -1, -2), dout, "dout")  # dV_j += P_ijᵀ dO_i
+    dp = dout @ np.swapaxes(v, -1, -2)  # dP_ij = dO_i V_jᵀ
+    ds = np.multiply(p, np.subtract(dp, D[..., None], out=dp), out=dp)  # dS_ij = P_ij ∘ (dP_ij - D_i)
+    if allowed is not None:  # an inf or NaN in V_j made dP NaN at masked pairs too: their dS is 0
+        np.copyto(ds, 0, where=~allowed)
+    dk += matmul(np.swapaxes(ds, -1, -2), q, "q")  # dK_j += dS_ijᵀ Q_i
+    return matmul(ds, k, "k")  # dQ_i += dS_ij K_j
+
+
+def flash_attention_backward(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dout,
+    *,
+    mask=None,
+    causal=False,
+    scale=None,
+    block_q=DEFAULT_BLOCK_Q,
+    block_k=DEFAULT_BLOCK_K,
+):
+    """The gradients of ``sum(dout * flash_attention(q, k, v, ...))`` without storing ``P``.
+
+    Parameters
+    ----------
+    q, k, v, mask, causal, scale, block_q, block_k
+        As for :func:`flash_attention`, and the same as the forward call.
+    out, lse
+        What ``flash_attention(q, k, v, ..., return_lse=True)`` returned: shapes
+        ``(..., Nq, dv)`` and ``(..., Nq)``, ``...`` being the broadcast batch of q, k, v, mask.
+    dout : array of the shape of ``out``
+        The gradient of the loss with respect to ``out``.
+
+    Returns
+    -------
+    dq, dk, dv : ndarrays
+        Each of its input's shape and dtype. An input broadcast over leading dims gets the sum of
+        the gradients over those dims, as autograd gives it (k and v shared by every head get
+        the sum of the heads' gradients). Half-precision inputs compute in float32.
+
+    Notes
+    -----
+    FlashAttention-2's backward (Dao 2023, Algorithm 2). ``D = rowsum(dout ∘ out)`` is computed
+    once; then each tile of the forward's schedule recomputes ``S`` and ``P = exp(S - lse)``
+    from the saved lse (one exp; no max, no sum) and adds its terms to ``dV``, ``dK`` and ``dQ``
+    (:func:`attention_backward_tile`). Loop order: key blocks outside, each on one worker that
+    keeps its ``dK_j``, ``dV_j`` and walks the query blocks in order, so ``dK``, ``dV`` need
+    no sharing; the key blocks' shares of ``dQ_i`` are added in key-block order, each worker
+    waiting for its turn (FlashAttention's deterministic mode does the same with a semaphore),
+    so the bits do not depend on the threads. Scratch per worker:
+    ``O(block_q·block_k + (block_q + block_k)·(d + dv))`` elements, plus ``D`` and the lse (O(Nq)),
+    and a float32 ``dq`` accumulator for half-precision ``q``.
+
+    Empty rows: their lse is ``-inf`` (``log 0``), and ``exp(S - lse)`` with ``S = -inf`` would
+    be NaN; the backward uses ``+inf`` for them instead (which is what FlashAttention 2 stores),
+    so ``P = 0`` exactly: their ``dq`` row is exactly 0 and they add nothing to ``dk``, ``dv``.
+    A key no row attends gets ``dk = dv = 0`` exactly. Non-finite values follow the forward's
+    rule: an inf or NaN in ``q``, ``k``, ``v`` or ``dout`` reaches only the pairs allowed to
+    meet it; a NaN in row ``i`` of ``q`` makes row ``i`` of ``dq`` NaN, and, through ``P_ij``,
+    the ``dk``, ``dv`` rows of the keys row ``i`` attends (what IEEE arithmetic gives).
+    """
+    problem = _check_inputs(q, k, v, mask, causal, scale)
+    block_q = _int_at_least("block_q", block_q, 1)
+    block_k = _int_at_least("block_k", block_k, 1)
+    out, lse, dout = _check_saved(problem, out, lse, dout)
+    acc, batch, n_q, n_k = problem.acc, problem.batch, problem.n_q, problem.n_k
+    # D_i = rowsum(dO_i ∘ O_i) = Σ_j P_ij dP_ij, once per row: P is never needed whole.
+    D = np.empty(batch + (n_q,), acc)
+    for q_start, q_stop in _query_blocks(n_q, block_q):
+        rows = slice(q_start, q_stop)
+        D[..., rows] = np.einsum("...c,...c->...", dout[..., rows, :].astype(acc, copy=False),
+                                 out[..., rows, :].astype(acc, copy=False))
+    lse = np.where(lse == -np.inf, np.inf, lse).astype(acc, copy=False)
+    dq = np.zeros(problem.q.shape, acc)  # the shares Σ_j dS_ij K_j, times τ_q at the end
+    dk = np.zeros(problem.k.shape, problem.k.dtype)
+    dv = np.zeros(problem.v.shape, problem.v.dtype)
+    n_q_blocks = -(-n_q // block_q)
+    turn = [0] * n_q_blocks  # turn[i]: the key block whose share of dQ_i is added next
+    turns = threading.Condition()
+
+    def key_block(block, cancelled):
+        """One key block over every query block: dK_j, dV_j resident, dQ's shares added in turn."""
+        k_start, k_stop = block
+        j = k_start // block_k
+        k_blk = problem.k_tile(k_start, k_stop)
+        v_blk = problem.v_tile(k_start, k_stop)
+        dk_blk = np.zeros(batch + k_blk.shape[-2:], acc)
+        dv_blk = np.zeros(batch + v_blk.shape[-2:], acc)
+        for i, (q_start, q_stop) in enumerate(_query_blocks(n_q, block_q)):
+            if cancelled.is_set():
+                return
+            share = None
+            if _visits(problem, q_start, q_stop, k_start, k_stop):
+                rows = slice(q_start, q_stop)
+                allowed = problem.allowed(q_start, q_stop, k_start, k_stop)
+                matmul = _backward_matmul(problem, allowed, dout, q_start, q_stop, k_start, k_stop)
+                share = attention_backward_tile(
+                    problem.q_tile(q_start, q_stop), k_blk, v_blk,
+                    dout[..., rows, :].astype(acc, copy=False), lse[..., rows], D[..., rows],
+                    dk_blk, dv_blk, allowed, matmul,
+                )
+                share = _sum_to(share, dq.shape[:-2] + share.shape[-2:])
+            with turns:
+                while turn[i] != j:
+                    if cancelled.is_set():
+                        return
+                    turns.wait(0.05)
+                if share is not None:
+                    dq[..., q_start:q_stop, :] += share
+                turn[i] = j + 1
+                turns.notify_all()
+        dk_blk *= acc.type(problem.scale_k)
+        dk[..., k_start:k_stop, :] = _sum_to(dk_blk, dk.shape[:-2] + dk_blk.shape[-2:])
+        dv[..., k_start:k_stop, :] = _sum_to(dv_blk, dv.shape[:-2] + dv_blk.shape[-2:])
+
+    n_scores = math.prod(batch) * n_q * n_k
+    n_blocks = -(-n_k // block_k)
+    workers = min(_THREADS, n_blocks) if n_scores >= _PARALLEL_MIN_SCORES else 1
+    key_blocks = ((k0, min(k0 + block_k, n_k)) for k0 in range(0, n_k, block_k))
+    with np.errstate(invalid="ignore"):  # see _IEEE_QUIET; the workers inherit it
+        _run_blocks(key_block, key_blocks, workers)
+    dq *= acc.type(problem.scale_q)
+    return dq.astype(problem.q.dtype, copy=False), dk, dv
+
+
+def _visits(problem, q_start, q_stop, k_start, k_stop):
+    """Whether the schedule visits tile (q_start:q_stop, k_start:k_stop): its bottom-left pair
+    (last query, first key) is allowed by causal, the only rule that skips tiles."""
+    return not problem.causal or k_start <= (q_stop - 1) + (problem.n_k - problem.n_q)
+
+
+def _backward_matmul(problem, allowed, dout, q_start, q_stop, k_start, k_stop):
+    """The ``matmul`` of :func:`attention_backward_tile` for one tile: plain ``a @ b``, or, for an
+    operand with inf or NaN rows in this tile and a tile with masked pairs, ``_matmul_allowed``."""
+    if allowed is None:
+        return None
+    bad = {
+        "dout": problem.nonfinite_rows("dout", q_start, q_stop, dout),
+        "q": problem.nonfinite_rows("q", q_start, q_stop),
+        "k": problem.nonfinite_rows("k", k_start, k_stop),
+    }
+    if all(rows is None for rows in bad.values()):
+        return None
+
+    def matmul(a, b, which):
+        if bad[which] is None:
+            return a @ b
+        # a is (..., rows, keys) for dS @ K, or its transpose for Pᵀ dO and dSᵀ Q
+        ok = allowed if which == "k" else np.swapaxes(allowed, -1, -2)
+        return _matmul_allowed(a, b, allowed=ok, bad=bad[which])
+
+    return matmul
+
+
+def _sum_to(x, shape):
+    """Sum ``x`` over the dims along which an array of ``shape`` was broadcast to ``x.shape``."""
+    lead = x.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, n in enumerate(shape) if n == 1 and x.shape[lead + i] != 1
+    )
+    return x.sum(axis=axes).reshape(shape) if axes else x
+
+
+# --------------------------------------------------------------------------------------------
 # The references
 # --------------------------------------------------------------------------------------------
 
@@ -404,6 +596,63 @@ def _dense_attention(problem, dtype):
     bad = problem.bad_values(0, n_k) if allowed is not None else None
     pv = p @ v if bad is None else _matmul_allowed(p, v, allowed=allowed, bad=bad)
     return _finalize(pv, p.sum(axis=-1), m)
+
+
+def naive_attention_backward(q, k, v, dout, *, mask=None, causal=False, scale=None):
+    """The dense oracle of :func:`flash_attention_backward`: ``P`` whole, then the textbook chain.
+
+    ``P = softmax(S)``, ``dV = Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P ∘ (dP - rowsum(P ∘ dP))`` (the
+    softmax Jacobian applied row by row), ``dQ = τ dS K``, ``dK = τ dSᵀ Q``; the same conventions,
+    scale placement, broadcasting and gradient dtypes. It needs no ``out`` or ``lse``, and does
+    not use the identity ``rowsum(P ∘ dP) = rowsum(dO ∘ O)`` the tiled kernel rests on.
+    """
+    problem = _check_inputs(q, k, v, mask, causal, scale)
+    dout = _check_saved(problem, dout=dout)
+    grads = _dense_backward(problem, dout, problem.acc)
+    return tuple(g.astype(x.dtype, copy=False) for g, x in zip(grads, (problem.q, problem.k, problem.v)))
+
+
+def precise_attention_backward(q, k, v, dout, *, mask=None, causal=False, scale=None):
+    """:func:`naive_attention_backward` in ``np.longdouble``: the truth gradients are measured
+    against (x86-64 and aarch64 Linux, where longdouble is wider than float64). Returns
+    longdouble arrays."""
+    problem = _check_inputs(q, k, v, mask, causal, scale)
+    dout = _check_saved(problem, dout=dout)
+    return _dense_backward(problem, dout, np.dtype(np.longdouble))
+
+
+@np.errstate(invalid="ignore")  # see _IEEE_QUIET
+def _dense_backward(problem, dout, dtype):
+    n_q, n_k = problem.n_q, problem.n_k
+    q, k, v = problem.q_tile(0, n_q, dtype), problem.k_tile(0, n_k, dtype), problem.v_tile(0, n_k, dtype)
+    dout = dout.astype(dtype)
+    allowed = problem.allowed(0, n_q, 0, n_k)
+    s = q @ np.swapaxes(k, -1, -2)
+    if allowed is not None:
+        s = np.where(allowed, s, -np.inf)
+    m = s.max(axis=-1, initial=-np.inf)
+    p = np.exp(s - np.where(m == -np.inf, 0, m)[..., None])
+    l = p.sum(axis=-1)
+    p /= np.where(l == 0, 1, l)[..., None]  # P = softmax(S); an empty row stays 0
+    if allowed is not None:  # and a masked pair weighs exactly 0, in a NaN row too
+        p = np.where(allowed, p, 0)
+    dp = dout @ np.swapaxes(v, -1, -2)
+    if allowed is not None:  # what a masked pair's dP holds must not reach rowsum(P ∘ dP)
+        dp = np.where(allowed, dp, 0)
+    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    if allowed is not None:
+        ds = np.where(allowed, ds, 0)
+
+    def matmul(a, b, allowed_for_a, name, x):
+        bad = None if allowed is None else problem.nonfinite_rows(name, 0, x.shape[-2], x)
+        return a @ b if bad is None else _matmul_allowed(a, b, allowed=allowed_for_a, bad=bad)
+
+    allowed_t = None if allowed is None else np.swapaxes(allowed, -1, -2)
+    dv = matmul(np.swapaxes(p, -1, -2), dout, allowed_t, "dout", dout)
+    dq = matmul(ds, k, allowed, "k", problem.k) * dtype.type(problem.scale_q)
+    dk = matmul(np.swapaxes(ds, -1, -2), q, allowed_t, "q", problem.q) * dtype.type(problem.scale_k)
+    return tuple(_sum_to(g, x.shape[:-2] + g.shape[-2:])
+                 for g, x in zip((dq, dk, dv), (problem.q, problem.k, problem.v)))
 
 
 def _mpmath_attention(problem):  # pragma: no cover - see precise_attention
@@ -611,24 +860,55 @@ class _Problem:
         return _allowed(self.mask, self.causal, self.n_q, self.n_k, q_start, q_stop, k_start, k_stop)
 
     @functools.cached_property
-    def _bad_keys(self):
-        """Sorted indices of the keys whose value row holds an inf or NaN (in any batch).
+    def _nonfinite(self):
+        return {}  # name -> sorted row indices, filled on first use (once per call)
 
-        One pass over ``v`` per call, a chunk of keys at a time so that it needs no O(Nk) scratch.
-        """
-        batch_axes = tuple(range(self.v.ndim - 2))
-        found = [
-            start + np.flatnonzero(~np.isfinite(chunk).all(axis=-1).all(axis=batch_axes))
-            for start in range(0, self.n_k, 1024)
-            for chunk in [self.v[..., start : start + 1024, :]]
-        ]
-        return np.concatenate(found) if found else np.zeros(0, dtype=np.intp)
+    def nonfinite_rows(self, name, start, stop, x=None):
+        """Positions, within rows ``start:stop`` of ``q``, ``k``, ``v`` (or ``x``, under
+        ``name``), of the rows holding an inf or NaN; or None when there are none."""
+        if name not in self._nonfinite:
+            self._nonfinite[name] = _nonfinite_rows(getattr(self, name) if x is None else x)
+        rows = self._nonfinite[name]
+        lo, hi = np.searchsorted(rows, (start, stop))
+        return rows[lo:hi] - start if hi > lo else None
 
     def bad_values(self, k_start, k_stop):
         """Positions, within keys ``k_start:k_stop``, of values holding inf or NaN; or None."""
-        bad = self._bad_keys
-        lo, hi = np.searchsorted(bad, (k_start, k_stop))
-        return bad[lo:hi] - k_start if hi > lo else None
+        return self.nonfinite_rows("v", k_start, k_stop)
+
+
+def _nonfinite_rows(x):
+    """Sorted indices (axis -2) of the rows of ``x`` holding an inf or NaN in any batch entry.
+
+    A chunk of rows at a time, so that finding them needs no scratch proportional to N.
+    """
+    batch_axes = tuple(range(x.ndim - 2))
+    found = [
+        start + np.flatnonzero(~np.isfinite(chunk).all(axis=-1).all(axis=batch_axes))
+        for start in range(0, x.shape[-2], 1024)
+        for chunk in [x[..., start : start + 1024, :]]
+    ]
+    return np.concatenate(found) if found else np.zeros(0, dtype=np.intp)
+
+
+def _check_saved(problem, out=None, lse=None, dout=None):
+    """The forward's ``out`` and ``lse`` and the incoming ``dout``, checked against q, k, v."""
+    shapes = {"out": problem.batch + (problem.n_q, problem.dv), "lse": problem.batch + (problem.n_q,)}
+    shapes["dout"] = shapes["out"]
+    checked = []
+    for name, x in (("out", out), ("lse", lse), ("dout", dout)):
+        if x is None:
+            continue
+        x = np.asarray(x)
+        if not (x.dtype.type in _FLOAT_DTYPES or x.dtype == _BFLOAT16):
+            raise TypeError(f"{name} must be a {_FLOAT_NAMES} array, got dtype {x.dtype}")
+        if x.shape != shapes[name]:
+            raise ValueError(
+                f"{name} must have shape {shapes[name]}, what the forward returns for these q, k, v "
+                f"(and mask), got {x.shape}"
+            )
+        checked.append(x)
+    return checked[0] if len(checked) == 1 else tuple(checked)
 
 
 def _as_float_array(name, x, longdouble=False):
