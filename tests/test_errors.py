@@ -9,13 +9,24 @@ import pytest
 
 from flash_lib import (
     flash_attention,
+    flash_attention_backward,
+    naive_attention_backward,
     merge_attention,
     naive_attention,
     precise_attention,
     tile_schedule,
 )
 
-KERNELS = [flash_attention, naive_attention, precise_attention]
+def flash_backward(q, k, v, **kwargs):
+    """The tiled backward with placeholder out, lse, dout: q, k, v are checked first."""
+    return flash_attention_backward(q, k, v, np.zeros(1), np.zeros(1), np.zeros(1), **kwargs)
+
+
+def naive_backward(q, k, v, **kwargs):
+    return naive_attention_backward(q, k, v, np.zeros(1), **kwargs)
+
+
+KERNELS = [flash_attention, naive_attention, precise_attention, flash_backward, naive_backward]
 
 
 def arrays(n_q=4, n_k=5, d=3, dv=2, batch=()):
@@ -235,3 +246,29 @@ def test_rowwise_relative_error_needs_a_feature_axis(shapes):
 
     with pytest.raises(ValueError, match="out and ref must have at least 1 dimension"):
         rowwise_relative_error(np.zeros(shapes[0]), np.zeros(shapes[1]))
+
+
+@pytest.mark.parametrize(
+    "which, shape, expected",
+    [("out", (2, 4, 3), "(2, 4, 2)"), ("lse", (2, 5), "(2, 4)"), ("dout", (4, 2), "(2, 4, 2)")],
+)
+def test_backward_checks_out_lse_and_dout_against_q_k_v(which, shape, expected):
+    """out, lse and dout of the wrong shape for these q, k, v: ValueError naming the argument,
+    the shape expected (the forward's) and the one given."""
+    q, k, v = arrays(batch=(2,))
+    saved = dict(out=np.zeros((2, 4, 2)), lse=np.zeros((2, 4)), dout=np.zeros((2, 4, 2)))
+    saved[which] = np.zeros(shape)
+    with pytest.raises(ValueError, match=re.escape(
+            f"{which} must have shape {expected}, what the forward returns for these q, k, v "
+            f"(and mask), got {shape}")):
+        flash_attention_backward(q, k, v, saved["out"], saved["lse"], saved["dout"])
+    if which == "dout":
+        with pytest.raises(ValueError, match=re.escape(f"dout must have shape {expected}")):
+            naive_attention_backward(q, k, v, saved["dout"])
+
+
+def test_backward_refuses_non_float_saved_arrays():
+    q, k, v = arrays()
+    with pytest.raises(TypeError, match=r"^dout must be a float16, bfloat16, float32 or float64 "
+                                        r"array, got dtype int64"):
+        flash_attention_backward(q, k, v, np.zeros((4, 2)), np.zeros(4), np.zeros((4, 2), int))
