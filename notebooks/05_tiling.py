@@ -119,8 +119,9 @@ print(inspect.getsource(flash_lib.online_softmax_update))
 #   the next tile.
 #
 # Everything else in `flash_attention` feeds this function: its inner function `attend` takes one
-# query block, computes each tile's `s` with one matrix product, sets the disallowed pairs to
-# $-\infty$, calls `online_softmax_update`, and after the last tile divides once (`_finalize`:
+# query block, computes each tile's `s` with one matrix product (followed by the score variants,
+# softcap and ALiBi, when they are asked for), sets the disallowed pairs to $-\infty$, calls
+# `online_softmax_update`, and after the last tile divides once (`_finalize`:
 # $O_i = \operatorname{diag}(l)^{-1}\text{acc}$, $\text{lse}_i = m + \log l$, and the empty rows
 # of chapter 6). The cell below is that loop, in full, around the function above: for every tile
 # of `tile_schedule` (next section) it computes the scores and calls `online_softmax_update`. It
@@ -288,8 +289,8 @@ for n_keys in (1024, 16384):
 
 growth_flash = scratch_flash[16384] / scratch_flash[1024]
 growth_naive = scratch_naive[16384] / scratch_naive[1024]
-print(f"16x more keys: flash scratch grows {growth_flash:.2f}x, naive scratch {growth_naive:.0f}x")
-print(f"flash scratch / the count (float64): {scratch_flash[1024] / (8 * tile_elements):.2f}")
+print(f"16x more keys: flash scratch grows {growth_flash:.1f}x, naive scratch {growth_naive:.0f}x")
+print(f"flash scratch / the count (float64): {scratch_flash[1024] / (8 * tile_elements):.1f}")
 
 # %% [markdown]
 # ## Equal to the textbook algorithm for every block size

@@ -186,9 +186,10 @@ print(causal_bottom_right(5, 2).astype(int))
 #
 # $$k_{\text{stop}} - 1 > q_{\text{start}} + (N_k - N_q) .$$
 #
-# These are the two tests in flash_lib (`_key_blocks` stops the key loop at the first tile that
-# fails the first; `_allowed` builds the triangle only for tiles that pass the second); the tiles
-# above the diagonal are never computed, those wholly below it run unmasked. **Counting them.**
+# These are the two tests in flash_lib (its `_Band`: `key_blocks` stops the key loop at the first
+# tile that fails the first, `tile` builds the triangle only for tiles that pass the second; the
+# same two corners decide a sliding window's tiles); the tiles above the diagonal are never
+# computed, those wholly below it run unmasked. **Counting them.**
 # For $N_q = N_k = N$ and square blocks of size $b$ dividing $N$, $n = N / b$ blocks per side,
 # query block $r$ ($r = 0, \dots, n - 1$) has bottom-left pairs $i = (r + 1) b - 1$,
 # $j = c\,b$, allowed iff $c \le r$: it visits $r + 1$ key blocks, and causal visits
