@@ -516,11 +516,17 @@ print(f"directional derivative: analytic {analytic:.6f}, central difference {num
 # $$
 #
 # which differ only by terms that do not depend on $j$: a constant per row (for attention-gym's
-# form the same constant $\text{slope}\cdot o$ in every row, 0 when $N_q = N_k$). A softmax does
-# not see a constant added to a whole row,
-# $e^{s_j + c} / \sum_{j'} e^{s_{j'} + c} = e^{s_j} / \sum_{j'} e^{s_{j'}}$, and masked keys stay
-# at $-\infty$. Without the causal mask, keys right of $i + o$ are allowed and $|\cdot|$ folds
-# there: the forms then differ by more than a row constant and give different attention.
+# form the same constant $\text{slope}\cdot o$ in every row, 0 when $N_q = N_k$).
+# FlashAttention's test reference uses a third such form under causal,
+# `torch.arange(-seqlen_k + 1, 1) * slopes` ($\text{slope}\,(j - N_k + 1)$,
+# `attn_bias_from_alibi_slopes` in `tests/test_flash_attn.py`). A softmax does not see a constant
+# added to a whole row, $e^{s_j + c} / \sum_{j'} e^{s_{j'} + c} = e^{s_j} / \sum_{j'} e^{s_{j'}}$,
+# and masked keys stay at $-\infty$, so the outputs agree. The lse does not: it moves by the
+# constant, $\log \sum_j e^{s_j + c} = \text{lse} + c$. A kernel that adds $\text{slope}\cdot j$
+# returns the right output and an lse that is $\text{slope}\,(i + o)$ above the lse of the
+# documented bias; flash_lib's lse is that of $-\text{slope}\,|i + o - j|$. Without the causal
+# mask, keys right of $i + o$ are allowed and $|\cdot|$ folds there: the forms then differ by more
+# than a row constant and give different attention.
 #
 # The picture: the bias of head 0 of 8 (slope $2^{-1} = 1/2$) for $N_q = 12$ queries over
 # $N_k = 20$ keys, so $o = 8$, in the three forms, and the differences on the causal pairs.
@@ -583,7 +589,8 @@ check("alibi (B, H) slopes, causal", qa, ka, va,
                       * np.abs(ia + offset - ja)),
       alibi_slopes=np.stack([slopes, slopes[::-1]]), causal=True, block_q=5, block_k=7)
 
-flash_alibi_causal = flash_attention(qa, ka, va, alibi_slopes=slopes, causal=True)
+flash_alibi_causal, lse_alibi = flash_attention(qa, ka, va, alibi_slopes=slopes, causal=True,
+                                                return_lse=True)
 gym_bias = slopes[:, None, None] * (ja - ia)
 fa_bias = slopes[:, None, None] * ja + 0 * ia
 same_forms = {
@@ -597,6 +604,15 @@ same_forms = {
 }
 for name, err in same_forms.items():
     print(f"ours against {name}: {magnitude(err) if err < 1e-6 else f'{err:.1f}, different'}")
+
+# The lse of attention-gym's form, written out: ours plus slope_h·o, head by head.
+gym_scores = np.where(causal_a, 0.25 * (qa @ np.swapaxes(ka, -1, -2)) + gym_bias, -np.inf)
+gym_max = gym_scores.max(axis=-1)
+lse_gym = gym_max + np.log(np.exp(gym_scores - gym_max[..., None]).sum(axis=-1))
+lse_shift = lse_gym - lse_alibi
+print(f"lse of attention-gym's form minus ours, by head: "
+      f"{', '.join(f'{x:.4g}' for x in lse_shift.mean(axis=(0, 2)))} (slope·o: "
+      f"{', '.join(f'{x:.4g}' for x in slopes * offset)})")
 
 # %% [markdown]
 # ## Grouped-query attention
@@ -828,7 +844,8 @@ for name, (e_flash, e_dense) in checks.items():
 #   differences. Capping after the mask would give masked keys real weight.
 # - ALiBi's $-\text{slope}\,|i + o - j|$, attention-gym's $\text{slope}\,(j - i)$ and
 #   FlashAttention's causal-kernel $\text{slope}\cdot j$ differ by a constant per row on the
-#   causal pairs, so they give the same attention under causal masking, and not without it.
+#   causal pairs, so they give the same output under causal masking (not the same lse: it
+#   moves by the constant), and not without it.
 # - GQA pairs query head $h$ with kv head $\lfloor h / (H_q/H_{kv}) \rfloor$ (`np.repeat`, not
 #   `np.tile`); K/V memory falls with $H_{kv}$ (128 MiB per layer for 32 heads at $N = 8192$,
 #   4 MiB for one), and flash_lib's scratch stays flat in $N_k$ where a per-head copy grows.
@@ -870,6 +887,7 @@ assert np.array_equal(np.unique((gym - ours)[causal_a]), [slope * offset])
 assert same_forms["attention-gym's form, causal"] < 1e-13
 assert same_forms["FlashAttention's causal kernel form"] < 1e-13
 assert same_forms["attention-gym's form, not causal"] > 1e-2
+assert np.allclose(lse_shift, slopes[:, None] * offset, rtol=0, atol=1e-12)
 assert tiled_grouping > 0.1 and gqa_grad_error < 1e-12
 assert kv_bytes[32] == 128 * 2**20 and kv_bytes[1] == 4 * 2**20
 assert scratch[8192] < 1.25 * scratch[2048]  # flat in Nk
