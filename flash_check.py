@@ -419,7 +419,7 @@ def _window_zero(rng, dtype):
     return Inputs(q, k, v, {"window": (0, 0)})
 
 
-def _window_causal_mask(rng, dtype):
+def _window_and_mask(rng, dtype):
     # (12, None) ANDed with causal is (12, 0); Nq > Nk empties the first 20 rows; and key padding.
     q, k, v = random_qkv(rng, 80, 60, dtype=dtype, batch=(2,))
     mask = np.ones((2, 1, 60), dtype=bool)
@@ -487,7 +487,7 @@ def _prefix_lm(q_idx, k_idx):
     return (k_idx < 30) | (k_idx <= q_idx)
 
 
-def _mask_mod_prefix_lm(rng, dtype):
+def _mask_mod_prefix(rng, dtype):
     return Inputs(*random_qkv(rng, 90, 90, dtype=dtype), {"mask_mod": _prefix_lm})
 
 
@@ -513,8 +513,8 @@ for _case in [
          _window, needs=("window",), hint=_WINDOW_HINT),
     Case("window_zero", "window (0, 0): each query sees exactly key i + (Nk - Nq)", _window_zero,
          needs=("window",), hint=_WINDOW_HINT),
-    Case("window_causal_mask", "window (12, None) with causal (Nq = 80 > Nk = 60: 20 empty rows) "
-         "and key padding, ANDed", _window_causal_mask, needs=("window", "causal", "mask"),
+    Case("window_and_mask", "window (12, None) with causal (Nq = 80 > Nk = 60: 20 empty rows) "
+         "and key padding, ANDed", _window_and_mask, needs=("window", "causal", "mask"),
          hint=_WINDOW_HINT),
     Case("softcap", "softcap 3 on scores of spread ~4", _softcap, needs=("softcap",),
          hint=_SOFTCAP_HINT),
@@ -532,7 +532,7 @@ for _case in [
     Case("mask_mod_document", "mask_mod: packed documents, one layout per sequence (leading "
          "dim), padding rows empty, with causal", _mask_mod_document,
          needs=("mask_mod", "causal"), hint=_MASK_MOD_HINT),
-    Case("mask_mod_prefix_lm", "mask_mod: prefix-LM, (k < 30) | (k <= q)", _mask_mod_prefix_lm,
+    Case("mask_mod_prefix", "mask_mod: prefix-LM, (k < 30) | (k <= q)", _mask_mod_prefix,
          needs=("mask_mod",), hint=_MASK_MOD_HINT),
     Case("mask_mod_dilated", "mask_mod: dilated window, |i - j| <= 40 and divisible by 3 (sparse "
          "inside tiles)", _mask_mod_dilated, needs=("mask_mod",), hint=_MASK_MOD_HINT),

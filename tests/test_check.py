@@ -433,7 +433,7 @@ def test_variant_cases_are_skipped_unless_their_feature_is_listed():
     assert "'mask_mod'" in skipped["mask_mod_document"]
     report = flash_check.check_kernel(kernel, features=DEFAULT + ("window",), dtypes=("float32",),
                                       cases=VARIANT_CASES)
-    assert {r.case for r in report.results} == {"window", "window_zero", "window_causal_mask"}
+    assert {r.case for r in report.results} == {"window", "window_zero", "window_and_mask"}
     assert report.ok, str(report)
 
 
@@ -465,8 +465,8 @@ VARIANT_BUGS = {
     "alibi_gym_form": ("alibi", "(attention-gym's score_mod)"),
     "alibi_top_left": ("alibi", "ALiBi's distance is aligned top-left"),
     "gqa_h_mod_hkv": ("gqa", "GQA grouped as h mod Hkv instead of h // (Hq/Hkv)"),
-    "mask_mod_inverted": ("mask_mod_prefix_lm", "mask_mod's result is inverted"),
-    "mask_mod_swapped": ("mask_mod_prefix_lm", "called with its arguments swapped"),
+    "mask_mod_inverted": ("mask_mod_prefix", "mask_mod's result is inverted"),
+    "mask_mod_swapped": ("mask_mod_prefix", "called with its arguments swapped"),
     "mask_mod_corner_skip": ("mask_mod_dilated",
                              "skipped when mask_mod is False at their four corners (block 16)"),
     "mask_mod_local_indices": ("mask_mod_document", "positions local to the tile (0 ... 15, "
