@@ -349,7 +349,8 @@ plt.show()
 # so the backward pass multiplies $dS$ by $1 - \tanh^2(s/c)$ after the softmax's Jacobian and
 # before $dQ = \tau\, dS\, K$ and $dK = \tau\, dS^\top Q$. The kernel keeps $\tanh(s/c)$ from the
 # recomputed tile (one more elementwise pass) rather than storing anything new. FlashAttention
-# does the same: `calculate_dtanh` in `csrc/flash_attn/src/utils.h` forms `1 - tanh²`, and its
+# does the same: `calculate_dtanh` in `csrc/flash_attn/src/utils.h` computes
+# `(1 - tanh²) * softcap` (the derivative, in its scaling of the scores), and its
 # forward applies the cap to the *scaled* score (`flash_api.cpp` sets
 # `params.softcap = softmax_scale / softcap` and then `scale_softmax = softcap`, so the kernel
 # computes $c \tanh(\tau\, q \cdot k / c)$).
