@@ -67,9 +67,10 @@ rng = np.random.default_rng(12)
 # Training computes a scalar loss $L$ from $O$ (through the rest of the network) and needs its
 # gradients with respect to $Q$, $K$ and $V$. Backpropagation hands the attention layer
 # $dO = \partial L / \partial O$, a matrix of the shape of $O$, and asks for $dQ$, $dK$, $dV$.
-# Throughout, $dX$ means $\partial L / \partial X$, an array of the shape of $X$. Equivalently,
-# `flash_attention_backward(q, k, v, out, lse, dout)` returns the gradients of
-# $\sum (dO \circ O)$ for a given `dout` $= dO$.
+# Throughout, $dX$ means $\partial L / \partial X$, an array of the shape of $X$. The loss
+# reaches $Q$, $K$, $V$ only through $O$, so these are also the gradients of the scalar
+# $\sum (dO \circ O)$ with $dO$ held fixed: what `flash_attention_backward(q, k, v, out, lse,
+# dout)` returns for `dout` $= dO$.
 #
 # ## One row: the softmax's Jacobian-vector product
 #
@@ -388,20 +389,45 @@ print(inspect.getsource(flash_lib.attention_backward_tile))
 # (`Barrier::wait_eq`), adds its share, then increments it (`Barrier::arrive_inc`).
 #
 # The picture shows one worker's traffic, for key block $j = 1$ of a causal problem with
-# $N = 16$ and 4 × 4 tiles: what it reads, what it writes, and the tiles it computes.
+# $N = 16$ and 4 × 4 tiles: what it reads, what it writes, and the tiles it computes. Which
+# tiles those are is taken from the kernel itself: the cell runs `flash_attention_backward`
+# with its tile function wrapped in one that records each tile it is given (identified by the
+# first row of its `dout` and `v`, which the kernel passes unscaled), and compares the record
+# with the forward's `tile_schedule`.
 
 # %%
 n_draw, b_draw, j_draw = 16, 4, 1
+q, k, v, dout = (rng.standard_normal((n_draw, 8)) for _ in range(4))
+out, lse = flash_lib.flash_attention(q, k, v, causal=True, return_lse=True)
+computed = []
+tile_function = flash_lib.attention_backward_tile
+
+
+def recording_tile(q_t, k_t, v_t, dout_t, *rest, **kwargs):
+    first_row = lambda x, rows: int(np.flatnonzero((rows == x[0]).all(axis=-1))[0])
+    q0, k0 = first_row(dout_t, dout), first_row(v_t, v)
+    computed.append((q0, q0 + len(dout_t), k0, k0 + len(v_t)))
+    return tile_function(q_t, k_t, v_t, dout_t, *rest, **kwargs)
+
+
+try:
+    flash_lib.attention_backward_tile = recording_tile  # the kernel looks it up at each call
+    flash_lib.flash_attention_backward(q, k, v, out, lse, dout, causal=True, block_q=b_draw,
+                                       block_k=b_draw)
+finally:
+    flash_lib.attention_backward_tile = tile_function
 schedule = flash_lib.tile_schedule(n_draw, n_draw, b_draw, b_draw, causal=True)
-visited_rows = [(q0, q1) for q0, q1, k0, _ in schedule if k0 == j_draw * b_draw]
+visited_rows = [(q0, q1) for q0, q1, k0, _ in computed if k0 == j_draw * b_draw]
 k_blk = (j_draw * b_draw, (j_draw + 1) * b_draw)
+print(f"tiles the backward computed: {len(computed)} of {(n_draw // b_draw) ** 2}; "
+      f"the forward's schedule, each once: {sorted(computed) == sorted(schedule)}")
 
 read, write, both, compute = "#9ecae1", "#fc9272", "#bc80bd", "#fdd49e"
 fig, ax = plt.subplots(figsize=(8, 8))
 # the score matrix's tiles: computed by this worker, by other workers, or skipped (causal)
 for q0, q1 in ((s, s + b_draw) for s in range(0, n_draw, b_draw)):
     for k0, k1 in ((s, s + b_draw) for s in range(0, n_draw, b_draw)):
-        visited = (q0, q1, k0, k1) in schedule
+        visited = (q0, q1, k0, k1) in computed
         mine = visited and (k0, k1) == k_blk
         ax.add_patch(plt.Rectangle((k0, q0), b_draw, b_draw, edgecolor="black", lw=1,
                                    facecolor=compute if mine else ("0.9" if visited else "white"),
@@ -444,8 +470,8 @@ plt.show()
 print("query blocks key block 1 visits:", visited_rows)
 
 # %% [markdown]
-# The query block above the diagonal is skipped: no row of it may see key block 1, exactly as
-# in the forward's schedule. With no mask, that loop is short enough to write out around the
+# The query block above the diagonal is skipped: no row of it may see key block 1. The backward
+# computes exactly the forward's tiles, each once. With no mask, that loop is short enough to write out around the
 # real tile function. The cell does so, single-threaded (BLAS on one thread too, as
 # `flash_lib` holds it: a matmul split over more threads rounds differently), with $D$ from
 # $O$ per query block, the shares of each $dQ_i$ added in key-block order, and the two scale
@@ -812,6 +838,7 @@ assert np.all(naive_kept >= np.array(sizes_naive) ** 2 * itemsize)
 assert np.array_equal(flash_kept, np.array(sizes_flash) * kept_per_row)
 # the tile loop: the real tile function in a key-blocks-outside loop is flash, bit for bit;
 # another order of dQ's shares changes bits; threads do not
+assert sorted(computed) == sorted(schedule)  # the forward's tiles, each once
 assert visited_rows == [(4, 8), (8, 12), (12, 16)]
 assert all(loop_identical), loop_identical
 assert reversed_differs > 0 and reversed_rel < 1e-14
