@@ -180,6 +180,11 @@ def flash_attention(
     block_q=DEFAULT_BLOCK_Q,
     block_k=DEFAULT_BLOCK_K,
     return_lse=False,
+    window=None,
+    softcap=None,
+    alibi_slopes=None,
+    enable_gqa=False,
+    mask_mod=None,
 ):
     """Exact attention, computed tile by tile without storing the ``Nq × Nk`` scores.
 
@@ -200,6 +205,27 @@ def flash_attention(
         Tile size: queries per block and keys per block. The last blocks may be partial.
     return_lse : bool
         Also return the log-sum-exp of each row's scaled, masked scores.
+    window : (left, right), optional
+        Local attention, FlashAttention's ``window_size``: key ``j`` is allowed for query ``i``
+        iff ``i + (Nk - Nq) - left <= j <= i + (Nk - Nq) + right``; ``None`` on a side means
+        unbounded (FlashAttention's -1). ANDed with ``causal`` (which is ``right = 0``) and the
+        masks. Tiles outside the band are never computed: the cost grows as N·(left + right).
+    softcap : float > 0, optional
+        ``s ← softcap · tanh(s / softcap)`` on the scaled scores, before the bias and the masks
+        (FlashAttention, Gemma 2).
+    alibi_slopes : array, optional
+        Broadcastable to the leading (batch, head) dims, e.g. ``(H,)`` or ``(B, H)``: adds
+        ``-slope · |i + (Nk - Nq) - j|`` to the (capped) scores, FlashAttention's ALiBi.
+    enable_gqa : bool
+        Grouped-query attention, as PyTorch SDPA's ``enable_gqa``: axis -3 of ``q`` holds ``Hq``
+        heads, of ``k`` and ``v`` ``Hkv`` heads dividing ``Hq``; query head ``h`` attends kv
+        head ``h // (Hq // Hkv)``. k and v are broadcast to the groups, never copied.
+    mask_mod : callable, optional
+        FlexAttention's ``mask_mod`` in NumPy form: ``mask_mod(q_idx, k_idx)`` with integer
+        arrays of global positions of shapes ``(tile_q, 1)`` and ``(1, tile_k)`` returns a
+        boolean array broadcastable to ``(..., tile_q, tile_k)`` (its leading dims may differ
+        per batch or head). ANDed with the rest; a tile where it is all False is never
+        multiplied. Called from the kernel's worker threads.
 
     Returns
     -------
@@ -219,7 +245,8 @@ def flash_attention(
     The module docstring states the contracts: empty rows, masked keys, NaN, the scale's
     placement, threads and BLAS.
     """
-    problem = _check_inputs(q, k, v, mask, causal, scale)
+    problem = _check_inputs(q, k, v, mask, causal, scale, window, softcap, alibi_slopes,
+                            enable_gqa, mask_mod)
     block_q = _int_at_least("block_q", block_q, 1)
     block_k = _int_at_least("block_k", block_k, 1)
     out = np.zeros(problem.batch + (problem.n_q, problem.dv), dtype=problem.out_dtype)
@@ -238,13 +265,14 @@ def flash_attention(
         s_buf = np.empty(rows + (min(block_k, problem.n_k),), dtype=problem.acc)
         pv = np.empty(rows + (problem.dv,), dtype=problem.acc)
         # exactly this query block's tiles of tile_schedule(...)
-        for k_start, k_stop in _key_blocks(q_stop, problem.n_q, problem.n_k, block_k,
-                                           problem.causal):
+        for k_start, k_stop in problem.band.key_blocks(q_start, q_stop, block_k):
             if cancelled.is_set():
                 return
-            s = s_buf[..., : k_stop - k_start]
-            np.matmul(q_blk, np.swapaxes(problem.k_tile(k_start, k_stop), -1, -2), out=s)
-            allowed = problem.allowed(q_start, q_stop, k_start, k_stop)
+            allowed = _allowed(problem, q_start, q_stop, k_start, k_stop)
+            if allowed is False:  # mask_mod allows no pair here: never multiplied
+                continue
+            s = _scores(problem, q_blk, problem.k_tile(k_start, k_stop),
+                        q_start, q_stop, k_start, k_stop, out=s_buf[..., : k_stop - k_start])
             if allowed is not None:
                 np.copyto(s, -np.inf, where=~allowed)
             bad = problem.bad_values(k_start, k_stop) if allowed is not None else None
@@ -264,63 +292,137 @@ def flash_attention(
     workers = min(_THREADS, n_blocks) if n_scores >= _PARALLEL_MIN_SCORES else 1
     with np.errstate(invalid="ignore"):  # see _IEEE_QUIET; the workers inherit it
         _run_blocks(attend, _query_blocks(problem.n_q, block_q), workers)
+    out, lse = problem.merge_heads(out), problem.merge_heads(lse)
     return (out, lse) if return_lse else out
 
 
-def tile_schedule(n_q, n_k, block_q, block_k, causal=False):
+def tile_schedule(n_q, n_k, block_q, block_k, causal=False, *, window=None, mask_mod=None):
     """The tiles :func:`flash_attention` visits, in order, as ``(q_start, q_stop, k_start, k_stop)``.
 
     Query blocks in the outer loop, key blocks in the inner loop (FlashAttention-2's order: each
     query block's ``m``, ``l`` and ``acc`` live through one inner loop). The last block in each
-    direction may be partial. With ``causal=True`` a tile is visited iff its bottom-left pair
-    (its last query, its first key) is allowed, ``k_start <= (q_stop - 1) + (n_k - n_q)``: the
-    tiles above the bottom-right-aligned diagonal are skipped without being computed.
+    direction may be partial. A tile is visited iff it holds a pair that ``causal`` and
+    ``window`` allow (for causal alone: iff its bottom-left pair, last query and first key, is
+    allowed) and, with ``mask_mod``, one that ``mask_mod`` allows (in any batch entry); the
+    others are skipped without being computed. The ``mask`` array never skips a tile.
     """
     n_q = _int_at_least("n_q", n_q, 0)
     n_k = _int_at_least("n_k", n_k, 0)
     block_q = _int_at_least("block_q", block_q, 1)
     block_k = _int_at_least("block_k", block_k, 1)
-    causal = _bool("causal", causal)
+    band = _Band.of(n_q, n_k, _bool("causal", causal), _checked_window(window))
+    mask_mod = _checked_mask_mod(mask_mod)
     return [
         (q_start, q_stop, k_start, k_stop)
         for q_start, q_stop in _query_blocks(n_q, block_q)
-        for k_start, k_stop in _key_blocks(q_stop, n_q, n_k, block_k, causal)
+        for k_start, k_stop in band.key_blocks(q_start, q_stop, block_k)
+        if mask_mod is None or _call_mask_mod(mask_mod, q_start, q_stop, k_start, k_stop).any()
     ]
 
 
-# The kernel walks these two generators directly rather than a materialised schedule, whose list
+# The kernel walks these generators directly rather than a materialised schedule, whose list
 # would hold one tuple per tile: O(Nq·Nk / (block_q·block_k)) memory.
 def _query_blocks(n_q, block_q):
     for q_start in range(0, n_q, block_q):
         yield q_start, min(q_start + block_q, n_q)
 
 
-def _key_blocks(q_stop, n_q, n_k, block_k, causal):
-    # One past the last key that the block's last query (q_stop - 1) may see.
-    k_end = max(0, min(n_k, q_stop + (n_k - n_q))) if causal else n_k
-    for k_start in range(0, k_end, block_k):
-        yield k_start, min(k_start + block_k, n_k)
+@dataclass(frozen=True)
+class _Band:
+    """The pairs ``causal`` and ``window`` allow: key ``j`` for query ``i`` iff
+    ``-left <= j - i - (Nk - Nq) <= right`` (``None``: unbounded); ``causal`` is ``right = 0``.
+
+    Over a tile, ``j - i - (Nk - Nq)`` runs through every integer from its value at the
+    bottom-left pair (last query, first key) to its value at the top-right pair (first query,
+    last key), so those two corners decide everything: the tile holds an allowed pair iff the
+    bottom-left is not right of the band and the top-right not left of it, and needs an explicit
+    mask iff either corner lies outside.
+    """
+
+    n_q: int
+    n_k: int
+    left: int | None
+    right: int | None
+
+    @staticmethod
+    def of(n_q, n_k, causal, window):
+        left, right = (None, None) if window is None else window
+        if causal:
+            right = 0 if right is None else min(right, 0)
+        return _Band(n_q, n_k, left, right)
+
+    def corners(self, q_start, q_stop, k_start, k_stop):
+        offset = self.n_k - self.n_q
+        return k_start - (q_stop - 1) - offset, (k_stop - 1) - q_start - offset
+
+    def visits(self, q_start, q_stop, k_start, k_stop):
+        bottom_left, top_right = self.corners(q_start, q_stop, k_start, k_stop)
+        return ((self.right is None or bottom_left <= self.right)
+                and (self.left is None or top_right >= -self.left))
+
+    def key_blocks(self, q_start, q_stop, block_k):
+        """The key blocks that query block ``q_start:q_stop`` visits, in order."""
+        offset = self.n_k - self.n_q
+        lo = 0 if self.left is None else max(0, q_start + offset - self.left)
+        hi = self.n_k if self.right is None else min(self.n_k, q_stop + offset + self.right)
+        for k_start in range(lo - lo % block_k, hi, block_k):
+            yield k_start, min(k_start + block_k, self.n_k)
+
+    def tile(self, q_start, q_stop, k_start, k_stop):
+        """Boolean tile of the pairs the band allows, or None when it allows all of them."""
+        bottom_left, top_right = self.corners(q_start, q_stop, k_start, k_stop)
+        cut_right = self.right is not None and top_right > self.right
+        cut_left = self.left is not None and bottom_left < -self.left
+        if not (cut_right or cut_left):
+            return None
+        # j - i - (Nk - Nq) <= right and >= -left, compared without forming the integer tile
+        i = np.arange(q_start, q_stop)[:, None] + (self.n_k - self.n_q)
+        j = np.arange(k_start, k_stop)[None, :]
+        if cut_right and cut_left:
+            return (j <= i + self.right) & (j >= i - self.left)
+        return j <= i + self.right if cut_right else j >= i - self.left
 
 
-def _allowed(mask, causal, n_q, n_k, q_start, q_stop, k_start, k_stop):
-    """Boolean tile of allowed (query, key) pairs, or None when every pair is allowed."""
-    allowed = None
-    if mask is not None:
-        allowed = np.broadcast_to(mask, mask.shape[:-2] + (n_q, n_k))[
+def _allowed(problem, q_start, q_stop, k_start, k_stop):
+    """A tile's allowed pairs: a boolean array ``(..., rows, keys)``, None when every pair is
+    allowed, or False when ``mask_mod`` allows none (the kernels then skip the tile)."""
+    allowed = problem.band.tile(q_start, q_stop, k_start, k_stop)
+    if problem.mask_mod is not None:
+        mod = problem.mask_mod_tile(q_start, q_stop, k_start, k_stop)
+        if not mod.any():
+            return False
+        allowed = mod if allowed is None else allowed & mod
+    if problem.mask is not None:
+        mask = problem.mask
+        tile = np.broadcast_to(mask, mask.shape[:-2] + (problem.n_q, problem.n_k))[
             ..., q_start:q_stop, k_start:k_stop
         ]
-    # A visited tile needs the causal mask iff its top-right pair (first query, last key) is
-    # disallowed: then some of its pairs are above the diagonal.
-    if causal and k_stop - 1 > q_start + (n_k - n_q):
-        rows = np.arange(q_start, q_stop)[:, None] + (n_k - n_q)
-        tri = np.arange(k_start, k_stop)[None, :] <= rows
-        allowed = tri if allowed is None else allowed & tri
+        allowed = tile if allowed is None else allowed & tile
     return allowed
 
 
-# _IEEE_QUIET: the kernels run with NumPy's "invalid" warning off. Finite inputs raise it only
-# after an overflow, which warns ("overflow encountered") on its own; an inf or NaN in the inputs
-# raises it all the time (inf · 0, inf - inf), and shows in the rows it reaches as NaN or ±inf.
+def _scores(problem, q, k, q_start, q_stop, k_start, k_stop, out=None, grad=False):
+    """``S = (τ_q q)(τ_k k)ᵀ`` for one tile, then the score variants: softcap, then ALiBi.
+
+    ``q``, ``k``: the tile's scaled queries and keys. With ``grad=True`` also returns
+    ``dS_capped / dS = 1 - tanh²(S / softcap)`` (None without softcap), which the backward needs.
+    """
+    s = np.matmul(q, np.swapaxes(k, -1, -2), out=out)
+    slope = None
+    if problem.softcap is not None:
+        cap = s.dtype.type(problem.softcap)
+        t = np.tanh(np.divide(s, cap, out=s), out=s)  # t = tanh(s / c)
+        slope = 1 - t * t if grad else None
+        np.multiply(t, cap, out=s)  # s ← c·tanh(s / c)
+    if problem.alibi is not None:
+        i = np.arange(q_start, q_stop)[:, None] + (problem.n_k - problem.n_q)
+        distance = np.abs(i - np.arange(k_start, k_stop)[None, :]).astype(s.dtype)
+        bias = -problem.alibi.astype(s.dtype) * distance  # -slope·|i + (Nk - Nq) - j|
+        if np.broadcast_shapes(s.shape, bias.shape) == s.shape:
+            s += bias
+        else:
+            s = s + bias
+    return (s, slope) if grad else s
 
 
 def _matmul_allowed(a, b, *, allowed, bad, out=None):
@@ -361,7 +463,8 @@ def _matmul_allowed(a, b, *, allowed, bad, out=None):
 # --------------------------------------------------------------------------------------------
 
 
-def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=None):
+def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=None,
+                            scores=None):
     """One tile ``(i, j)`` of FlashAttention-2's backward: add to ``dK_j``, ``dV_j``; return dQ's share.
 
     ``q``, ``k``: the tile's queries and keys, already scaled (``τ_q·q_i``, ``τ_k·k_j``, so that
@@ -371,9 +474,11 @@ def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=
     factor ``τ_k``); returns ``dS_ij K_j`` (lacking ``τ_q``), this tile's share of ``dQ_i``.
     ``matmul(a, b, which)`` is ``a @ b``; the kernel passes one that keeps masked pairs out when
     an operand holds inf or NaN (``which`` names the operand whose rows are summed over).
+    ``scores(q, k)`` returns ``S_ij`` with the score variants applied and their derivative
+    (softcap's ``1 - tanh²``, or None); by default ``(q kᵀ, None)``.
     """
     matmul = matmul or (lambda a, b, which: a @ b)
-    s = q @ np.swapaxes(k, -1, -2)  # S_ij, as the forward computed it
+    s, slope = scores(q, k) if scores else (q @ np.swapaxes(k, -1, -2), None)  # S_ij, as forward
     if allowed is not None:
         np.copyto(s, -np.inf, where=~allowed)
     p = np.exp(np.subtract(s, lse[..., None], out=s), out=s)  # P_ij = e^(S_ij - lse_i): no max, no sum
@@ -384,6 +489,8 @@ def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=
     ds = np.multiply(p, np.subtract(dp, D[..., None], out=dp), out=dp)  # dS_ij = P_ij ∘ (dP_ij - D_i)
     if allowed is not None:  # an inf or NaN in V_j made dP NaN at masked pairs too: their dS is 0
         np.copyto(ds, 0, where=~allowed)
+    if slope is not None:  # through softcap: dS_raw = dS ∘ (1 - tanh²(S_raw / c))
+        ds *= slope
     dk += matmul(np.swapaxes(ds, -1, -2), q, "q")  # dK_j += dS_ijᵀ Q_i
     return matmul(ds, k, "k")  # dQ_i += dS_ij K_j
 
@@ -401,12 +508,17 @@ def flash_attention_backward(
     scale=None,
     block_q=DEFAULT_BLOCK_Q,
     block_k=DEFAULT_BLOCK_K,
+    window=None,
+    softcap=None,
+    alibi_slopes=None,
+    enable_gqa=False,
+    mask_mod=None,
 ):
     """The gradients of ``sum(dout * flash_attention(q, k, v, ...))`` without storing ``P``.
 
     Parameters
     ----------
-    q, k, v, mask, causal, scale, block_q, block_k
+    q, k, v, mask, causal, scale, block_q, block_k, window, softcap, alibi_slopes, enable_gqa, mask_mod
         As for :func:`flash_attention`, and the same as the forward call.
     out, lse
         What ``flash_attention(q, k, v, ..., return_lse=True)`` returned: shapes
@@ -442,7 +554,8 @@ def flash_attention_backward(
     meet it; a NaN in row ``i`` of ``q`` makes row ``i`` of ``dq`` NaN, and, through ``P_ij``,
     the ``dk``, ``dv`` rows of the keys row ``i`` attends (what IEEE arithmetic gives).
     """
-    problem = _check_inputs(q, k, v, mask, causal, scale)
+    problem = _check_inputs(q, k, v, mask, causal, scale, window, softcap, alibi_slopes,
+                            enable_gqa, mask_mod)
     block_q = _int_at_least("block_q", block_q, 1)
     block_k = _int_at_least("block_k", block_k, 1)
     out, lse, dout = _check_saved(problem, out, lse, dout)
@@ -473,14 +586,17 @@ def flash_attention_backward(
             if cancelled.is_set():
                 return
             share = None
-            if _visits(problem, q_start, q_stop, k_start, k_stop):
+            visits = problem.band.visits(q_start, q_stop, k_start, k_stop)
+            allowed = _allowed(problem, q_start, q_stop, k_start, k_stop) if visits else False
+            if allowed is not False:
                 rows = slice(q_start, q_stop)
-                allowed = problem.allowed(q_start, q_stop, k_start, k_stop)
                 matmul = _backward_matmul(problem, allowed, dout, q_start, q_stop, k_start, k_stop)
                 share = attention_backward_tile(
                     problem.q_tile(q_start, q_stop), k_blk, v_blk,
                     dout[..., rows, :].astype(acc, copy=False), lse[..., rows], D[..., rows],
                     dk_blk, dv_blk, allowed, matmul,
+                    functools.partial(_scores, problem, q_start=q_start, q_stop=q_stop,
+                                      k_start=k_start, k_stop=k_stop, grad=True),
                 )
                 share = _sum_to(share, dq.shape[:-2] + share.shape[-2:])
             with turns:
@@ -503,13 +619,7 @@ def flash_attention_backward(
     with np.errstate(invalid="ignore"):  # see _IEEE_QUIET; the workers inherit it
         _run_blocks(key_block, key_blocks, workers)
     dq *= acc.type(problem.scale_q)
-    return dq.astype(problem.q.dtype, copy=False), dk, dv
-
-
-def _visits(problem, q_start, q_stop, k_start, k_stop):
-    """Whether the schedule visits tile (q_start:q_stop, k_start:k_stop): its bottom-left pair
-    (last query, first key) is allowed by causal, the only rule that skips tiles."""
-    return not problem.causal or k_start <= (q_stop - 1) + (problem.n_k - problem.n_q)
+    return problem.input_shapes(dq.astype(problem.q.dtype, copy=False), dk, dv)
 
 
 def _backward_matmul(problem, allowed, dout, q_start, q_stop, k_start, k_stop):
@@ -549,20 +659,25 @@ def _sum_to(x, shape):
 # --------------------------------------------------------------------------------------------
 
 
-def naive_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False):
+def naive_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False,
+                    window=None, softcap=None, alibi_slopes=None, enable_gqa=False, mask_mod=None):
     """Textbook attention: the full ``Nq × Nk`` score matrix, then a max-subtracted softmax.
 
     Same arguments, results and conventions as :func:`flash_attention` (minus the block sizes);
     it is the oracle the tiled kernel is tested against, so it stays as plain as possible. Its
     one matmul uses the BLAS threads the caller has set.
     """
-    problem = _check_inputs(q, k, v, mask, causal, scale)
+    problem = _check_inputs(q, k, v, mask, causal, scale, window, softcap, alibi_slopes,
+                            enable_gqa, mask_mod)
     out, lse = _dense_attention(problem, problem.acc)
-    out = out.astype(problem.out_dtype, copy=False)
+    out = problem.merge_heads(out.astype(problem.out_dtype, copy=False))
+    lse = problem.merge_heads(lse)
     return (out, lse) if return_lse else out
 
 
-def precise_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False):
+def precise_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False,
+                      window=None, softcap=None, alibi_slopes=None, enable_gqa=False,
+                      mask_mod=None):
     """Attention in more precision than float64: the truth the other kernels are measured against.
 
     Same semantics as :func:`naive_attention`; the scale is the float64 number the kernels use,
@@ -571,11 +686,13 @@ def precise_attention(q, k, v, *, mask=None, causal=False, scale=None, return_ls
     40 significant digits, elementwise and slow: meant for small inputs. Returns float64 arrays
     from the mpmath path and longdouble arrays otherwise.
     """
-    problem = _check_inputs(q, k, v, mask, causal, scale)
+    problem = _check_inputs(q, k, v, mask, causal, scale, window, softcap, alibi_slopes,
+                            enable_gqa, mask_mod)
     if np.finfo(np.longdouble).nmant > np.finfo(np.float64).nmant:
         out, lse = _dense_attention(problem, np.dtype(np.longdouble))
     else:  # pragma: no cover - only where longdouble is float64 (macOS arm64, Windows)
         out, lse = _mpmath_attention(problem)
+    out, lse = problem.merge_heads(out), problem.merge_heads(lse)
     return (out, lse) if return_lse else out
 
 
@@ -583,8 +700,9 @@ def precise_attention(q, k, v, *, mask=None, causal=False, scale=None, return_ls
 def _dense_attention(problem, dtype):
     """The full score matrix in ``dtype``, then a max-subtracted softmax: naive and precise."""
     n_q, n_k = problem.n_q, problem.n_k
-    s = problem.q_tile(0, n_q, dtype) @ np.swapaxes(problem.k_tile(0, n_k, dtype), -1, -2)
-    allowed = problem.allowed(0, n_q, 0, n_k)
+    s = _scores(problem, problem.q_tile(0, n_q, dtype), problem.k_tile(0, n_k, dtype),
+                0, n_q, 0, n_k)
+    allowed = _dense_allowed(problem)
     if allowed is not None:
         s = np.where(allowed, s, -np.inf)
     s = np.broadcast_to(s, problem.batch + s.shape[-2:])  # v or mask may carry more batch dims
@@ -598,7 +716,9 @@ def _dense_attention(problem, dtype):
     return _finalize(pv, p.sum(axis=-1), m)
 
 
-def naive_attention_backward(q, k, v, dout, *, mask=None, causal=False, scale=None):
+def naive_attention_backward(q, k, v, dout, *, mask=None, causal=False, scale=None,
+                             window=None, softcap=None, alibi_slopes=None, enable_gqa=False,
+                             mask_mod=None):
     """The dense oracle of :func:`flash_attention_backward`: ``P`` whole, then the textbook chain.
 
     ``P = softmax(S)``, ``dV = Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P ∘ (dP - rowsum(P ∘ dP))`` (the
@@ -606,19 +726,24 @@ def naive_attention_backward(q, k, v, dout, *, mask=None, causal=False, scale=No
     scale placement, broadcasting and gradient dtypes. It needs no ``out`` or ``lse``, and does
     not use the identity ``rowsum(P ∘ dP) = rowsum(dO ∘ O)`` the tiled kernel rests on.
     """
-    problem = _check_inputs(q, k, v, mask, causal, scale)
+    problem = _check_inputs(q, k, v, mask, causal, scale, window, softcap, alibi_slopes,
+                            enable_gqa, mask_mod)
     dout = _check_saved(problem, dout=dout)
     grads = _dense_backward(problem, dout, problem.acc)
-    return tuple(g.astype(x.dtype, copy=False) for g, x in zip(grads, (problem.q, problem.k, problem.v)))
+    return problem.input_shapes(*(g.astype(x.dtype, copy=False)
+                                  for g, x in zip(grads, (problem.q, problem.k, problem.v))))
 
 
-def precise_attention_backward(q, k, v, dout, *, mask=None, causal=False, scale=None):
+def precise_attention_backward(q, k, v, dout, *, mask=None, causal=False, scale=None,
+                               window=None, softcap=None, alibi_slopes=None, enable_gqa=False,
+                               mask_mod=None):
     """:func:`naive_attention_backward` in ``np.longdouble``: the truth gradients are measured
     against (x86-64 and aarch64 Linux, where longdouble is wider than float64). Returns
     longdouble arrays."""
-    problem = _check_inputs(q, k, v, mask, causal, scale)
+    problem = _check_inputs(q, k, v, mask, causal, scale, window, softcap, alibi_slopes,
+                            enable_gqa, mask_mod)
     dout = _check_saved(problem, dout=dout)
-    return _dense_backward(problem, dout, np.dtype(np.longdouble))
+    return problem.input_shapes(*_dense_backward(problem, dout, np.dtype(np.longdouble)))
 
 
 @np.errstate(invalid="ignore")  # see _IEEE_QUIET
@@ -626,8 +751,8 @@ def _dense_backward(problem, dout, dtype):
     n_q, n_k = problem.n_q, problem.n_k
     q, k, v = problem.q_tile(0, n_q, dtype), problem.k_tile(0, n_k, dtype), problem.v_tile(0, n_k, dtype)
     dout = dout.astype(dtype)
-    allowed = problem.allowed(0, n_q, 0, n_k)
-    s = q @ np.swapaxes(k, -1, -2)
+    allowed = _dense_allowed(problem)
+    s, slope = _scores(problem, q, k, 0, n_q, 0, n_k, grad=True)
     if allowed is not None:
         s = np.where(allowed, s, -np.inf)
     m = s.max(axis=-1, initial=-np.inf)
@@ -642,6 +767,8 @@ def _dense_backward(problem, dout, dtype):
     ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
     if allowed is not None:
         ds = np.where(allowed, ds, 0)
+    if slope is not None:  # the chain rule through softcap
+        ds = ds * slope
 
     def matmul(a, b, allowed_for_a, name, x):
         bad = None if allowed is None else problem.nonfinite_rows(name, 0, x.shape[-2], x)
@@ -655,13 +782,21 @@ def _dense_backward(problem, dout, dtype):
                  for g, x in zip((dq, dk, dv), (problem.q, problem.k, problem.v)))
 
 
+def _dense_allowed(problem):
+    """The whole Nq × Nk matrix of allowed pairs, or None when every pair is allowed."""
+    allowed = _allowed(problem, 0, problem.n_q, 0, problem.n_k)
+    return np.zeros((problem.n_q, problem.n_k), bool) if allowed is False else allowed
+
+
 def _mpmath_attention(problem):  # pragma: no cover - see precise_attention
     import mpmath
 
     mp = mpmath.mp.clone()
     mp.dps = 40
     batch, n_q, n_k = problem.batch, problem.n_q, problem.n_k
-    allowed = problem.allowed(0, n_q, 0, n_k)
+    if problem.softcap is not None or problem.alibi is not None:
+        raise NotImplementedError("softcap and ALiBi need np.longdouble wider than float64")
+    allowed = _allowed(problem, 0, n_q, 0, n_k)
     allowed = np.broadcast_to(True if allowed is None else allowed, batch + (n_q, n_k))
     q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (problem.q, problem.k, problem.v))
     out = np.zeros(batch + (n_q, problem.dv))
@@ -816,19 +951,31 @@ _FLOAT_NAMES = "float16, bfloat16, float32 or float64"
 
 @dataclass(frozen=True)
 class _Problem:
-    """Validated inputs (``q``, ``k``, ``v``, ``mask`` unbroadcast) and what the kernels derive."""
+    """Validated inputs (``q``, ``k``, ``v``, ``mask`` unbroadcast) and what the kernels derive.
+
+    With ``enable_gqa`` the head axis of ``q`` (and of the mask, the ALiBi slopes, mask_mod's
+    result) is split into (Hkv, groups) and ``k``, ``v`` get a groups axis of 1, so that NumPy's
+    broadcasting pairs each query head with its kv head; ``merge_heads`` and ``input_shapes``
+    undo the split on the results.
+    """
 
     q: np.ndarray
     k: np.ndarray
     v: np.ndarray
     mask: np.ndarray | None
-    causal: bool
+    band: _Band  # causal and window
     scale: float
     scale_q: float  # r·2^a, see the module docstring
     scale_k: float  # 2^b
+    softcap: float | None
+    alibi: np.ndarray | None  # the slopes, shaped (..., 1, 1) to broadcast against a tile
+    mask_mod: object  # callable or None
     batch: tuple
     out_dtype: np.dtype
     acc: np.dtype  # the compute dtype
+    groups: int | None = None  # with enable_gqa: query heads per kv head
+    shapes: tuple = ()  # the caller's q, k, v shapes
+    user_batch: tuple = ()  # the broadcast batch as the caller sees it (Hq heads)
 
     @property
     def n_q(self):
@@ -856,8 +1003,31 @@ class _Problem:
     def v_tile(self, start, stop, dtype=None):
         return self.v[..., start:stop, :].astype(self.acc if dtype is None else dtype, copy=False)
 
-    def allowed(self, q_start, q_stop, k_start, k_stop):
-        return _allowed(self.mask, self.causal, self.n_q, self.n_k, q_start, q_stop, k_start, k_stop)
+    def mask_mod_tile(self, q_start, q_stop, k_start, k_stop):
+        """``mask_mod`` on one tile, checked, with its head axis split for grouped queries."""
+        allowed = _call_mask_mod(self.mask_mod, q_start, q_stop, k_start, k_stop)
+        expected = self.user_batch + (q_stop - q_start, k_stop - k_start)
+        try:
+            ok = np.broadcast_shapes(allowed.shape, expected) == expected
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"mask_mod returned an array of shape {allowed.shape}, which does not broadcast "
+                f"to (..., tile_q, tile_k) = {expected}"
+            )
+        return _split_heads(allowed, -3, self.groups) if self.groups else allowed
+
+    def merge_heads(self, x):
+        """A result with the grouped-query split (…, Hkv, groups, Nq, …) back to (…, Hq, Nq, …)."""
+        if not self.groups or x is None:
+            return x
+        lead = len(self.batch) - 2
+        return x.reshape(x.shape[:lead] + (-1,) + x.shape[lead + 2:])
+
+    def input_shapes(self, dq, dk, dv):
+        """Gradients in the caller's shapes of q, k, v (undoing the grouped-query split)."""
+        return tuple(g.reshape(shape) for g, shape in zip((dq, dk, dv), self.shapes))
 
     @functools.cached_property
     def _nonfinite(self):
@@ -893,7 +1063,8 @@ def _nonfinite_rows(x):
 
 def _check_saved(problem, out=None, lse=None, dout=None):
     """The forward's ``out`` and ``lse`` and the incoming ``dout``, checked against q, k, v."""
-    shapes = {"out": problem.batch + (problem.n_q, problem.dv), "lse": problem.batch + (problem.n_q,)}
+    shapes = {"out": problem.user_batch + (problem.n_q, problem.dv),
+              "lse": problem.user_batch + (problem.n_q,)}
     shapes["dout"] = shapes["out"]
     checked = []
     for name, x in (("out", out), ("lse", lse), ("dout", dout)):
@@ -907,6 +1078,8 @@ def _check_saved(problem, out=None, lse=None, dout=None):
                 f"{name} must have shape {shapes[name]}, what the forward returns for these q, k, v "
                 f"(and mask), got {x.shape}"
             )
+        if problem.groups:
+            x = _split_heads(x, -2 if name == "lse" else -3, problem.groups)
         checked.append(x)
     return checked[0] if len(checked) == 1 else tuple(checked)
 
@@ -979,11 +1152,13 @@ def _split_scale(scale):
     return math.ldexp(r, e - b), math.ldexp(1.0, b)
 
 
-def _check_inputs(q, k, v, mask, causal, scale):
+def _check_inputs(q, k, v, mask, causal, scale, window=None, softcap=None, alibi_slopes=None,
+                  enable_gqa=False, mask_mod=None):
     """Validate and normalise the arguments of every kernel; return a :class:`_Problem`."""
     q = _as_float_array("q", q)
     k = _as_float_array("k", k)
     v = _as_float_array("v", v)
+    shapes = (q.shape, k.shape, v.shape)
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(
             f"q and k must have the same feature size d (last axis), "
@@ -995,13 +1170,21 @@ def _check_inputs(q, k, v, mask, causal, scale):
             f"got k.shape={k.shape} and v.shape={v.shape}"
         )
     n_q, n_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    groups = None
+    if _bool("enable_gqa", enable_gqa):
+        groups = _gqa_groups(q, k, v)
+        hkv = k.shape[-3]
+        q = q.reshape(q.shape[:-3] + (hkv, groups) + q.shape[-2:])
+        k, v = k[..., None, :, :], v[..., None, :, :]
     try:
         batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     except ValueError:
         raise ValueError(
             f"the leading (batch) dimensions of q, k and v must broadcast together, got "
-            f"q.shape={q.shape}, k.shape={k.shape}, v.shape={v.shape}"
+            f"q.shape={shapes[0]}, k.shape={shapes[1]}, v.shape={shapes[2]}"
         ) from None
+    # the batch as the caller sees it: with grouped queries, Hq heads rather than (Hkv, groups)
+    user_batch = batch[:-2] + (batch[-2] * batch[-1],) if groups else batch
     if mask is not None:
         mask = np.asarray(mask)
         if mask.dtype != np.bool_:
@@ -1009,23 +1192,138 @@ def _check_inputs(q, k, v, mask, causal, scale):
                 f"mask must be a boolean array (True = may attend), got dtype {mask.dtype}"
             )
         try:
-            full = np.broadcast_shapes(mask.shape, batch + (n_q, n_k))
+            full = np.broadcast_shapes(mask.shape, user_batch + (n_q, n_k))
         except ValueError:
             full = None
         if full is None or full[-2:] != (n_q, n_k):
             raise ValueError(
                 f"mask of shape {mask.shape} does not broadcast to (..., Nq, Nk) = "
-                f"{batch + (n_q, n_k)}"
+                f"{user_batch + (n_q, n_k)}"
             )
-        batch = full[:-2]
-    causal = _bool("causal", causal)
+        user_batch = full[:-2]
+        if groups:
+            mask = _split_heads(mask, -3, groups)
+        batch = np.broadcast_shapes(batch, mask.shape[:-2])
+    band = _Band.of(n_q, n_k, _bool("causal", causal), _checked_window(window))
     out_dtype = _result_dtype(q.dtype, k.dtype, v.dtype)
     # float16 has 11 bits of mantissa and overflows at 65504, bfloat16 has 8 bits: sums and
     # products run in float32.
     acc = np.dtype(np.float32) if out_dtype in (np.float16, _BFLOAT16) else out_dtype
     scale = _checked_scale(scale, d, acc)
     scale_q, scale_k = _split_scale(scale)
-    return _Problem(q, k, v, mask, causal, scale, scale_q, scale_k, batch, out_dtype, acc)
+    softcap = _checked_softcap(softcap)
+    alibi = _checked_alibi(alibi_slopes, user_batch, groups)
+    mask_mod = _checked_mask_mod(mask_mod)
+    return _Problem(q, k, v, mask, band, scale, scale_q, scale_k, softcap, alibi, mask_mod,
+                    batch, out_dtype, acc, groups, shapes, user_batch)
+
+
+def _gqa_groups(q, k, v):
+    """Query heads per kv head, checked: axis -3 holds the heads, Hkv divides Hq."""
+    if min(q.ndim, k.ndim, v.ndim) < 3:
+        raise ValueError(
+            f"enable_gqa needs a head axis (-3) in q, k and v, got q.shape={q.shape}, "
+            f"k.shape={k.shape}, v.shape={v.shape}"
+        )
+    h_q, h_kv = q.shape[-3], k.shape[-3]
+    if v.shape[-3] != h_kv or h_kv == 0 or h_q % h_kv:
+        raise ValueError(
+            f"enable_gqa needs k and v with the same number of heads Hkv (axis -3) dividing "
+            f"q's Hq, got q.shape={q.shape}, k.shape={k.shape}, v.shape={v.shape}"
+        )
+    return h_q // h_kv
+
+
+def _split_heads(x, axis, groups):
+    """Split the head axis ``axis`` of an array aligned with q's leading dims into
+    (Hkv, groups); a head axis of 1, or none, stays broadcastable."""
+    if x.ndim < -axis:
+        return x
+    axis = x.ndim + axis
+    heads = x.shape[axis]
+    split = (heads // groups, groups) if heads != 1 else (1, 1)
+    return x.reshape(x.shape[:axis] + split + x.shape[axis + 1:])
+
+
+def _checked_window(window):
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(
+            f"window must be None or a pair (left, right) of non-negative integers or None, "
+            f"got {window!r}"
+        )
+    for side, value in zip(("left", "right"), window):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                                  or value < 0):
+            raise ValueError(
+                f"window's {side} must be a non-negative integer or None (unbounded), got "
+                f"{value!r} in window={window!r}"
+            )
+    return tuple(None if value is None else int(value) for value in window)
+
+
+def _checked_softcap(softcap):
+    if softcap is None:
+        return None
+    if (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
+            or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(
+            f"softcap must be a finite positive number (None turns it off), got {softcap!r}"
+        )
+    return float(softcap)
+
+
+def _checked_alibi(slopes, batch, groups):
+    if slopes is None:
+        return None
+    slopes = np.asarray(slopes)
+    if slopes.dtype.kind not in "fiu":
+        raise TypeError(f"alibi_slopes must be an array of real numbers, got dtype {slopes.dtype}")
+    try:
+        ok = np.broadcast_shapes(slopes.shape, batch) == batch
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"alibi_slopes of shape {slopes.shape} does not broadcast to the leading (batch, "
+            f"head) dims {batch}: give one slope per head, e.g. shape (H,) or (B, H)"
+        )
+    slopes = slopes.astype(np.float64)
+    if not np.isfinite(slopes).all():
+        raise ValueError(f"alibi_slopes must be finite, got {slopes}")
+    slopes = slopes[..., None, None]  # broadcasts against a tile's (rows, keys)
+    return _split_heads(slopes, -3, groups) if groups else slopes
+
+
+def _checked_mask_mod(mask_mod):
+    if mask_mod is not None and not callable(mask_mod):
+        raise TypeError(f"mask_mod must be a callable mask_mod(q_idx, k_idx) or None, got "
+                        f"{mask_mod!r}")
+    return mask_mod
+
+
+def _call_mask_mod(mask_mod, q_start, q_stop, k_start, k_stop):
+    """``mask_mod(q_idx, k_idx)`` on one tile's global positions, checked to be boolean."""
+    q_idx = np.arange(q_start, q_stop)[:, None]
+    k_idx = np.arange(k_start, k_stop)[None, :]
+    allowed = np.asarray(mask_mod(q_idx, k_idx))
+    if allowed.dtype != np.bool_:
+        raise TypeError(
+            f"mask_mod must return a boolean array (True = may attend), got dtype "
+            f"{allowed.dtype}"
+        )
+    tile = (q_stop - q_start, k_stop - k_start)
+    try:
+        ok = np.broadcast_shapes(allowed.shape[-2:], tile) == tile
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"mask_mod returned an array of shape {allowed.shape}, which does not broadcast "
+            f"to (..., tile_q, tile_k) = (..., {tile[0]}, {tile[1]})"
+        )
+    return allowed
 
 
 # --------------------------------------------------------------------------------------------

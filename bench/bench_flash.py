@@ -556,6 +556,77 @@ def backward_table(args, torch):
     return rows
 
 
+def variants_table(args):
+    """Sliding window (256, 0) against causal over N, and document masks against their tiles.
+
+    The window's cost should grow as N·256, linearly: time(16384) / time(4096) near 4 (the
+    issue asks <= 4.4), while causal alone grows as N². A document mask (mask_mod) skips the
+    tiles between documents: its time over causal's should be close to its share of tiles.
+    """
+    name, dtype = "float64", np.float64
+    log(f"\n# variants, {name}, d = {D}: sliding window (256, 0) (= causal and 256 keys back) vs "
+        f"causal alone; document masks (mask_mod) vs causal alone")
+    table = Table([("case", 24), ("N", 6), ("ms", 9), ("causal ms", 9), ("time ratio", 10),
+                   ("tiles ratio", 11), ("max rel err", 11)])
+    table.header()
+    rows = []
+    for n in args.window_sizes:
+        q, k, v = inputs(n, dtype)
+        window = lambda: flash_lib.flash_attention(q, k, v, causal=True, window=(256, 0))  # noqa: E731
+        causal = lambda: flash_lib.flash_attention(q, k, v, causal=True)  # noqa: E731
+        out = window()
+        rows_ref = np.sort(np.random.default_rng(1).choice(n, size=min(SPOT_ROWS, n), replace=False))
+        keys = np.arange(n)[None, :]
+        mask = (keys <= rows_ref[:, None]) & (keys >= rows_ref[:, None] - 256)
+        err = check(f"window {name} N={n}", out[rows_ref],
+                    flash_lib.naive_attention(q[rows_ref], k, v, mask=mask), dtype)
+        fns = {"window": window}
+        if n <= 16384:
+            fns["causal"] = causal
+        best, _ = time_interleaved(fns, args.seconds)
+        tiles = (len(flash_lib.tile_schedule(n, n, flash_lib.DEFAULT_BLOCK_Q,
+                                             flash_lib.DEFAULT_BLOCK_K, True, window=(256, 0)))
+                 / len(flash_lib.tile_schedule(n, n, flash_lib.DEFAULT_BLOCK_Q,
+                                               flash_lib.DEFAULT_BLOCK_K, True)))
+        t_c = best.get("causal")
+        rows.append(dict(kind="window", n=n, flash_s=best["window"], causal_s=t_c,
+                         tiles_ratio=tiles, max_rel_err=err))
+        RECORDS.append(rows[-1])
+        table.row("window (256, 0)", n, f"{1e3 * best['window']:.1f}",
+                  fmt(t_c and 1e3 * t_c, ".1f"), fmt(t_c and best["window"] / t_c, ".3f"),
+                  f"{tiles:.3f}", f"{err:.1e}")
+    n = args.document_n
+    q, k, v = inputs(n, dtype)
+    for n_docs in (2, 8):
+        docs = np.repeat(np.arange(n_docs), n // n_docs)
+
+        def same_document(q_idx, k_idx, docs=docs):
+            return docs[q_idx] == docs[k_idx]
+
+        documents = lambda: flash_lib.flash_attention(  # noqa: E731
+            q, k, v, causal=True, mask_mod=same_document)
+        causal = lambda: flash_lib.flash_attention(q, k, v, causal=True)  # noqa: E731
+        out = documents()
+        rows_ref = np.sort(np.random.default_rng(1).choice(n, size=SPOT_ROWS, replace=False))
+        keys = np.arange(n)[None, :]
+        mask = (keys <= rows_ref[:, None]) & (docs[keys] == docs[rows_ref][:, None])
+        err = check(f"documents {name} N={n}", out[rows_ref],
+                    flash_lib.naive_attention(q[rows_ref], k, v, mask=mask), dtype)
+        best, _ = time_interleaved({"documents": documents, "causal": causal}, args.seconds)
+        tiles = (len(flash_lib.tile_schedule(n, n, flash_lib.DEFAULT_BLOCK_Q,
+                                             flash_lib.DEFAULT_BLOCK_K, True,
+                                             mask_mod=same_document))
+                 / len(flash_lib.tile_schedule(n, n, flash_lib.DEFAULT_BLOCK_Q,
+                                               flash_lib.DEFAULT_BLOCK_K, True)))
+        rows.append(dict(kind="documents", n=n, docs=n_docs, flash_s=best["documents"],
+                         causal_s=best["causal"], tiles_ratio=tiles, max_rel_err=err))
+        RECORDS.append(rows[-1])
+        table.row(f"{n_docs} documents, causal", n, f"{1e3 * best['documents']:.1f}",
+                  f"{1e3 * best['causal']:.1f}", f"{best['documents'] / best['causal']:.3f}",
+                  f"{tiles:.3f}", f"{err:.1e}")
+    return rows
+
+
 def big_n(args):
     """N = args.big float64, flash only: it completes, at what rate, in how much scratch.
 
@@ -603,7 +674,7 @@ def big_n(args):
     return rec
 
 
-def targets(args, rows, big, backward, torch_reason):
+def targets(args, rows, big, backward, variants, torch_reason):
     log("\n# targets: the forward (issues 2 and 7), fwd+bwd (issue 8)")
 
     def verdict(ok):
@@ -644,6 +715,15 @@ def targets(args, rows, big, backward, torch_reason):
     if big_bwd is not None:
         log(f"fwd+bwd N = {big_bwd['n']} float64 completes, backward scratch < 64 MiB: "
             f"{verdict(big_bwd['scratch'] < 64 * 2**20)} {fmt_bytes(big_bwd['scratch'])}")
+
+    window = {r["n"]: r["flash_s"] for r in variants if r["kind"] == "window"}
+    if 4096 in window and 16384 in window:
+        ratio = window[16384] / window[4096]
+        log(f"window (256, 0) float64: time(16384) / time(4096) <= 4.4: "
+            f"{verdict(ratio <= 4.4)} {ratio:.2f} (linear: 4; N²: 16)")
+    for r in (r for r in variants if r["kind"] == "documents"):
+        log(f"{r['docs']} documents, N = {r['n']}: time / causal {r['flash_s'] / r['causal_s']:.3f} "
+            f"against tile share {r['tiles_ratio']:.3f} (close means the skipped tiles cost nothing)")
 
     for name in ("float64", "float32"):
         measured = [r for r in rows if r["dtype"] == name and r["n"] >= 2048]
@@ -744,6 +824,11 @@ def parse_args(argv):
     p.add_argument("--backward-sizes", type=int, nargs="*",
                    help="N values of the fwd+bwd table (default 1024 ... 16384; quick: 1024 "
                         "2048 4096; none: skip)")
+    p.add_argument("--window-sizes", type=int, nargs="*",
+                   help="N values of the sliding-window rows (default 4096 8192 16384 32768; "
+                        "quick: 4096 8192; none: skip the variants section)")
+    p.add_argument("--document-n", type=int, default=8192,
+                   help="N of the document-mask rows (default %(default)s)")
     p.add_argument("--big", type=int, default=None,
                    help="N of the flash-only float64 run (default 32768; 0: skip)")
     p.add_argument("--naive-max-gib", type=float, default=4.0,
@@ -768,6 +853,8 @@ def parse_args(argv):
         args.big = 0 if args.quick else 32768
     if args.backward_sizes is None:
         args.backward_sizes = QUICK_SIZES if args.quick else FULL_SIZES
+    if args.window_sizes is None:
+        args.window_sizes = [4096, 8192] if args.quick else [4096, 8192, 16384, 32768]
     for flag in ("block_q", "block_k", "sweep_n", "gemm_n"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be a positive integer")
@@ -796,11 +883,12 @@ def main(argv=None):
             causal_table(args, torch)
         big = big_n(args) if args.big else None
         backward = backward_table(args, torch) if args.backward_sizes else []
+        variants = variants_table(args) if args.window_sizes else []
         log("\nGEMM " + ", ".join(f"{name} {rate:.1f}" for name, rate in GEMM_PEAK.items())
             + f" GFLOP/s: the best {args.gemm_n}² rate of the whole run "
             "(rows above used the best so far)")
         RECORDS.append(dict(kind="gemm", n=args.gemm_n, peak_gflops=dict(GEMM_PEAK)))
-        targets(args, rows, big, backward, torch_reason)
+        targets(args, rows, big, backward, variants, torch_reason)
     log(f"\nload average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
         + f"; total time {time.perf_counter() - started:.0f} s")
     if args.json:

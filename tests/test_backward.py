@@ -357,16 +357,16 @@ def test_garbage_at_masked_pairs_stays_out_of_the_gradients(n_q, n_k, block, cau
 def test_backward_computes_exactly_the_forwards_tiles(n_q, n_k, block_q, block_k, causal):
     """Every tile the backward recomputes is one the forward's schedule lists, each once."""
     seen = []
-    allowed = flash_lib._allowed
+    scores = flash_lib._scores
 
-    def recording_allowed(mask, causal, n_q, n_k, *tile):
-        seen.append(tile)
-        return allowed(mask, causal, n_q, n_k, *tile)
+    def recording_scores(problem, q, k, q_start, q_stop, k_start, k_stop, **kw):
+        seen.append((q_start, q_stop, k_start, k_stop))
+        return scores(problem, q, k, q_start, q_stop, k_start, k_stop, **kw)
 
     q, k, v, dout = inputs(np.random.default_rng(1), n_q, n_k, d=3, dv=2)
     out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(flash_lib, "_allowed", recording_allowed)
+        patch.setattr(flash_lib, "_scores", recording_scores)
         flash_attention_backward(q, k, v, out, lse, dout, causal=causal, block_q=block_q,
                                  block_k=block_k)
     assert sorted(seen) == flash_lib.tile_schedule(n_q, n_k, block_q, block_k, causal)

@@ -221,15 +221,15 @@ def test_nan_keys_reach_exactly_the_rows_that_may_attend_them_under_causal():
 def test_kernel_computes_exactly_the_scheduled_tiles(n_q, n_k, block_q, block_k, causal, masked):
     """The kernel multiplies exactly the tiles ``tile_schedule`` lists, each once, and no others.
 
-    Watched from inside: every tile the kernel computes asks ``_allowed`` for its pairs and is
+    Watched from inside: every tile the kernel multiplies goes through ``_scores`` and is
     folded in by ``online_softmax_update``, so both are wrapped to record what they see. (The
     output cannot show a tile with no allowed pair being computed: masked keys never leak.)"""
     seen, updates = [], []
-    allowed, update = flash_lib._allowed, flash_lib.online_softmax_update
+    scores, update = flash_lib._scores, flash_lib.online_softmax_update
 
-    def recording_allowed(mask, causal, n_q, n_k, *tile):
-        seen.append(tile)
-        return allowed(mask, causal, n_q, n_k, *tile)
+    def recording_scores(problem, q, k, q_start, q_stop, k_start, k_stop, **kw):
+        seen.append((q_start, q_stop, k_start, k_stop))
+        return scores(problem, q, k, q_start, q_stop, k_start, k_stop, **kw)
 
     def recording_update(m, l, acc, s, v, matmul):
         updates.append(s.shape[-2:])
@@ -238,7 +238,7 @@ def test_kernel_computes_exactly_the_scheduled_tiles(n_q, n_k, block_q, block_k,
     q, k, v = random_qkv(np.random.default_rng(n_q * 31 + n_k), n_q, n_k, 3, dv=2)
     mask = np.random.default_rng(n_q).random((n_q, n_k)) < 0.7 if masked else None
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(flash_lib, "_allowed", recording_allowed)
+        patch.setattr(flash_lib, "_scores", recording_scores)
         patch.setattr(flash_lib, "online_softmax_update", recording_update)
         flash_attention(q, k, v, mask=mask, causal=causal, block_q=block_q, block_k=block_k)
     schedule = tile_schedule(n_q, n_k, block_q, block_k, causal)

@@ -1,0 +1,486 @@
+"""flash_check: a clean kernel passes, each classic bug fails with its cause named, the CLI works,
+and real kernels (PyTorch SDPA, JAX) get the results the README states.
+
+The broken kernels here are one small tiled kernel with a switch per bug, written independently
+of the gallery in chapter 15 (which shows its own, with prose), so that the checker's tests do not
+depend on a notebook.
+"""
+
+import functools
+import importlib.util
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import flash_check
+import flash_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ALL = ("mask", "causal", "lse", "dv")
+
+
+def tiled(q, k, v, *, mask=None, causal=False, scale=None, block=16, bug=None):
+    """FlashAttention's forward, one query block at a time; ``bug`` breaks one step of it."""
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    acc = q.dtype if bug == "float16_accumulation" or q.dtype != np.float16 else np.float32
+    batch = np.broadcast_shapes(q.shape[:-2], () if mask is None else np.shape(mask)[:-2])
+    mask = None if mask is None else np.broadcast_to(mask, np.shape(mask)[:-2] + (n_q, n_k))
+    out = np.zeros(batch + (n_q, v.shape[-1]), q.dtype)
+    lse = np.full(batch + (n_q,), -np.inf, np.float32 if q.dtype == np.float16 else q.dtype)
+    offset = 0 if bug == "top_left" else n_k - n_q
+    key_end = n_k - n_k % block if bug == "drop_partial_block" else n_k
+    for qs in range(0, n_q, block):
+        qe = min(qs + block, n_q)
+        m = np.full(batch + (qe - qs,), -np.inf, acc)
+        l = np.zeros_like(m)
+        o = np.zeros(batch + (qe - qs, v.shape[-1]), acc)
+        for ks in range(0, key_end, block):
+            ke = min(ks + block, n_k)
+            s = q[..., qs:qe, :].astype(acc) @ np.swapaxes(k[..., ks:ke, :], -1, -2).astype(acc)
+            s = s * np.asarray(scale, acc)
+            ok = np.ones(s.shape[-2:], bool)
+            if mask is not None:
+                ok = ok & mask[..., qs:qe, ks:ke]
+            if causal:
+                ok = ok & (np.arange(ks, ke) <= np.arange(qs, qe)[:, None] + offset)
+            s = np.where(ok, s, np.asarray(-1e9 if bug == "uniform_empty_rows" else -np.inf, acc))
+            m_new = np.maximum(m, s.max(axis=-1))
+            m_ref = m_new if bug == "nan_empty_rows" else np.where(m_new == -np.inf, 0, m_new)
+            stale = np.where(m == -np.inf, 0, m)
+            p = np.exp(s - (stale if bug == "stale_max" else m_ref)[..., None])
+            alpha = np.ones_like(m) if bug == "missing_rescale" else np.exp(m - m_ref)
+            v_blk = np.where(ok.any(axis=-2)[..., None], v[..., ks:ke, :], 0).astype(acc)
+            l = l * alpha + p.sum(axis=-1)
+            o = o * alpha[..., None] + p @ v_blk
+            m = m_new
+        empty = (l == 0) & (bug != "nan_empty_rows")
+        out[..., qs:qe, :] = o / np.where(empty, 1, l)[..., None]
+        lse[..., qs:qe] = np.where(empty, -np.inf, m + np.log(np.where(empty, 1, l)))
+    if bug == "lse_base2":
+        lse = lse * np.log2(np.e)
+    return out, lse
+
+
+def dense(q, k, v, **kwargs):
+    """The tiled kernel with one tile: right, but it holds the whole Nq x Nk score matrix."""
+    return tiled(q, k, v, block=max(q.shape[-2], k.shape[-2], 1), **kwargs)
+
+
+def bugged(bug):
+    return functools.partial(tiled, bug=bug)
+
+
+def diagnoses(report, case=None):
+    return " | ".join(f.diagnosis for f in report.failures if case is None or f.case == case)
+
+
+# --- clean kernels pass ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("blocks", [{}, {"block_q": 16, "block_k": 16}, {"block_q": 7, "block_k": 1}],
+                         ids=["default tiles", "16x16", "7x1"])
+def test_flash_lib_passes_every_case(blocks):
+    kernel = functools.partial(flash_lib.flash_attention, return_lse=True, **blocks)
+    features = ALL + (("memory",) if not blocks else ())
+    report = flash_check.check_kernel(kernel, features=features)
+    assert report.ok, str(report)
+    assert [s.case for s in report.skipped] == ([] if "memory" in features else ["memory"])
+    assert {r.case for r in report.results} == set(flash_check.CASES) - (
+        set() if "memory" in features else {"memory"})
+
+
+def test_the_clean_tiled_kernel_passes():
+    report = flash_check.check_kernel(tiled, features=ALL)
+    assert report.ok, str(report)
+
+
+def test_naive_passes_except_memory():
+    """naive_attention holds the N x N scores: the memory case must say so, and only it."""
+    kernel = functools.partial(flash_lib.naive_attention, return_lse=True)
+    report = flash_check.check_kernel(kernel, features=ALL + ("memory",))
+    assert report.failed_cases() == ["memory"], str(report)
+    assert "materialises the Nq x Nk scores" in diagnoses(report)
+    assert report.failures[0].measured.startswith("scratch grows as N^2.0")
+
+
+# --- each classic bug fails, and the diagnosis names its cause ------------------------------
+
+BUGS = {
+    # bug: (a case it must fail, words its diagnosis there must contain)
+    "missing_rescale": ("late_max", "not rescaled by exp(m - m')"),
+    "nan_empty_rows": ("empty_rows", "fully masked row is NaN: the exp(-inf - (-inf)) guard"),
+    "top_left": ("causal_wide", "causal is aligned top-left"),
+    "lse_base2": ("random", "lse is in log base 2"),
+    "drop_partial_block": ("size_63x65", "the last partial key block is dropped"),
+    "float16_accumulation": ("float16_overflow", "overflow float16"),
+    "uniform_empty_rows": ("empty_rows", "uniform weights"),
+    "stale_max": ("late_max", "stale running max"),
+}
+
+
+@pytest.mark.parametrize("bug", BUGS)
+def test_each_bug_is_caught_with_its_cause(bug):
+    case, words = BUGS[bug]
+    report = flash_check.check_kernel(bugged(bug), features=ALL)
+    assert not report.ok
+    assert case in report.failed_cases(), str(report)
+    assert words in diagnoses(report, case), diagnoses(report, case)
+
+
+def test_missing_rescale_is_found_by_reordering_keys():
+    """On plain random inputs too: right with a row's largest score first, wrong with it last."""
+    report = flash_check.check_kernel(bugged("missing_rescale"), features=ALL, cases=["random"])
+    assert "depends on the order of the keys" in diagnoses(report), diagnoses(report)
+
+
+def test_nan_empty_rows_also_breaks_left_padded_rows():
+    report = flash_check.check_kernel(bugged("nan_empty_rows"), features=ALL,
+                                      cases=["key_padding"])
+    assert "whose first keys are masked" in diagnoses(report), diagnoses(report)
+
+
+def test_float16_accumulation_fails_in_float16_only():
+    report = flash_check.check_kernel(bugged("float16_accumulation"), features=ALL)
+    assert {f.dtype for f in report.failures} == {"float16"}, str(report)
+    assert "accumulated in float16" in diagnoses(report), diagnoses(report)
+
+
+def test_quadratic_memory_is_caught():
+    report = flash_check.check_kernel(dense, features=ALL + ("memory",))
+    assert report.failed_cases() == ["memory"], str(report)
+    assert "O(N²) memory" in diagnoses(report)
+
+
+def test_scale_ignored_is_named():
+    def ignores_scale(q, k, v, **kwargs):
+        kwargs.pop("scale", None)
+        return flash_lib.flash_attention(q, k, v, **kwargs, return_lse=True)
+
+    report = flash_check.check_kernel(ignores_scale, features=ALL)
+    assert set(report.failed_cases()) == {"late_max", "large_scale", "tiny_scale",
+                                          "float16_overflow"}, str(report)
+    assert "the scale argument (10000) is ignored" in diagnoses(report, "large_scale")
+
+
+def test_a_nan_that_becomes_a_number_or_spreads_is_caught():
+    def hides(q, k, v, **kwargs):  # as if NaN were filtered out with nan_to_num
+        out, lse = flash_lib.flash_attention(q, k, v, **kwargs, return_lse=True)
+        return np.nan_to_num(out), np.nan_to_num(lse)
+
+    def spreads(q, k, v, **kwargs):  # a NaN anywhere in a batch element poisons all its rows
+        out, lse = flash_lib.flash_attention(q, k, v, **kwargs, return_lse=True)
+        poisoned = np.isnan(out).any(axis=(-2, -1), keepdims=True)
+        return np.where(poisoned, np.nan, out), np.where(poisoned[..., 0], np.nan, lse)
+
+    report = flash_check.check_kernel(hides, cases=["nan_in_q"], dtypes=("float64",))
+    assert "NaN row" in {f.check for f in report.failures}, str(report)
+    assert "became a silent number" in diagnoses(report)
+    report = flash_check.check_kernel(spreads, cases=["nan_in_q"], dtypes=("float64",))
+    assert {f.check for f in report.failures} >= {"non-finite"}, str(report)
+    assert "reached other rows" in diagnoses(report)
+
+
+def test_masked_garbage_that_leaks_is_named():
+    report = flash_check.check_kernel(_weights_only, features=("mask", "causal"),
+                                      cases=["masked_nonfinite"])
+    assert report.failed_cases() == ["masked_nonfinite"]
+    assert "reached" in diagnoses(report) and "0 · inf = NaN in P·V" in diagnoses(report)
+    assert flash_check.check_kernel(tiled, features=("mask", "lse"), cases=["masked_nonfinite"]).ok
+
+
+def _weights_only(q, k, v, *, mask=None, causal=False, scale=None):
+    """Textbook dense attention that masks the weights, not the values (as most kernels do)."""
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    acc = np.float32 if q.dtype == np.float16 else q.dtype
+    s = (q.astype(acc) @ np.swapaxes(k, -1, -2).astype(acc)) * scale
+    ok = np.ones(s.shape, bool)
+    if mask is not None:
+        ok = ok & mask
+    if causal:
+        ok = ok & np.tril(np.ones(s.shape[-2:], bool), k=k.shape[-2] - q.shape[-2])
+    s = np.where(ok, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - np.where(m == -np.inf, 0, m))
+    l = p.sum(axis=-1, keepdims=True)
+    return ((p @ v.astype(acc)) / np.where(l == 0, 1, l)).astype(q.dtype)
+
+
+# --- the report, features, conventions, bad input -------------------------------------------
+
+
+def test_report_is_a_readable_table_with_failures_and_skips():
+    report = flash_check.check_kernel(bugged("lse_base2"), features=("mask", "lse"),
+                                      dtypes=("float64",))
+    text = str(report)
+    assert text.splitlines()[0].startswith("check_kernel(")
+    for case in ("random", "late_max", "empty_rows"):
+        assert re.search(rf"^{case}\s+float64\s", text, re.M), case
+    assert "FAIL" in text and "lse is in log base 2" in text
+    assert re.search(r"^  decode: needs feature 'causal'", text, re.M), text
+    failure = report.failures[0]
+    assert (failure.case, failure.dtype, failure.check) == ("random", "float64", "lse error")
+    assert failure.measured and "naive" in failure.bound and failure.diagnosis
+    assert text.rstrip().endswith("skipped") and text.splitlines()[-1].startswith("FAIL")
+
+
+def test_unsupported_features_are_skipped_and_listed():
+    kernel = functools.partial(flash_lib.flash_attention)  # out only: no "lse"
+    report = flash_check.check_kernel(kernel, features=(), dtypes=("float32",))
+    assert report.ok, str(report)
+    skipped = {s.case: s.reason for s in report.skipped}
+    needing = {c.name for c in flash_check.CASES.values() if c.needs}
+    assert set(skipped) >= needing
+    assert "needs feature 'mask'" in skipped["key_padding"]
+    assert "runs in float16 only" in skipped["float16_overflow"]
+    assert all(r.lse_error is None for r in report.results)
+
+
+def test_a_kernel_returning_the_wrong_thing_fails_clearly():
+    report = flash_check.check_kernel(flash_lib.flash_attention, features=("lse",),
+                                      dtypes=("float64",), cases=["random"])
+    assert [f.check for f in report.failures] == ["shape"]
+    assert "expected (out, lse)" in report.failures[0].diagnosis
+
+
+def test_lse_empty_is_the_kernels_convention():
+    def plus_inf(q, k, v, **kwargs):  # FlashAttention's convention for empty rows
+        out, lse = flash_lib.flash_attention(q, k, v, **kwargs, return_lse=True)
+        return out, np.where(lse == -np.inf, np.inf, lse)
+
+    cases = ["empty_rows", "all_masked", "causal_tall"]
+    assert flash_check.check_kernel(plus_inf, lse_empty=np.inf, cases=cases).ok
+    report = flash_check.check_kernel(plus_inf, cases=cases)
+    assert {f.check for f in report.failures} == {"empty lse"}, str(report)
+    assert "pass it as lse_empty" in diagnoses(report)
+
+
+def test_a_kernel_that_raises_or_writes_its_inputs_is_reported():
+    def raises(q, k, v, **kwargs):
+        raise RuntimeError("no kernel for this shape")
+
+    def writes(q, k, v, **kwargs):
+        q *= 1.0 / np.sqrt(q.shape[-1])
+        return flash_lib.flash_attention(q, k, v, **kwargs, scale=1.0)
+
+    report = flash_check.check_kernel(raises, features=(), dtypes=("float32",), cases=["random"])
+    assert report.failures[0].check == "raised"
+    assert "RuntimeError: no kernel for this shape" in report.failures[0].measured
+    report = flash_check.check_kernel(writes, features=(), dtypes=("float64",), cases=["random"])
+    assert [f.check for f in report.failures] == ["inputs"]
+
+
+def test_a_new_case_is_one_registration(monkeypatch):
+    """The way the variants will be added: a Case with its own feature, skipped without it."""
+    monkeypatch.setattr(flash_check, "CASES", dict(flash_check.CASES))
+
+    def make(rng, dtype):
+        q, k, v = flash_check.random_qkv(rng, 9, 33, dtype=dtype)
+        return flash_check.Inputs(q, k, v, {"scale": 0.5, "causal": True})
+
+    flash_check.register_case(flash_check.Case("halved_causal", "a scale of 0.5 with causal",
+                                               make, needs=("causal", "halving")))
+    kernel = functools.partial(flash_lib.flash_attention, return_lse=True)
+    report = flash_check.check_kernel(kernel, cases=["halved_causal"])
+    assert [s.case for s in report.skipped] == ["halved_causal"]
+    report = flash_check.check_kernel(kernel, features=DEFAULT + ("halving",),
+                                      cases=["halved_causal"])
+    assert report.ok and [r.case for r in report.results] == ["halved_causal"] * 3
+    assert flash_check.check_kernel(bugged("top_left"), features=DEFAULT + ("halving",),
+                                    cases=["halved_causal"]).failed_cases() == ["halved_causal"]
+
+
+DEFAULT = flash_check.DEFAULT_FEATURES
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"features": ("mask", "windw")}, "features \\['windw'\\] are unknown"),
+    ({"features": "mask"}, "sequences of names"),
+    ({"dtypes": ("bfloat16",)}, "dtypes must be a non-empty selection"),
+    ({"dtypes": ()}, "dtypes must be a non-empty selection"),
+    ({"cases": ["no_such_case"]}, "not registered"),
+    ({"seed": -1}, "seed must be a non-negative integer"),
+    ({"lse_empty": "inf?"}, "lse_empty must be a float"),
+])
+def test_bad_arguments_are_named(kwargs, error):
+    with pytest.raises((ValueError, TypeError), match=error):
+        flash_check.check_kernel(flash_lib.flash_attention, **kwargs)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        flash_check.check_kernel("flash_lib.flash_attention")
+
+
+def test_the_bound_rule_is_the_documented_one():
+    """Loosening the bound would let the float16-accumulation kernel through: pin the numbers."""
+    assert flash_check.FACTOR == 2.0
+    eps = {name: float(np.finfo(name).eps) for name in flash_check.DTYPES}
+    assert flash_check.OUT_FLOOR == {"float64": 8 * eps["float64"], "float32": 8 * eps["float32"],
+                                     "float16": eps["float16"]}
+    report = flash_check.check_kernel(tiled, cases=["random"], dtypes=("float32",))
+    (result,) = report.results
+    assert result.out_bound == pytest.approx(2 * result.out_naive + 8 * eps["float32"])
+    assert 0 < result.out_error <= result.out_bound
+
+
+# --- the command line -----------------------------------------------------------------------
+
+
+def _cli(tmp_path, *args):
+    (tmp_path / "kernels_under_test.py").write_text(
+        "import functools\nimport flash_lib\n"
+        "good = functools.partial(flash_lib.flash_attention, return_lse=True)\n"
+        "def base2(q, k, v, **kw):\n"
+        "    out, lse = flash_lib.flash_attention(q, k, v, **kw, return_lse=True)\n"
+        "    return out, lse * 1.4426950408889634\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    return subprocess.run([sys.executable, "-m", "flash_check", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_passes_a_good_kernel_and_fails_a_bad_one(tmp_path):
+    good = _cli(tmp_path, "kernels_under_test:good", "--dtypes", "float32",
+                "--cases", "random", "causal_wide", "empty_rows")
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert good.stdout.splitlines()[-1] == "PASS: 3 of 3 case runs passed, 0 skipped"
+    bad = _cli(tmp_path, "kernels_under_test:base2", "--features", "lse", "--dtypes", "float64",
+               "--cases", "random", "empty_rows")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "lse is in log base 2" in bad.stdout
+    assert "empty_rows: needs feature 'mask'" in bad.stdout
+
+
+def test_cli_rejects_what_it_cannot_load(tmp_path):
+    for target, words in (("kernels_under_test", "expected package.module:function"),
+                          ("kernels_under_test:missing", "cannot load the kernel"),
+                          ("no_such_module:f", "cannot load the kernel")):
+        run = _cli(tmp_path, target)
+        assert run.returncode == 2 and words in run.stderr, (target, run.stderr)
+    run = _cli(tmp_path, "kernels_under_test:good", "--features", "windw")
+    assert run.returncode == 2 and "unknown" in run.stderr
+
+
+# --- real kernels ---------------------------------------------------------------------------
+
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+HAVE_JAX = importlib.util.find_spec("jax") is not None
+needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch is not installed (the bench "
+                                 "extra: pip install -e '.[bench]')")
+needs_jax = pytest.mark.skipif(not HAVE_JAX, reason="JAX is not installed (the jax extra: "
+                               "pip install -e '.[jax]')")
+
+
+def real_kernels():
+    """The README's results table: (label, kernel, features, lse_empty) for what is installed."""
+    kernels = [("flash_lib.flash_attention", functools.partial(flash_lib.flash_attention,
+                                                               return_lse=True), ALL, -np.inf)]
+    if HAVE_TORCH:
+        kernels += [
+            ("torch SDPA, math, causal_lower_right", flash_check.torch_sdpa("math"),
+             ("mask", "causal", "dv"), -np.inf),
+            ("torch SDPA, flash, causal_lower_right", flash_check.torch_sdpa("flash"),
+             ("mask", "causal"), -np.inf),
+            ("torch SDPA, math, is_causal=True",
+             flash_check.torch_sdpa("math", causal_alignment="top-left"),
+             ("mask", "causal", "dv"), -np.inf),
+            ("torch _scaled_dot_product_flash_attention_for_cpu, with lse",
+             flash_check.torch_flash_for_cpu_with_lse, ("mask", "causal", "lse"), 0.0),
+        ]
+    if HAVE_JAX:
+        kernels += [
+            ("jax.nn.dot_product_attention, bottom-right mask",
+             flash_check.jax_dot_product_attention(), ("mask", "causal"), -np.inf),
+            ("jax.nn.dot_product_attention, is_causal=True",
+             flash_check.jax_dot_product_attention(causal_alignment="top-left"),
+             ("mask", "causal"), -np.inf),
+        ]
+    return kernels
+
+
+#: XLA compiles JAX's kernel for every new shape and dtype (about a second each here): JAX runs
+#: these cases only, in float64 and float32, as the README's table says.
+JAX_CASES = {"jax.nn.dot_product_attention, bottom-right mask": ("random", "empty_rows"),
+             "jax.nn.dot_product_attention, is_causal=True": ("causal_wide",)}
+JAX_DTYPES = {"jax.nn.dot_product_attention, bottom-right mask": ("float64", "float32"),
+              "jax.nn.dot_product_attention, is_causal=True": ("float32",)}
+
+
+@functools.lru_cache(maxsize=None)
+def real_reports():
+    reports = {}
+    for label, fn, features, lse_empty in real_kernels():
+        subset = ({"cases": JAX_CASES[label], "dtypes": JAX_DTYPES[label]}
+                  if label in JAX_CASES else {})
+        reports[label] = flash_check.check_kernel(fn, features=features, lse_empty=lse_empty,
+                                                  **subset)
+    return reports
+
+
+def results_row(report):
+    """One row of the README table: the failing cases in each dtype, "pass", or "not run"."""
+    return ["not run" if failed is None else ", ".join(failed) or "pass"
+            for failed in report.by_dtype().values()]
+
+
+@needs_torch
+def test_torch_sdpa_bottom_right_passes_all_but_masked_garbage():
+    reports = real_reports()
+    for label in ("torch SDPA, math, causal_lower_right", "torch SDPA, flash, causal_lower_right"):
+        report = reports[label]
+        assert report.failed_cases() == ["masked_nonfinite"], str(report)
+        assert "0 · inf = NaN in P·V" in diagnoses(report)
+
+
+@needs_torch
+def test_torch_is_causal_is_flagged_top_left():
+    report = real_reports()["torch SDPA, math, is_causal=True"]
+    assert {"decode", "causal_wide", "causal_tall", "causal_and_mask"} <= set(
+        report.failed_cases()), str(report)
+    assert "causal_square" not in report.failed_cases()  # Nq = Nk: the conventions agree
+    for case in ("decode", "causal_wide", "causal_tall"):
+        assert "causal is aligned top-left" in diagnoses(report, case)
+
+
+@needs_torch
+def test_torch_cpu_flash_op_lse():
+    """Its lse of an empty row is 0.0; its float16 lse is less exact than float32 arithmetic."""
+    report = real_reports()["torch _scaled_dot_product_flash_attention_for_cpu, with lse"]
+    assert "masked_nonfinite" in report.failed_cases()
+    other = [f for f in report.failures if f.case != "masked_nonfinite"]
+    assert other and {(f.dtype, f.check) for f in other} == {("float16", "lse error")}, str(report)
+    assert "in float16 only" in other[0].diagnosis
+
+
+@needs_jax
+def test_jax_empty_rows_get_uniform_weights_and_float64_is_float32():
+    report = real_reports()["jax.nn.dot_product_attention, bottom-right mask"]
+    assert "uniform weights" in diagnoses(report, "empty_rows")
+    float64 = [f for f in report.failures if f.dtype == "float64" and f.check == "out error"]
+    assert {f.case for f in float64} == {"random", "empty_rows"}, str(report)
+    assert all("only as accurate as float32" in f.diagnosis for f in float64), str(report)
+    float32 = {(f.case, f.check) for f in report.failures if f.dtype == "float32"}
+    assert float32 == {("empty_rows", "empty rows")}, str(report)
+
+
+@needs_jax
+def test_jax_is_causal_is_flagged_top_left():
+    report = real_reports()["jax.nn.dot_product_attention, is_causal=True"]
+    assert "causal is aligned top-left" in diagnoses(report, "causal_wide")
+
+
+def test_readme_results_table_matches_what_the_checks_find():
+    """Every row of the README's table for an installed kernel is what check_kernel finds now."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Checking a kernel", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) >= 4:
+            rows[cells[0].strip("`")] = [c.replace("`", "") for c in cells[1:4]]
+    labels = [label for label, *_ in real_kernels()]
+    assert set(labels) <= set(rows), sorted(set(labels) - set(rows))
+    for label in labels:
+        assert rows[label] == results_row(real_reports()[label]), label
