@@ -377,6 +377,8 @@ print(inspect.getsource(flash_lib.attention_backward_tile))
 # $\tau_k$ until its key block is done, and the returned share lacks $\tau_q$ until all of $dQ$
 # is summed. The `matmul` argument and the `np.copyto` lines keep an inf or NaN at a masked
 # pair out of the sums (the module docstring's "masked keys never leak" contract, chapter 6).
+# `scores` is for the score variants (soft-capping, ALiBi: `flash_lib`'s docstring); without
+# them $S_{ij}$ is `q @ kᵀ` and softcap's extra factor `slope` is None.
 #
 # Around it, `flash_attention_backward` runs key blocks on workers. Each worker keeps its
 # $dK_j$, $dV_j$ and walks the query blocks in order; the shares of $dQ_i$ are added in
@@ -812,8 +814,10 @@ plt.show()
 #   FlashAttention 2 stores it) makes its $dq$ row exactly 0, adds nothing to $dk$, $dv$, and
 #   raises no floating-point warning.
 # - Central differences: the error against $\varepsilon$ is a V with fitted slopes $-1$
-#   (rounding) and 2 (truncation), bottoming out near $u^{2/3}$ at $\varepsilon \approx u^{1/3}$;
-#   the analytic gradient agrees there, while a gradient without $D$ never gets below order 1.
+#   (rounding) and 2 (truncation), bottoming out where the two fitted sides predict, at
+#   $\varepsilon \approx u^{1/3}$ and within a few times $u^{2/3}$ times this problem's constants;
+#   the analytic gradient agrees there to $10^{-9}$ or better, while a gradient without $D$ never
+#   gets below order 1.
 # - Gradient descent through `flash_attention_backward` learns the retrieval task, every query
 #   on its target key, with gradients equal to the dense oracle's to $10^{-14}$ at every step.
 
@@ -849,12 +853,13 @@ assert empty_forward[1] == -np.inf and np.all(empty_forward[0] == 0)
 assert empty_row_zero and empty_row_adds_nothing
 assert np.isfinite(dq_e).all() and np.isfinite(dk_e).all() and np.isfinite(dv_e).all()
 # finite differences: the one-tile harness is flash; slopes 2 ± 0.1 on the right, -1 ± 0.3 on
-# the left (rounding is noisy); the minimum within 3x of what the two sides predict, at a step
-# within 3x of theirs, and within 100x of u^(2/3) at a step within 10x of u^(1/3); the analytic
-# gradient agrees there to 1e-9; without D the error never falls below 1e-2
+# the left (rounding is noisy); the minimum within 5x of what the two sides predict (rounding
+# errors of random sign partly cancel, so the measured bottom can sit below the model), at a
+# step within 3x of theirs, and within 100x of u^(2/3) at a step within 10x of u^(1/3); the
+# analytic gradient agrees there to 1e-9; without D the error never falls below 1e-2
 assert one_tile_vs_flash < 1e-14
 assert abs(slope_right - 2) < 0.1 and abs(slope_left + 1) < 0.3, (slope_left, slope_right)
-assert err_star / 3 < err[best] < 3 * err_star and eps_star / 3 < steps[best] < 3 * eps_star
+assert err_star / 5 < err[best] < 5 * err_star and eps_star / 3 < steps[best] < 3 * eps_star
 assert err[best] < 100 * u ** (2 / 3) and u ** (1 / 3) / 10 < steps[best] < 10 * u ** (1 / 3)
 assert err[best] < 1e-9 and errors["without D"].min() > 1e-2
 # training: a plateau (the first 50 steps gain under 5%, the gradient starts under a tenth of
