@@ -22,7 +22,7 @@ setup: $(STAMP)
 
 test: setup
 	$(BIN)/python -m pytest tests notebooks --nbval --nbval-current-env \
-		--nbval-sanitize-with notebooks/nbval_sanitize.cfg
+		--nbval-sanitize-with notebooks/nbval_sanitize.cfg -n auto --dist loadfile
 
 bench: setup
 	$(BIN)/python bench/bench_flash.py

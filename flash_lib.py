@@ -1,4 +1,4 @@
-"""FlashAttention's forward pass, exact, in plain NumPy.
+"""FlashAttention, forward and backward, exact, in plain NumPy.
 
 Attention of queries ``q`` over keys ``k`` and values ``v`` is
 
@@ -19,6 +19,14 @@ corrects that exactly. After the last tile ``out = acc / l`` and the row's log-s
 is what feeds it tiles (:func:`flash_attention`), what checks it (:func:`naive_attention`,
 :func:`precise_attention`), and what runs it on several threads.
 
+The backward pass (:func:`flash_attention_backward`, FlashAttention-2's) never stores ``P``
+either: it recomputes each tile's ``P = exp(S - lse)`` from the lse the forward saved, and
+needs ``D = rowsum(dout ∘ out)`` besides; one tile's arithmetic is :func:`attention_backward_tile`.
+Every kernel takes the same variants: a sliding ``window``, ``softcap``, ALiBi
+(``alibi_slopes``), grouped-query heads (``enable_gqa``) and FlexAttention-style ``mask_mod``;
+the tiles that ``causal``, ``window`` and ``mask_mod`` rule out are never computed
+(:func:`tile_schedule` lists the ones that are).
+
 Symbols, used throughout the code and the notebooks:
 
 =========== ===============================================================================
@@ -29,6 +37,7 @@ Symbols, used throughout the code and the notebooks:
 ``m``       running row maximum of the scaled, masked scores
 ``l``       running row sum of ``exp(s - m)``
 ``lse``     log-sum-exp of a row's scaled, masked scores: ``m + log(l)`` (natural log)
+``D``       ``rowsum(dout ∘ out)`` per query row, in the backward: ``Σ_j P_ij dP_ij``
 =========== ===============================================================================
 
 Contracts, the same in every kernel here (``README.md`` says how other libraries differ):
