@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.py))
 
-.PHONY: all setup test bench notebooks lab docs serve clean
+.PHONY: all setup test bench bench-dask notebooks lab docs serve clean
 
 all: docs
 
@@ -26,6 +26,10 @@ test: setup
 
 bench: setup
 	$(BIN)/python bench/bench_flash.py
+
+# flash_dask on a LocalCluster of 1 and of 2 worker processes against flash_attention in one.
+bench-dask: setup
+	$(BIN)/python bench/bench_dask.py
 
 # Re-execute every notebook from its .py source into the paired .ipynb (after changing flash_lib.py).
 notebooks: setup

@@ -1,0 +1,185 @@
+"""How fast is flash_dask.dask_attention on one worker, on two, and against one process?
+
+Measured side by side in one run, for d = 64, float64 and N queries = N keys (default N = 16384
+and 65536):
+
+* ``flash_lib.flash_attention`` in this process (its own thread pool: ``flash_lib._THREADS``
+  threads, one BLAS thread each);
+* ``flash_dask.dask_attention`` on a ``distributed.LocalCluster`` of 1 worker process and of 2,
+  one thread each and ``FLASH_LIB_THREADS=1`` in the workers, so a worker is one core. The inputs
+  are made on the cluster (``dask.array.random``) and persisted there before the clock starts,
+  as for data that lives on a cluster; the time includes gathering ``out`` into this process;
+* the bytes Dask moved between workers during the timed run, summed from every worker's
+  ``transfer_incoming_log`` (Dask's ``sizeof`` estimate of each received result), against the
+  bytes of q, k and v.
+
+Each output is checked against the in-process ``flash_attention`` (largest rowwise relative
+error <= 1e-12); a disagreement makes the exit status 1. Speed never does: this is a report.
+
+Usage::
+
+    .venv/bin/python bench/bench_dask.py               # N = 16384 and 65536 (`make bench-dask`)
+    .venv/bin/python bench/bench_dask.py --quick       # N = 4096 and 16384: a smoke run, ~1 min
+    .venv/bin/python bench/bench_dask.py --sizes 32768 --causal --shard 8192
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_dask.py
+
+Method: ``time.perf_counter``, best of ``--rounds`` runs (default: 3 below N = 65536, else 1),
+the three set-ups taking turns within each round. Before timing, each cluster computes a small
+attention (imports, first transfers) and the in-process kernel runs once on a small input. On a
+2-core machine two workers can at best halve one worker's time; the in-process kernel already
+uses both cores, so the cluster's gain over it is the question the numbers answer, not an
+assumption.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+import dask
+import dask.array as da
+import numpy as np
+from distributed import Client, LocalCluster
+
+import flash_dask
+import flash_lib
+
+D = 64
+FULL_SIZES = [16384, 65536]
+QUICK_SIZES = [4096, 16384]
+TOLERANCE = 1e-12
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+# The scheduler runs in this process: only its errors are worth printing here.
+logging.getLogger("distributed").setLevel(logging.ERROR)
+
+
+def start_cluster(n_workers):
+    """``n_workers`` processes × 1 thread, flash_lib on one thread in each (set before spawn)."""
+    with dask.config.set({
+        "distributed.nanny.pre-spawn-environ.FLASH_LIB_THREADS": "1",
+        # Dask's default MALLOC_TRIM_THRESHOLD_=65536 turns off glibc's adaptive mmap threshold
+        # (mallopt(3)): every large NumPy temporary is then mapped afresh, and flash_attention
+        # ran about 30% slower in a worker than in this process. Dropped, for a fair comparison.
+        "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+        # keep every transfer of a run in the log that the byte count sums
+        "distributed.admin.low-level-log-length": 1_000_000,
+    }):
+        cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
+                               host="127.0.0.1", dashboard_address=None,
+                               # no dashboard; the scheduler's small HTTP server (health,
+                               # metrics) on a free port, not a fixed 8787 another run may hold
+                               scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
+                               silence_logs=logging.ERROR)
+    client = Client(cluster, set_as_default=False)
+    client.wait_for_workers(n_workers, timeout=120)
+    return cluster, client
+
+
+def _clear_transfer_log(dask_worker):
+    dask_worker.transfer_incoming_log.clear()
+
+
+def _received_bytes(dask_worker):
+    return sum(entry["total"] for entry in dask_worker.transfer_incoming_log)
+
+
+def random_inputs(n, shard, seed):
+    """q, k, v as Dask arrays of standard normals, the same numbers whichever cluster runs them."""
+    rng = da.random.default_rng(seed)
+    return [rng.standard_normal((n, D), chunks=(shard, D)) for _ in range(3)]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=f"N in {QUICK_SIZES}")
+    p.add_argument("--sizes", type=int, nargs="+", help=f"N values (default {FULL_SIZES})")
+    p.add_argument("--shard", type=int, default=flash_dask.DEFAULT_SHARD,
+                   help="rows per shard along the sequence (default: flash_dask.DEFAULT_SHARD "
+                        "= %(default)s)")
+    p.add_argument("--causal", action="store_true", help="causal attention")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="timed rounds (default 3 below N = 65536, else 1)")
+    args = p.parse_args(argv)
+    sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
+    if min(sizes) < 1 or args.shard < 1 or (args.rounds is not None and args.rounds < 1):
+        p.error("sizes, --shard and --rounds must be positive integers")
+    started = time.perf_counter()
+    log(f"d = {D}, float64, {'causal' if args.causal else 'full'} attention, shards of "
+        f"{args.shard} rows; flash_lib in this process: {flash_lib._THREADS} threads; "
+        f"{os.cpu_count()} CPUs; OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')}")
+
+    clusters = {}
+    failures = []
+    try:
+        for n_workers in (1, 2):
+            clusters[n_workers] = start_cluster(n_workers)
+        warm = random_inputs(2048, 512, 0)
+        for _, client in clusters.values():
+            client.compute(flash_dask.dask_attention(*warm), sync=True)
+        flash_lib.flash_attention(*(x.compute(scheduler="sync") for x in warm))
+
+        log(f"\n{'N':>6} {'pair tasks':>10} {'flash, 1 process':>17} {'1 worker':>10} "
+            f"{'2 workers':>10} {'1 w / 2 w':>10} {'flash / 2 w':>12} "
+            f"{'moved between workers':>22}")
+        for n in sizes:
+            shard = min(args.shard, n)
+            inputs = random_inputs(n, shard, seed=n)
+            persisted = {w: client.persist(inputs) for w, (_, client) in clusters.items()}
+            q, k, v = clusters[1][1].compute(persisted[1], sync=True)  # the same numbers
+            input_bytes = q.nbytes + k.nbytes + v.nbytes
+            runs = {
+                "flash": lambda: flash_lib.flash_attention(q, k, v, causal=args.causal),
+                **{w: (lambda w=w: clusters[w][1].compute(
+                    flash_dask.dask_attention(*persisted[w], causal=args.causal), sync=True))
+                   for w in clusters},
+            }
+            rounds = args.rounds or (3 if n < 65536 else 1)
+            best = dict.fromkeys(runs, np.inf)
+            moved = {}
+            results = {}
+            for r in range(rounds):
+                names = list(runs)
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    if name != "flash":
+                        clusters[name][1].run(_clear_transfer_log)
+                    t0 = time.perf_counter()
+                    results[name] = runs[name]()
+                    best[name] = min(best[name], time.perf_counter() - t0)
+                    if name != "flash":
+                        moved[name] = sum(clusters[name][1].run(_received_bytes).values())
+            for w in clusters:
+                err = float(flash_lib.rowwise_relative_error(results[w], results["flash"]).max())
+                if not err <= TOLERANCE:
+                    failures.append(f"N = {n}, {w} worker(s): rowwise error {err:.3g}")
+            tasks = flash_dask.attention_task_count(
+                flash_dask.dask_attention(*inputs, causal=args.causal))
+            log(f"{n:>6} {tasks:>10} {best['flash']:>15.2f} s {best[1]:>8.2f} s "
+                f"{best[2]:>8.2f} s {best[1] / best[2]:>10.2f} {best['flash'] / best[2]:>12.2f} "
+                f"{moved[2] / 2**20:>10.0f} MiB = {moved[2] / input_bytes:.1f}× q+k+v"
+                f"   ({rounds} round{'s' if rounds > 1 else ''})")
+            del persisted, results
+    finally:
+        for cluster, client in clusters.values():
+            client.close()
+            cluster.close()
+    log("\n'moved between workers' is for the 2-worker run (1 worker moves nothing); each output "
+        f"checked against flash_attention to {TOLERANCE:g}")
+    log(f"load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+        + f"; total time {time.perf_counter() - started:.0f} s")
+    if failures:
+        log("WRONG RESULTS:\n  " + "\n  ".join(failures))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,389 @@
+"""Attention over a Dask cluster: ``flash_lib``'s tiles, one level up.
+
+:func:`dask_attention` computes exactly what :func:`flash_lib.flash_attention` computes, for
+inputs too long for one process's time or memory. The sequences are cut into *shards* (the
+chunks of Dask arrays along the sequence axis -2), and the work is a task graph:
+
+* one **pair task** per (query shard ``i``, key shard ``j``) that holds at least one allowed
+  (query, key) pair: ``flash_attention(q_i, k_j, v_j, ..., return_lse=True)``, which returns
+  the shard's partial output ``out_ij`` and its log-sum-exp ``lse_ij``;
+* for each query shard, a tree of **merge tasks**, each folding up to ``split_every`` partial
+  states with :func:`flash_lib.merge_attention` (the merge chapter 3 derives), until one
+  ``(out_i, lse_i)`` is left.
+
+This is the kernel's own schedule with a shard in place of a tile: ``tile_schedule(Nq, Nk,
+shard_q, shard_k, causal)`` lists exactly the pair tasks for evenly sized shards. Causal shard
+pairs wholly above the (bottom-right aligned) diagonal are never put in the graph, and neither
+are the shard pairs of a NumPy ``mask`` that allow nothing. Nothing here starts a cluster: the
+graph runs on whatever scheduler computes it (threads, processes, ``distributed``).
+
+Memory: a pair task holds its q, k and v shards, its partial result and ``flash_attention``'s
+tile scratch, so a worker's working set is set by the shard sizes, never by ``Nq`` or ``Nk``.
+Only the partials of one query shard's merge tree meet, ``O(split_every)`` at a time.
+
+Within one process a ``flash_attention`` call already spreads over the cores (its own thread
+pool, ``FLASH_LIB_THREADS``), so Dask threads in the same process add no parallelism: run the
+graph on a cluster of processes (``distributed.LocalCluster(processes=True)``, or machines),
+one thread per worker, for shards to run side by side.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+import operator
+
+import dask
+import dask.array as da
+import numpy as np
+from dask.base import tokenize
+from dask.highlevelgraph import HighLevelGraph
+
+import flash_lib
+
+__all__ = ["DEFAULT_SHARD", "dask_attention", "attention_task_count"]
+
+#: Rows per shard along the sequence axis when a NumPy array is wrapped (and no Dask input fixes
+#: the chunks). At d = 64 in float64 a 4096-row shard is 2 MiB, and a 4096 × 4096 pair task
+#: does 4.3 GFLOP in 64 of flash_lib's default 512 × 512 tiles: long enough (a fraction of a
+#: second) that Dask's overhead per task, about a millisecond, is noise.
+DEFAULT_SHARD = 4096
+
+_PAIR = "flash-attention-pair-"
+_MERGE = "flash-attention-merge-"
+_EMPTY = "flash-attention-empty-"
+
+
+def dask_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False,
+                   split_every=None):
+    """Exact attention as a Dask task graph of shard pairs, merged by log-sum-exp.
+
+    Same semantics as :func:`flash_lib.flash_attention`: ``out = softmax(scale · q kᵀ) v`` with
+    broadcasting over the leading (batch) axes, ``mask`` True where query ``i`` may attend key
+    ``j``, bottom-right causal (key ``j`` allowed for query ``i`` iff ``j <= i + (Nk - Nq)``), and
+    rows with no allowed key giving ``out`` 0 and ``lse`` -inf.
+
+    Parameters
+    ----------
+    q, k, v : dask or NumPy arrays of shape ``(..., Nq, d)``, ``(..., Nk, d)``, ``(..., Nk, dv)``
+        Dask arrays are chunked along the sequence axis -2 only: every other axis must be one
+        chunk, and ``k`` and ``v`` must have the same chunks along -2. A NumPy array is wrapped
+        with ``dask.array.from_array``: along -2 it takes the chunks of the Dask array it must
+        agree with (``k`` or ``v``, or a Dask ``mask``), else :data:`DEFAULT_SHARD` rows.
+    mask : bool dask or NumPy array broadcastable to ``(..., Nq, Nk)``, optional
+        A Dask mask must be chunked like ``q`` along its axis -2 and like ``k`` along its axis -1
+        (an axis of length 1 is one chunk), with its other axes in one chunk. A NumPy mask is
+        inspected while the graph is built: shard pairs it forbids entirely get no task.
+    causal : bool
+        Bottom-right aligned; shard pairs wholly above the diagonal get no task.
+    scale : float, optional
+        Multiplies the scores; default ``1 / sqrt(d)``.
+    return_lse : bool
+        Also return the log-sum-exp of each row's scaled, masked scores.
+    split_every : int >= 2, optional
+        Fan-in of the merge tree: each merge task folds up to this many partial states. Default
+        ``dask.config.get("split_every", 4)``, as for Dask's own reductions.
+
+    Returns
+    -------
+    out : dask.array.Array
+        Shape ``(..., Nq, dv)`` (the broadcast batch shape), chunked like ``q`` along -2 and in
+        one chunk along every other axis; in the inputs' dtype.
+    lse : dask.array.Array
+        Shape ``(..., Nq)``, only with ``return_lse=True``; float32 for 16-bit inputs, else the
+        inputs' dtype. ``out`` and ``lse`` share one graph: ``dask.compute(out, lse)`` runs it
+        once.
+
+    Raises
+    ------
+    TypeError
+        Non-float inputs, a non-boolean mask, a non-bool ``causal`` (as ``flash_attention``).
+    ValueError
+        Bad shapes or ``scale``; Dask arrays with unknown chunk sizes, chunked along the feature
+        axis or a batch axis, ``k`` and ``v`` chunked differently, a mask chunked inconsistently
+        with ``q`` and ``k``; ``split_every`` not an integer >= 2. Each names the argument and
+        the chunks found.
+
+    Notes
+    -----
+    float16 and bfloat16 inputs: ``flash_attention`` computes them in float32, and so do the
+    pair tasks and the merges here; the output is rounded to the 16-bit dtype once, at the end.
+    """
+    split_every = _check_split_every(split_every)
+    q, k, v = (_as_array(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
+    mask = None if mask is None else _as_array("mask", mask, min_ndim=0)
+    n_q, n_k, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    if k.shape[-1] != d:
+        raise ValueError(f"q and k must have the same feature size d (last axis), "
+                         f"got q.shape={q.shape} and k.shape={k.shape}")
+    if v.shape[-2] != n_k:
+        raise ValueError(f"k and v must have the same number of keys Nk (axis -2), "
+                         f"got k.shape={k.shape} and v.shape={v.shape}")
+    try:
+        batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except ValueError:
+        raise ValueError(f"the leading (batch) dimensions of q, k and v must broadcast together, "
+                         f"got q.shape={q.shape}, k.shape={k.shape}, v.shape={v.shape}") from None
+    if mask is not None:
+        if mask.ndim < 2:  # a (Nk,) or scalar mask broadcasts over the query axis as well
+            mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
+        try:
+            full = np.broadcast_shapes(mask.shape, batch + (n_q, n_k))
+        except ValueError:
+            full = None
+        if full is None or full[-2:] != (n_q, n_k):
+            raise ValueError(f"mask of shape {mask.shape} does not broadcast to (..., Nq, Nk) = "
+                             f"{batch + (n_q, n_k)}")
+        batch = full[:-2]
+
+    # flash_lib checks dtypes, causal and scale, on arrays of one row: one source of truth for
+    # what the kernel accepts, and the dtypes it returns.
+    out_meta, lse_meta = flash_lib.flash_attention(
+        np.zeros((1, d), q.dtype), np.zeros((1, d), k.dtype), np.zeros((1, dv), v.dtype),
+        mask=None if mask is None else np.ones((1, 1), mask.dtype),
+        causal=causal, scale=scale, return_lse=True)
+    out_dtype, lse_dtype = out_meta.dtype, lse_meta.dtype
+    # flash_attention computes 16-bit inputs in float32, its lse's dtype; keeping the partials in
+    # that dtype too means the only 16-bit rounding is the final one, as in one call.
+    work = lse_dtype
+
+    # The shards: chunks along -2, taken from the Dask inputs; NumPy inputs are wrapped to match.
+    q_chunks = _sequence_chunks([("q", q, -2), ("mask", mask, -2)], n_q)
+    k_chunks = _sequence_chunks([("k", k, -2), ("v", v, -2), ("mask", mask, -1)], n_k)
+    q = _as_dask("q", q, q_chunks, -2)
+    k = _as_dask("k", k, k_chunks, -2)
+    v = _as_dask("v", v, k_chunks, -2)
+    # A NumPy mask is known now: shard pairs it forbids get no task. A Dask mask is not.
+    numpy_mask = None
+    if mask is not None:
+        if not isinstance(mask, da.Array):
+            numpy_mask = np.broadcast_to(mask, mask.shape[:-2] + (n_q, n_k))  # a view
+        mask = _as_dask("mask", mask, (q_chunks, k_chunks), None)
+
+    token = tokenize(q, k, v, mask, bool(causal), scale, split_every)
+    pair_name, merge_name, empty_name = _PAIR + token, _MERGE + token, _EMPTY + token
+    layer = {}
+    finals = []
+    q_starts, k_starts = np.cumsum((0,) + q_chunks), np.cumsum((0,) + k_chunks)
+    for i, n_qi in enumerate(q_chunks):
+        parts = []
+        for j, n_kj in enumerate(k_chunks):
+            if n_qi == 0 or n_kj == 0:
+                continue
+            # In the pair's own coordinates, query r may see key c iff c <= r + delta.
+            delta = int(q_starts[i] - k_starts[j] + (n_k - n_q))
+            if causal and n_qi + delta <= 0:
+                continue  # wholly above the diagonal: not even the pair's last query sees a key
+            crossing = causal and delta < n_kj - 1  # else its first query sees every key
+            if numpy_mask is not None and not _any_allowed(
+                    numpy_mask[..., q_starts[i]:q_starts[i + 1], k_starts[j]:k_starts[j + 1]],
+                    delta if crossing else None):
+                continue
+            key = (pair_name, i, j)
+            # scale=None lets every shard's flash_attention pick the default, 1/sqrt(d)
+            task = functools.partial(_attend_pair, scale=scale,
+                                     delta=delta if crossing else None, work=work)
+            shards = (_block_key(q, i), _block_key(k, j), _block_key(v, j))
+            layer[key] = (task, *shards) + (() if mask is None else (_mask_key(mask, i, j),))
+            parts.append(key)
+        if not parts:  # no key at all for this shard's queries
+            key = (empty_name, i)
+            layer[key] = (functools.partial(_no_keys, batch + (n_qi,), dv, work),)
+            parts = [key]
+        level = 0
+        while len(parts) > 1:  # the merge tree, split_every parts per task
+            level += 1
+            merged = []
+            for g in range(0, len(parts), split_every):
+                group = parts[g:g + split_every]
+                if len(group) == 1:
+                    merged.append(group[0])  # nothing to merge: passed up a level unchanged
+                    continue
+                key = (merge_name, i, level, g // split_every)
+                layer[key] = (_merge_parts, *group)
+                merged.append(key)
+            parts = merged
+        finals.append(parts[0])
+
+    inputs = [x for x in (q, k, v, mask) if x is not None]
+    graph = HighLevelGraph.from_collections(pair_name, layer, dependencies=inputs)
+    zeros = (0,) * len(batch)
+    take_out = functools.partial(_take_out, dtype=out_dtype)
+    out = _new_array(graph, pair_name, "flash-attention-out-" + token,
+                     {zeros + (i, 0): (take_out, f) for i, f in enumerate(finals)},
+                     tuple((b,) for b in batch) + (q_chunks, (dv,)), out_dtype)
+    if not return_lse:
+        return out
+    lse = _new_array(graph, pair_name, "flash-attention-lse-" + token,
+                     {zeros + (i,): (operator.getitem, f, 1) for i, f in enumerate(finals)},
+                     tuple((b,) for b in batch) + (q_chunks,), lse_dtype)
+    return out, lse
+
+
+def attention_task_count(array):
+    """The number of pair tasks (``flash_attention`` calls) in the graph of ``array``.
+
+    ``array`` is an ``out`` or ``lse`` returned by :func:`dask_attention`; counted in the graph
+    as built, before Dask's optimisations (which may fuse or rename tasks).
+    """
+    return sum(1 for key in array.__dask_graph__()
+               if isinstance(key, tuple) and str(key[0]).startswith(_PAIR))
+
+
+# --------------------------------------------------------------------------------------------
+# The tasks: what a worker runs. Plain module-level functions, so they pickle by reference.
+# --------------------------------------------------------------------------------------------
+
+
+def _attend_pair(q, k, v, mask=None, *, scale, delta, work):
+    """One query shard against one key shard: ``(out, lse)`` of ``flash_attention``.
+
+    ``delta`` is None when every (query, key) pair of the shards is allowed by causality (or
+    causal is off); else the pair crosses the diagonal, and query ``r`` may see key ``c`` of the
+    shards iff ``c <= r + delta``. flash_attention's causal mask is aligned to the bottom-right
+    corner of the arrays it is given, that is ``c <= r + (n_k - n_q)``, so the shards are cut
+    until that corner lies on the diagonal; flash_attention then skips its own tiles above it.
+    """
+    q, k, v = (x.astype(work, copy=False) for x in (q, k, v))  # 16-bit -> float32 only
+    attend = functools.partial(flash_lib.flash_attention, scale=scale, return_lse=True)
+    if delta is None:
+        return attend(q, k, v, mask=mask)
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    if n_q + delta <= n_k:
+        # Keys from n_q + delta on are past the last query's diagonal: drop them.
+        n = n_q + delta
+        return attend(q, k[..., :n, :], v[..., :n, :], mask=_cut(mask, -1, slice(n)), causal=True)
+    # The first n_k - delta queries cross the diagonal; the others see every key of the shard.
+    n = n_k - delta
+    top = attend(q[..., :n, :], k, v, mask=_cut(mask, -2, slice(n)), causal=True)
+    bottom = attend(q[..., n:, :], k, v, mask=_cut(mask, -2, slice(n, None)))
+    return np.concatenate([top[0], bottom[0]], axis=-2), np.concatenate([top[1], bottom[1]], -1)
+
+
+def _cut(mask, axis, index):
+    """``mask`` sliced along ``axis``, unless that axis has length 1 (it broadcasts)."""
+    if mask is None or mask.shape[axis] == 1:
+        return mask
+    return mask[(Ellipsis, index) if axis == -1 else (Ellipsis, index, slice(None))]
+
+
+def _merge_parts(*parts):
+    """Fold partial ``(out, lse)`` states of disjoint key sets, left to right."""
+    return functools.reduce(lambda a, b: flash_lib.merge_attention(*a, *b), parts)
+
+
+def _no_keys(rows, dv, work):
+    """The state of attending to no key at all: out 0, lse -inf (flash_attention's empty row)."""
+    return np.zeros(rows + (dv,), dtype=work), np.full(rows, -np.inf, dtype=work)
+
+
+def _take_out(part, dtype):
+    return part[0].astype(dtype, copy=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Input checking and the shards
+# --------------------------------------------------------------------------------------------
+
+
+def _check_split_every(split_every):
+    if split_every is None:
+        split_every = dask.config.get("split_every", 4)
+    if (isinstance(split_every, bool) or not isinstance(split_every, numbers.Integral)
+            or split_every < 2):
+        raise ValueError(f"split_every must be an integer >= 2 (the fan-in of the merge tree), "
+                         f"got {split_every!r}")
+    return int(split_every)
+
+
+def _as_array(name, x, min_ndim=2):
+    """A Dask array as it is, anything else as a NumPy array; at least ``min_ndim`` axes."""
+    if not isinstance(x, da.Array):
+        x = np.asarray(x)
+    elif any(math.isnan(c) for axis in x.chunks for c in axis):
+        raise ValueError(f"{name} has unknown chunk sizes {x.chunks}: call "
+                         f"{name}.compute_chunk_sizes() first, or rechunk it")
+    if x.ndim < min_ndim:
+        raise ValueError(f"{name} must have at least 2 dimensions (..., N, features), "
+                         f"got shape {x.shape}")
+    return x
+
+
+def _sequence_chunks(candidates, n):
+    """Chunks of a sequence axis of length ``n``: the first Dask array's, else DEFAULT_SHARD.
+
+    A mask axis of length 1 (broadcast) says nothing about the shards and is passed over.
+    """
+    for name, x, axis in candidates:
+        if isinstance(x, da.Array) and x.shape[axis] == n and n != 1:
+            return x.chunks[axis]
+    if n == 0:
+        return (0,)
+    return tuple(min(DEFAULT_SHARD, n - s) for s in range(0, n, DEFAULT_SHARD))
+
+
+def _as_dask(name, x, seq_chunks, seq_axis):
+    """Wrap a NumPy input with the given sequence chunks, or check a Dask input has them.
+
+    For q, k, v ``seq_axis`` is -2 and ``seq_chunks`` its chunks. For the mask (``seq_axis``
+    None) ``seq_chunks`` is ``(q_chunks, k_chunks)`` for its axes -2 and -1. Every other axis,
+    and an axis of length 1, is one chunk.
+    """
+    if seq_axis is None:
+        wanted = [(-2, seq_chunks[0], "q's chunks along -2"),
+                  (-1, seq_chunks[1], "k's chunks along -2")]
+    else:
+        wanted = [(seq_axis, seq_chunks, None)]
+    expected = [(size,) for size in x.shape]
+    for axis, chunks, _ in wanted:
+        if x.shape[axis] != 1:
+            expected[axis] = chunks
+    expected = tuple(expected)
+    if not isinstance(x, da.Array):
+        return da.from_array(x, chunks=expected)
+    for axis in range(x.ndim):
+        if x.chunks[axis] == expected[axis]:
+            continue
+        if axis - x.ndim == -1 and seq_axis is not None:
+            raise ValueError(f"{name} is chunked along its feature axis -1: chunks "
+                             f"{x.chunks[axis]}, expected one chunk {expected[axis]}; shards "
+                             f"split the sequence axis -2 only (rechunk with {{-1: -1}})")
+        match = [why for a, _, why in wanted if a == axis - x.ndim]
+        if match and match[0] is None:  # k against v: the one mismatch of a sequence axis
+            raise ValueError(f"{name} must be chunked like k along the sequence axis -2, "
+                             f"got {x.chunks[axis]} and k's {expected[axis]}")
+        if match:
+            raise ValueError(f"{name} is chunked {x.chunks[axis]} along axis {axis - x.ndim}, "
+                             f"inconsistent with {match[0]} {expected[axis]}")
+        raise ValueError(f"{name} is chunked {x.chunks[axis]} along axis {axis}, a batch "
+                         f"axis: batch axes must be one chunk each (rechunk with {{{axis}: -1}})")
+    return x
+
+
+def _any_allowed(mask_block, delta):
+    """Does a shard pair's block of the mask allow any pair, within causality (``delta``)?"""
+    if delta is None:
+        return bool(mask_block.any())
+    n_q, n_k = mask_block.shape[-2:]
+    causal = np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + delta
+    return bool((mask_block & causal).any())
+
+
+def _block_key(x, i):
+    """Key of shard ``i`` of q, k or v: the block at (0, ..., 0, i, 0)."""
+    return (x.name,) + (0,) * (x.ndim - 2) + (i, 0)
+
+
+def _mask_key(mask, i, j):
+    """Key of the mask's block for query shard i and key shard j (a length-1 axis is block 0)."""
+    return (mask.name,) + (0,) * (mask.ndim - 2) + (
+        i if mask.shape[-2] != 1 else 0, j if mask.shape[-1] != 1 else 0)
+
+
+def _new_array(graph, dependency, name, layer, chunks, dtype):
+    graph = HighLevelGraph(
+        {**graph.layers, name: {(name,) + idx: task for idx, task in layer.items()}},
+        {**graph.dependencies, name: {dependency}},
+    )
+    return da.Array(graph, name, chunks, dtype=dtype, meta=np.empty((0,) * len(chunks), dtype))

@@ -1,0 +1,596 @@
+# ---
+# jupyter:
+#   jupytext:
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 14. Beyond one machine: attention over a Dask cluster
+#
+# `flash_attention` keeps one tile of scores at a time, so its memory no longer limits the
+# sequence length; its time still grows as $N_q N_k$, and one machine's inputs must still fit on
+# one machine. The way out is the one chapter 3 prepared: attention over disjoint sets of keys
+# merges exactly through $(\mathrm{out}, \mathrm{lse})$, so the work can be cut into pieces
+# that run anywhere. In this chapter:
+#
+# - the cluster as a bigger tile: `flash_dask.dask_attention` cuts queries and keys into
+#   *shards*, runs one `flash_attention` task per (query shard, key shard) pair and merges each
+#   query shard's partial results by a tree of `merge_attention`; its task graph is
+#   `tile_schedule` one level up, causal pairs above the diagonal are never in it;
+# - we run it on a `distributed.LocalCluster` of two worker processes, check it against
+#   `flash_attention` to $10^{-12}$, and draw which worker computed which shard pair, and when;
+# - flash-decoding is the case $N_q = 1$: one query against 65536 keys in 16 shards;
+# - ring attention is the same merge with another schedule, in which each worker keeps its
+#   query shard and the key shards travel; we run it on the cluster too;
+# - a worker process killed with `SIGKILL` in the middle of a computation: Dask recomputes what
+#   was lost, and the result is still exact;
+# - what changes on GPUs: collectives, and hiding the transfers behind the arithmetic.
+#
+# The cluster runs on this machine (processes talking over TCP on 127.0.0.1); the same graph runs
+# unchanged on a cluster of many machines. Timings are in the one cell that the notebook's test
+# ignores; `make bench-dask` (`bench/bench_dask.py`) measures 1 worker against 2 at
+# $N = 16384$ and $65536$.
+
+# %%
+import collections
+import logging
+import os
+import signal
+import time
+
+import dask
+import dask.array as da
+import matplotlib.pyplot as plt
+import numpy as np
+from distributed import Client, LocalCluster, get_task_stream
+
+import flash_dask
+import flash_lib
+
+rng = np.random.default_rng(14)
+d = 64
+
+# %% [markdown]
+# ## A cluster of two processes
+#
+# Two worker processes with one thread each, on 127.0.0.1, with no dashboard. Within one
+# process a `flash_attention` call already spreads over the cores with its own threads, so more
+# Dask threads in that process would add no parallelism: shards run side by side in separate
+# processes. Each worker runs `flash_lib` on a single thread (`FLASH_LIB_THREADS=1`, set in the
+# workers' environment before they start), so a worker is one core. The scheduler runs in
+# this notebook's process; only its errors would be printed, and only the workers' critical
+# messages.
+
+# %%
+logging.getLogger("distributed").setLevel(logging.ERROR)
+worker_environment = {
+    "distributed.nanny.pre-spawn-environ.FLASH_LIB_THREADS": "1",
+    # Dask's default MALLOC_TRIM_THRESHOLD_=65536 turns off glibc's adaptive mmap threshold
+    # (mallopt(3)), so every large NumPy temporary is mapped afresh: flash_attention ran about
+    # 30% slower with it in our measurements. None removes it.
+    "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+    # The workers' own logs would land on this page (below, the surviving worker reports, at
+    # ERROR level, that its connection to the killed one broke): only critical ones, please.
+    "distributed.nanny.pre-spawn-environ.DASK_LOGGING__DISTRIBUTED": "critical",
+}
+with dask.config.set(worker_environment):
+    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                           dashboard_address=None,
+                           scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
+                           silence_logs=logging.ERROR)
+client = Client(cluster)
+client.wait_for_workers(2, timeout=60)
+workers = sorted(client.scheduler_info()["workers"])
+worker_threads = client.run(lambda: __import__("flash_lib")._THREADS)
+worker_trim = client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_"))
+print(f"{len(workers)} worker processes, flash_lib threads in each:",
+      sorted(worker_threads.values()), "| MALLOC_TRIM_THRESHOLD_ unset in each:",
+      all(value is None for value in worker_trim.values()))
+
+# %% [markdown]
+# ## The cluster as a bigger tile
+#
+# `dask_attention(q, k, v, causal=...)` takes Dask arrays cut along the sequence axis (their
+# chunks are the shards; NumPy arrays are wrapped with shards of `flash_dask.DEFAULT_SHARD` rows)
+# and builds, without computing anything:
+#
+# - one **pair task** for each (query shard $i$, key shard $j$) that holds at least one allowed
+#   (query, key) pair: `flash_attention(q_i, k_j, v_j, return_lse=True)`, whose result
+#   $(o_{ij}, \mathrm{lse}_{ij})$ is attention of the shard's queries over that shard's keys
+#   alone;
+# - for each query shard, a tree of **merge tasks**, each folding up to `split_every` (default 4,
+#   as in Dask's own reductions) partial states with `merge_attention`:
+#   $\mathrm{lse} = \log \sum_j e^{\mathrm{lse}_{ij}}$,
+#   $o = \sum_j e^{\mathrm{lse}_{ij} - \mathrm{lse}}\, o_{ij}$, until one is left.
+#
+# That is exactly the kernel's loop of chapter 5, with a shard for a tile and a tree of merges
+# for the running update. So with shards of equal size the pair tasks are the tiles of
+# `tile_schedule(N, N, shard, shard, causal)`: with causal attention, $n(n+1)/2$ of the $n^2$
+# pairs for $n$ shards per side. Queries $N = 8192$ in 8 shards of 1024, keys the same:
+
+# %%
+n, shard = 8192, 1024
+inputs_rng = da.random.default_rng(2014)
+q, k, v = (inputs_rng.standard_normal((n, d), chunks=(shard, d)) for _ in range(3))
+causal_out, causal_lse = flash_dask.dask_attention(q, k, v, causal=True, return_lse=True)
+full_out = flash_dask.dask_attention(q, k, v)
+n_shards = n // shard
+causal_pairs = flash_dask.attention_task_count(causal_out)
+full_pairs = flash_dask.attention_task_count(full_out)
+schedule_tiles = len(flash_lib.tile_schedule(n, n, shard, shard, causal=True))
+print(f"{n_shards} × {n_shards} shards: full attention {full_pairs} pair tasks, causal "
+      f"{causal_pairs} = n(n+1)/2 = {n_shards * (n_shards + 1) // 2}; "
+      f"tile_schedule with {shard}-row tiles: {schedule_tiles} tiles")
+merge_tasks = sum(1 for key in causal_out.__dask_graph__()
+                  if str(key[0]).startswith("flash-attention-merge-"))
+
+
+def tree_merges(parts, fan_in):
+    """Merge tasks that reduce `parts` partial states, `fan_in` at a time, level by level."""
+    tasks = 0
+    while parts > 1:
+        groups = -(-parts // fan_in)
+        tasks += groups - (parts % fan_in == 1)  # a group of one is passed up, not merged
+        parts = groups
+    return tasks
+
+
+expected_merges = sum(tree_merges(i, 4) for i in range(1, n_shards + 1))
+print(f"merge tasks of the causal graph: {merge_tasks} (counted from the tree: "
+      f"{expected_merges})")
+
+# %% [markdown]
+# The merge count follows from the tree: query shard $i$ (counting from 1) has $i$ partial
+# results. With fan-in 4 that takes no merge for $i = 1$ and one for $2 \le i \le 4$; for
+# $i = 5$ one merge of the first four, the fifth passing up a level unmerged, and one to join
+# the two: 2; for $6 \le i \le 8$ two merges at the first level and one at the second: 3. In
+# all $0 + 3 \cdot 1 + 2 + 3 \cdot 3 = 14$, which the function below counts for any fan-in.
+#
+# Now the computation, on the cluster, recording every task Dask ran (`get_task_stream`: which
+# worker, from when to when). The inputs are made on the workers themselves (`dask.array.random`,
+# from a fixed seed), as data that lives on a cluster would be; to check the result we also bring
+# them into this process and run `flash_attention` here.
+
+# %%
+with get_task_stream(client=client) as stream:
+    t_start = time.perf_counter()
+    got_out, got_lse = client.compute([causal_out, causal_lse], sync=True)
+    t_cluster = time.perf_counter() - t_start
+q_np, k_np, v_np = client.compute([q, k, v], sync=True)
+t_start = time.perf_counter()
+ref_out, ref_lse = flash_lib.flash_attention(q_np, k_np, v_np, causal=True, return_lse=True)
+t_process = time.perf_counter() - t_start
+err_out = float(flash_lib.rowwise_relative_error(got_out, ref_out).max())
+err_lse = float((np.abs(got_lse - ref_lse) / (1 + np.abs(ref_lse))).max())
+print("the cluster's out equals flash_attention's (rowwise relative error <= 1e-12):",
+      err_out <= 1e-12)
+print("and so does its lse (relative to 1 + |lse|, <= 1e-12):", err_lse <= 1e-12)
+
+# %% [markdown]
+# On the left, the shard pairs: the 28 above the diagonal were never computed; the 8 on the
+# diagonal are "crossing" pairs, where `flash_attention` applies its causal mask inside the
+# pair (and skips its own tiles above the diagonal); the 28 below are full. Each computed pair is
+# labelled with the worker that ran it: Dask chose, moving whichever shards the choice needed. On
+# the right, the same tasks in time, one row per worker; merges are the thin grey bars.
+
+# %%
+def task_record(task):
+    """(name, indices, worker, start, stop) of one task of the stream."""
+    key = task["key"]
+    key = key if isinstance(key, tuple) else (key,)
+    compute = [s for s in task["startstops"] if s["action"] == "compute"][0]
+    return str(key[0]), key[1:], task["worker"], compute["start"], compute["stop"]
+
+
+records = [task_record(t) for t in stream.data
+           if any(s["action"] == "compute" for s in t["startstops"])]
+t0 = min(r[3] for r in records)
+label = {w: chr(ord("A") + i) for i, w in enumerate(workers)}
+pair_worker = {idx: w for name, idx, w, _, _ in records if name.startswith("flash-attention-pair")}
+
+fig, (ax_grid, ax_time) = plt.subplots(1, 2, figsize=(12, 4.8),
+                                       gridspec_kw={"width_ratios": [1, 1.5]})
+offset = 0  # Nk - Nq: the diagonal is bottom-right aligned
+kinds = collections.Counter()
+for i in range(n_shards):
+    for j in range(n_shards):
+        q_lo, q_hi, k_lo, k_hi = i * shard, (i + 1) * shard - 1, j * shard, (j + 1) * shard - 1
+        if k_lo > q_hi + offset:
+            color = "0.92"  # no allowed pair: not in the graph
+        elif k_hi > q_lo + offset:
+            color = "C1"  # crossing the diagonal
+        else:
+            color = "C0"  # every pair allowed
+        kinds[color] += 1
+        ax_grid.add_patch(plt.Rectangle((j, i), 1, 1, color=color, ec="white", lw=1.5))
+        if (i, j) in pair_worker:
+            ax_grid.text(j + 0.5, i + 0.5, label[pair_worker[i, j]], ha="center", va="center",
+                         color="white", fontsize=10, fontweight="bold")
+ax_grid.set_xlim(0, n_shards)
+ax_grid.set_ylim(n_shards, 0)
+ax_grid.set_aspect("equal")
+ax_grid.set_xticks(np.arange(n_shards) + 0.5, range(n_shards))
+ax_grid.set_yticks(np.arange(n_shards) + 0.5, range(n_shards))
+ax_grid.set_xlabel(f"key shard j ({shard} keys each)")
+ax_grid.set_ylabel(f"query shard i ({shard} queries each)")
+ax_grid.set_title("Causal shard pairs and the worker that ran each")
+ax_grid.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in ("C0", "C1", "0.92")],
+               labels=["all pairs allowed", "crosses the diagonal", "skipped"],
+               loc="upper right", fontsize=8)
+
+for name, idx, w, start, stop in records:
+    row = workers.index(w)
+    if name.startswith("flash-attention-pair"):
+        ax_time.barh(row, stop - start, left=start - t0, height=0.6,
+                     color=plt.cm.viridis(idx[0] / (n_shards - 1)), ec="white", lw=0.5)
+    elif name.startswith("flash-attention-merge"):
+        ax_time.barh(row, stop - start, left=start - t0, height=0.25, color="0.4")
+ax_time.set_yticks(range(len(workers)), [f"worker {label[w]}" for w in workers])
+ax_time.set_xlabel("time since the first task started (s)")
+ax_time.set_title("The same tasks in time: pair tasks, and merges (thin, grey)")
+ax_time.invert_yaxis()
+fig.colorbar(plt.cm.ScalarMappable(plt.Normalize(0, n_shards - 1), "viridis"), ax=ax_time,
+             label="query shard i of the pair task")
+fig.tight_layout()
+plt.show()
+
+computed_by = collections.Counter(pair_worker.values())
+print(f"shard pairs: {kinds['C0']} full, {kinds['C1']} crossing the diagonal, "
+      f"{kinds['0.92']} skipped")
+print("pair tasks run:", len(pair_worker), "| both workers took part:",
+      len(computed_by) == 2)
+
+# %% [markdown]
+# ## Flash-decoding: one query, many keys
+#
+# When a model generates text, each step brings one new query per sequence and head, against
+# the keys and values of everything before it. There is nothing to split along the queries, so
+# flash-decoding splits the keys (chapter 3): each split computes its partial
+# $(o, \mathrm{lse})$ in parallel, and a final reduction combines them. Here that is simply
+# `dask_attention` with $N_q = 1$: one query against 65536 keys in 16 shards of 4096, so 16 pair
+# tasks, merged by a tree of fan-in 4 in $\lceil \log_4 16 \rceil = 2$ levels, $4 + 1 = 5$ merge
+# tasks. (For brevity one head; a batch of heads is a leading axis of one chunk.)
+
+# %%
+n_keys, key_shard = 65536, 4096
+q_dec = inputs_rng.standard_normal((1, d), chunks=(1, d))
+k_dec, v_dec = (inputs_rng.standard_normal((n_keys, d), chunks=(key_shard, d)) for _ in range(2))
+dec_out, dec_lse = flash_dask.dask_attention(q_dec, k_dec, v_dec, causal=True, return_lse=True)
+dec_graph = dec_out.__dask_graph__()
+dec_pairs = flash_dask.attention_task_count(dec_out)
+dec_merges = sum(1 for key in dec_graph if str(key[0]).startswith("flash-attention-merge-"))
+print(f"one query, {n_keys} keys in {n_keys // key_shard} shards: {dec_pairs} pair tasks, "
+      f"{dec_merges} merge tasks")
+got_dec, got_dec_lse = client.compute([dec_out, dec_lse], sync=True)
+q1, k1, v1 = client.compute([q_dec, k_dec, v_dec], sync=True)
+ref_dec, ref_dec_lse = flash_lib.flash_attention(q1, k1, v1, causal=True, return_lse=True)
+dec_err = float(flash_lib.rowwise_relative_error(got_dec, ref_dec).max())
+print("equals flash_attention over all 65536 keys (rowwise relative error <= 1e-12):",
+      dec_err <= 1e-12, "| lse to 1e-12:", abs(got_dec_lse[0] - ref_dec_lse[0]) <= 1e-12)
+
+# %% [markdown]
+# (With $N_q = 1$ the bottom-right causal diagonal lets the one query see every key, as it
+# should for the newest token: causal changes nothing here.)
+#
+# ## Ring attention: the same merge, another schedule
+#
+# In the graph above, Dask's scheduler decides where each pair runs and moves whatever that
+# needs: query shards, key shards or partial results. Ring attention (Liu, Zaharia, Abbeel,
+# "Ring Attention with Blockwise Transformers for Near-Infinite Context", arXiv 2310.01889)
+# fixes the schedule instead. $P$ devices stand in a ring; device $p$ holds query shard $p$ and
+# its running $(o, \mathrm{lse})$, which never move, and starts with key/value shard $p$. At each
+# step every device attends its queries to the key/value shard it holds, folds the result into
+# its state, and passes the shard to its neighbour. After $P$ steps every device has seen every
+# shard, in its own rotated order, which is harmless because the merge commutes (chapter 3).
+#
+# We follow a public implementation, zhuzilin/ring-flash-attention
+# (`ring_flash_attn/ring_flash_attn.py` and `utils.py`): rank $p$ sends to $p + 1$ and receives
+# from $p - 1$, so at step $t$ it holds shard $(p - t) \bmod P$; with causal attention it
+# computes only at steps $t \le p$ (shards $j \le p$), with the causal mask at step 0 only (its
+# own, diagonal, shard); and it folds each block into its state as
+#
+# $$o \leftarrow o - \sigma(\mathrm{lse}_b - \mathrm{lse})\,(o - o_b), \qquad
+#   \mathrm{lse} \leftarrow \mathrm{lse} - \log\sigma(\mathrm{lse} - \mathrm{lse}_b),$$
+#
+# with $\sigma$ the logistic function. That is `merge_attention` rewritten:
+# $\sigma(\mathrm{lse}_b - \mathrm{lse}) = e^{\mathrm{lse}_b} / (e^{\mathrm{lse}} + e^{\mathrm{lse}_b})$
+# is block $b$'s share of the weight, and $-\log\sigma(\mathrm{lse} - \mathrm{lse}_b) =
+# \log(1 + e^{\mathrm{lse}_b - \mathrm{lse}})$. (Their code is PyTorch on GPUs; below is our
+# NumPy transcription of that formula, not their code.)
+#
+# On our cluster: $P = 4$ devices on the 2 workers (devices 0 and 2 on worker A, 1 and 3 on B),
+# causal, $N = 4096$. Every task is pinned to its device's worker, so a device's query shard and
+# state stay where they are, and only key/value shards cross between the workers.
+
+# %%
+def ring_update(state, block):
+    """zhuzilin/ring-flash-attention's update_out_and_lse, transcribed to NumPy."""
+    out, lse = state
+    block_out, block_lse = block
+    share = 1 / (1 + np.exp(lse - block_lse))  # sigmoid(block_lse - lse)
+    out = out - share[..., None] * (out - block_out)
+    lse = lse + np.logaddexp(0, block_lse - lse)  # lse - logsigmoid(lse - block_lse)
+    return out, lse
+
+
+n_ring, devices = 4096, 4
+ring_rows = n_ring // devices
+q_r, k_r, v_r = (rng.standard_normal((n_ring, d)) for _ in range(3))
+home = [workers[p % len(workers)] for p in range(devices)]
+rows = [slice(p * ring_rows, (p + 1) * ring_rows) for p in range(devices)]
+q_f = [client.scatter(q_r[rows[p]], workers=[home[p]]) for p in range(devices)]
+kv_f = [client.scatter((k_r[rows[p]], v_r[rows[p]]), workers=[home[p]]) for p in range(devices)]
+pinned = dict(allow_other_workers=False, pure=False)
+
+states = [None] * devices
+schedule = np.full((devices, devices), -1)  # schedule[t, p]: the kv shard device p uses at step t
+for t in range(devices):
+    for p in range(devices):
+        j = (p - t) % devices
+        if j > p:  # causal: a shard of later keys; zhuzilin's `step <= rank` condition
+            continue
+        schedule[t, p] = j
+        block = client.submit(lambda qp, kv, c: flash_lib.flash_attention(
+            qp, *kv, causal=c, return_lse=True), q_f[p], kv_f[j], t == 0,
+            workers=[home[p]], **pinned)
+        states[p] = block if states[p] is None else client.submit(
+            ring_update, states[p], block, workers=[home[p]], **pinned)
+ring_results = client.gather(states)
+ring_out = np.concatenate([s[0] for s in ring_results])
+ring_lse = np.concatenate([s[1] for s in ring_results])
+ring_ref, ring_ref_lse = flash_lib.flash_attention(q_r, k_r, v_r, causal=True, return_lse=True)
+ring_err = float(flash_lib.rowwise_relative_error(ring_out, ring_ref).max())
+holders = client.who_has(states)
+states_home = [list(holders[s.key])[0] for s in states]
+print("ring attention on the cluster equals flash_attention (rowwise <= 1e-12):",
+      ring_err <= 1e-12, "| lse to 1e-12:", np.abs(ring_lse - ring_ref_lse).max() <= 1e-12)
+print("every device's state stayed on its own worker:", states_home == home)
+print("blocks computed:", int((schedule >= 0).sum()), "of", devices * devices,
+      "(causal: n(n+1)/2 =", devices * (devices + 1) // 2, ")")
+ring_pairs = {(p, int(schedule[t, p])) for t in range(devices) for p in range(devices)
+              if schedule[t, p] >= 0}
+graph_pairs = {key[1:] for key in flash_dask.dask_attention(
+    da.from_array(q_r, chunks=(ring_rows, d)), da.from_array(k_r, chunks=(ring_rows, d)),
+    da.from_array(v_r, chunks=(ring_rows, d)), causal=True).__dask_graph__()
+    if str(key[0]).startswith("flash-attention-pair-")}
+print("the same (query shard, key shard) pairs as dask_attention's causal graph:",
+      ring_pairs == graph_pairs)
+
+# %% [markdown]
+# The schedule, drawn: device $p$'s column lists the key/value shard it attends to at each step;
+# the arrows are the ring's hops, by which every shard moves one device on per step. The computed
+# blocks are the same 10 shard pairs as the causal graph above would hold with 4 shards; what
+# differs is only the order, and where the data waits.
+
+# %%
+fig, (ax_s, ax_r) = plt.subplots(1, 2, figsize=(11, 4),
+                                 gridspec_kw={"width_ratios": [1.3, 1]})
+for t in range(devices):
+    for p in range(devices):
+        j = (p - t) % devices
+        used = schedule[t, p] >= 0
+        ax_s.add_patch(plt.Rectangle((p, t), 1, 1, ec="white", lw=2,
+                                     color=plt.cm.tab10(j) if used else "0.92"))
+        ax_s.text(p + 0.5, t + 0.5, f"kv {j}" + ("" if used else "\n(skipped)"),
+                  ha="center", va="center", fontsize=9, color="white" if used else "0.4")
+ax_s.set_xlim(0, devices)
+ax_s.set_ylim(devices, 0)
+ax_s.set_xticks(np.arange(devices) + 0.5,
+                [f"device {p}\n(worker {label[home[p]]})" for p in range(devices)])
+ax_s.set_yticks(np.arange(devices) + 0.5, range(devices))
+ax_s.set_ylabel("ring step t")
+ax_s.set_xlabel("device p: holds query shard p and its (out, lse)")
+ax_s.set_title("Causal ring attention: the key/value shard each device uses")
+angles = np.pi / 2 - 2 * np.pi * np.arange(devices) / devices
+xs, ys = np.cos(angles), np.sin(angles)
+for p in range(devices):
+    nxt = (p + 1) % devices
+    ax_r.annotate("", xy=(0.8 * xs[nxt], 0.8 * ys[nxt]), xytext=(0.8 * xs[p], 0.8 * ys[p]),
+                  arrowprops=dict(arrowstyle="->", color="0.5", lw=1.5,
+                                  connectionstyle="arc3,rad=-0.25"))
+    ax_r.text(xs[p], ys[p], f"device {p}\nq {p}", ha="center", va="center",
+              bbox=dict(boxstyle="round", fc=plt.cm.tab10(p), alpha=0.35))
+ax_r.set_xlim(-1.5, 1.5)
+ax_r.set_ylim(-1.5, 1.5)
+ax_r.set_aspect("equal")
+ax_r.axis("off")
+ax_r.set_title("Each step, every device sends its kv shard to the next")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# With causal attention the plain ring is unbalanced: device $p$ computes at $p + 1$ of the $P$
+# steps, so device 0 idles while device $P - 1$ works at every step. The "zigzag" variant of the
+# same repository, "more compute-balanced" in its README's words (`zigzag_ring_flash_attn.py`,
+# its issue #2), cuts the sequence into $2P$ chunks and gives rank $r$ chunks $r$ and
+# $2P - 1 - r$ (`extract_local` in its tests): one early chunk, with little to attend to, and one
+# late chunk, with much.
+# The Dask graph has no such imbalance by construction: its scheduler hands the next ready pair
+# to whichever worker is free.
+
+# %%
+work_per_device = (schedule >= 0).sum(axis=0)
+print("blocks computed by device 0, 1, 2, 3:", work_per_device.tolist())
+
+# %% [markdown]
+# ## A worker killed in the middle of a computation
+#
+# A cluster of many machines loses one now and then. Dask's answer is the graph itself: every
+# result is a pure function of its inputs, so when a worker dies, the scheduler recomputes
+# whatever results died with it, from inputs that still exist (or are themselves recomputed). We
+# run the causal graph of the first section again (36 pair tasks; Dask forgot its results once
+# they were delivered), wait until 6 partial results are done, and kill, with `SIGKILL`, the
+# worker process that holds the most of them: no warning, no clean-up. The nanny that watches
+# each worker process starts a new one.
+#
+# The scheduler logs a warning when a lost worker takes computed results with it; we catch its
+# log records instead of printing them.
+
+# %%
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def keys_in_memory(dask_scheduler, prefix):
+    """Scheduler side: {worker: how many keys starting with `prefix` it holds}."""
+    held = collections.Counter()
+    for key, ts in dask_scheduler.tasks.items():
+        if ts.state == "memory" and isinstance(key, tuple) and str(key[0]).startswith(prefix):
+            held.update(ws.address for ws in ts.who_has)
+    return dict(held)
+
+
+def computed_twice(dask_scheduler, prefix):
+    """Scheduler side: how many keys starting with `prefix` reached memory more than once."""
+    count = collections.Counter(entry[0] for entry in dask_scheduler.transition_log
+                                if entry[2] == "memory" and isinstance(entry[0], tuple)
+                                and str(entry[0][0]).startswith(prefix))
+    return sum(1 for times in count.values() if times > 1)
+
+
+scheduler_log = logging.getLogger("distributed.scheduler")
+records_handler = Records()
+scheduler_log.addHandler(records_handler)
+scheduler_log.setLevel(logging.WARNING)
+scheduler_log.propagate = False  # into the list, not onto this page
+
+pids = client.run(os.getpid)
+future = client.compute(causal_out)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    held = client.run_on_scheduler(keys_in_memory, prefix="flash-attention-pair-")
+    if sum(held.values()) >= 6:
+        break
+    time.sleep(0.01)
+victim = max(held, key=held.get)
+killed_mid_run = not future.done()
+os.kill(pids[victim], signal.SIGKILL)
+kill_result = future.result(timeout=60)  # raises if anything was lost for good
+client.wait_for_workers(2, timeout=60)
+scheduler_log.removeHandler(records_handler)
+scheduler_log.setLevel(logging.NOTSET)
+scheduler_log.propagate = True
+
+recomputed = client.run_on_scheduler(computed_twice, prefix="flash-attention-")
+lost_warning = any("lose already computed task" in m for m in records_handler.messages)
+replaced = pids[victim] not in client.run(os.getpid).values()
+kill_err = float(flash_lib.rowwise_relative_error(kill_result, ref_out).max())
+print("killed while the graph was running, holding partial results:",
+      killed_mid_run and held[victim] >= 1)
+print("the scheduler warned that computed results were lost:", lost_warning)
+print("some of this graph's results were computed twice:", recomputed > 0)
+print("the killed process was replaced, 2 workers again:", replaced,
+      len(client.scheduler_info()["workers"]) == 2)
+print("the result equals flash_attention (rowwise relative error <= 1e-12):", kill_err <= 1e-12)
+
+# %% [markdown]
+# ## Time: one process against two
+#
+# One worker process is one core here; `flash_attention` in this notebook's process uses
+# `flash_lib`'s own thread pool (up to 4 threads, one per core). On this 2-core machine the
+# cluster can at best match the one-process kernel: what it buys is reach (more machines, more
+# memory), not speed on one machine. The times below are of the first causal computation of this
+# chapter and of its reference, whatever the machine that built this page measured, so the test
+# ignores them; `make bench-dask` (`bench/bench_dask.py`) is the proper measurement, with 1
+# worker against 2 and larger $N$.
+
+# %% tags=["nbval-ignore-output"]
+print(f"on the machine that built this page, causal N = {n}: 2 workers {t_cluster:.2f} s "
+      f"(with the inputs made on the workers), flash_attention in one process "
+      f"({flash_lib._THREADS} threads) {t_process:.2f} s")
+
+# %% [markdown]
+# ## What changes on GPUs
+#
+# The algorithm does not change: shards, partial $(o, \mathrm{lse})$ and the merge. The
+# communication does.
+#
+# - **Collectives instead of a scheduler.** GPU implementations move data with the collective
+#   library of the framework rather than by a scheduler's choice: ring-flash-attention's
+#   `RingComm` posts a send to rank $p + 1$ and a receive from rank $p - 1$ with
+#   `torch.distributed.batch_isend_irecv`; the context parallelism of the Llama 3 report
+#   (arXiv 2407.21783), which the same repository implements as
+#   `llama3_flash_attn_varlen_func`, gathers all keys and values with an all-gather instead of a
+#   ring. There is no scheduler in the loop: every rank runs the same program and knows from
+#   its rank alone what to send and receive, and when.
+# - **Overlapping communication with compute.** `ring_flash_attn_forward` starts sending the
+#   current key/value shard to the next device *before* it computes with it, and waits for the
+#   next one only afterwards, so the transfer runs while the GPU computes; Ring Attention's
+#   abstract claims it "fully overlaps" the two. That works when a step's arithmetic outlasts its
+#   transfer: a step does $4\, c_q c_k d$ flops on $2\, c_k d$ received numbers, so with $F$
+#   flop/s, $B$ bytes/s of link and $b$ bytes per number, the transfer hides when
+#   $4 c_q c_k d / F \ge 2 c_k d\, b / B$, that is $c_q \ge F b / (2B)$: the query shard must be
+#   long enough, whatever the key shard. A Dask worker overlaps too, in its way: it fetches the
+#   inputs of its next tasks while it computes the current one (which is why
+#   `tests/test_dask.py` first copies the inputs to every worker when it measures the memory of
+#   a task).
+# - **The merge in fp32.** Kernels keep lse in float32 and merge partial outputs in float32 even
+#   for 16-bit inputs (ring-flash-attention casts each block's output to float32 before the
+#   update; `flash_dask` keeps float16 partials in float32 and rounds once at the end).
+
+# %%
+intensity = 4 * ring_rows * ring_rows * d / (2 * ring_rows * d)  # flops per received number
+print(f"a ring step with c_q = {ring_rows}: {intensity:.0f} flops per received number "
+      f"(= 2·c_q)")
+
+# %%
+client.close()
+cluster.close()
+
+# %% [markdown]
+# ## What we showed
+#
+# - `dask_attention`'s graph is the tile schedule one level up: 64 pair tasks for full attention
+#   over $8 \times 8$ shards, 36 $= n(n+1)/2$ for causal, the same count as `tile_schedule` with
+#   shard-sized tiles; its merge tree has the 14 merge tasks that fan-in 4 implies.
+# - On a cluster of 2 processes its output and lse equal `flash_attention`'s to $10^{-12}$
+#   (rowwise), and both workers ran pair tasks.
+# - Flash-decoding is $N_q = 1$: 16 pair tasks and 5 merges for 65536 keys, equal to
+#   `flash_attention` to $10^{-12}$.
+# - Ring attention with zhuzilin's update rule, pinned 4 devices to 2 workers, equals
+#   `flash_attention` to $10^{-12}$; each device's state never left its worker; causal computes
+#   10 of the 16 blocks, device $p$ doing $p + 1$ of them.
+# - A worker killed with `SIGKILL` mid-computation: the scheduler reported lost results and
+#   recomputed them, a new worker process took its place, and the result was still exact to
+#   $10^{-12}$.
+# - A ring step does $2 c_q$ flops per number it receives.
+
+# %%
+assert sorted(worker_threads.values()) == [1, 1]
+assert all(value is None for value in worker_trim.values())
+assert full_pairs == n_shards**2 == 64
+assert causal_pairs == schedule_tiles == n_shards * (n_shards + 1) // 2 == 36
+assert merge_tasks == expected_merges == 14
+assert err_out <= 1e-12 and err_lse <= 1e-12
+assert len(pair_worker) == causal_pairs and len(computed_by) == 2
+assert (kinds["C0"], kinds["C1"], kinds["0.92"]) == (28, 8, 28)
+assert dec_pairs == 16 and dec_merges == 5
+assert dec_err <= 1e-12 and abs(got_dec_lse[0] - ref_dec_lse[0]) <= 1e-12
+assert ring_err <= 1e-12 and np.abs(ring_lse - ring_ref_lse).max() <= 1e-12
+assert states_home == home
+assert ring_pairs == graph_pairs
+assert int((schedule >= 0).sum()) == devices * (devices + 1) // 2 == 10
+assert work_per_device.tolist() == [1, 2, 3, 4]
+# the sigmoid update is merge_attention rewritten
+a = flash_lib.flash_attention(q_r[:8], k_r[:100], v_r[:100], return_lse=True)
+b = flash_lib.flash_attention(q_r[:8], k_r[100:300], v_r[100:300], return_lse=True)
+m_out, m_lse = flash_lib.merge_attention(*a, *b)
+r_out, r_lse = ring_update(a, b)
+assert np.abs(m_out - r_out).max() < 1e-14 and np.abs(m_lse - r_lse).max() < 1e-13
+assert killed_mid_run and held[victim] >= 1
+assert lost_warning and recomputed > 0 and replaced
+assert kill_err <= 1e-12
+assert intensity == 2 * ring_rows

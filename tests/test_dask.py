@@ -1,0 +1,531 @@
+"""flash_dask.dask_attention: exact on a cluster of processes; its graph, a lost worker, memory.
+
+The tests that take the ``client`` fixture run on one ``distributed.LocalCluster`` of 2 worker
+processes with one thread each, on 127.0.0.1 with no dashboard, started once for this module
+and closed after its last test; a few graph-only tests use Dask's in-process schedulers. The
+reference is ``flash_lib.flash_attention`` on the same inputs in this process.
+"""
+
+import collections
+import logging
+import os
+import signal
+import time
+
+import dask
+import dask.array as da
+import ml_dtypes
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flash_dask
+import flash_lib
+from conftest import bottom_right_causal_mask
+
+TIMEOUT = 60  # seconds: any wait on the cluster that takes longer is a failure, not a hang
+# Set in each worker before it starts. Dask's default MALLOC_TRIM_THRESHOLD_=65536 is dropped:
+# setting it turns off glibc's adaptive mmap threshold (mallopt(3)), so every large NumPy
+# temporary is mapped afresh; flash_attention ran about 30% slower with it here.
+WORKER_ENVIRONMENT = {"distributed.nanny.pre-spawn-environ.FLASH_LIB_THREADS": "1",
+                     "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
+
+
+@pytest.fixture(scope="module")
+def client():
+    """2 worker processes × 1 thread, each running flash_lib on one thread (one core each).
+
+    Started once and closed when this module's tests are done, not at the end of the session:
+    the scheduler and the nannies run on a thread of *this* process, and even idle they
+    allocate (heartbeats), which tracemalloc counts in tests/test_memory.py's measurements (15
+    runs out of 15 of its scratch comparison failed with an idle cluster beside it, 0 without).
+
+    FLASH_LIB_THREADS is set before the workers are spawned (Dask's pre-spawn environment);
+    Dask also sets it, with OMP_NUM_THREADS and friends, in *this* process's environment,
+    which notebooks started later by the same pytest run would inherit: the ``_environ``
+    fixture below puts this process's environment back after every test.
+    """
+    saved = dict(os.environ)
+    with dask.config.set(WORKER_ENVIRONMENT):
+        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                               host="127.0.0.1", dashboard_address=None,
+                               # no dashboard; the scheduler's small HTTP server (health,
+                               # metrics) on a free port, not a fixed 8787 another run may hold
+                               scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
+                               silence_logs=logging.ERROR)
+    _restore(saved)
+    client = Client(cluster, set_as_default=False)
+    try:
+        client.wait_for_workers(2, timeout=TIMEOUT)
+        yield client
+    finally:
+        client.close()
+        cluster.close()
+        _restore(saved)
+
+
+@pytest.fixture(autouse=True)
+def _environ():
+    saved = dict(os.environ)
+    yield
+    _restore(saved)
+
+
+def _restore(saved):
+    for name in set(os.environ) - set(saved):
+        del os.environ[name]
+    os.environ.update(saved)
+
+
+def _inputs(rng, batch_q, batch_k, batch_v, n_q, n_k, d, dv, dtype=np.float64):
+    q = rng.standard_normal(batch_q + (n_q, d)).astype(dtype)
+    k = rng.standard_normal(batch_k + (n_k, d)).astype(dtype)
+    v = rng.standard_normal(batch_v + (n_k, dv)).astype(dtype)
+    return q, k, v
+
+
+def _chunked(x, seq_chunks):
+    return da.from_array(x, chunks=tuple((s,) for s in x.shape[:-2]) + (seq_chunks, x.shape[-1]))
+
+
+def _assert_equals_flash(out, lse, ref_out, ref_lse, tol=1e-12):
+    """out: rowwise relative error <= tol; lse: to tol relative to 1 + |lse|; empty rows exact."""
+    assert out.shape == ref_out.shape and out.dtype == ref_out.dtype
+    assert lse.shape == ref_lse.shape and lse.dtype == ref_lse.dtype
+    empty = ref_lse == -np.inf
+    np.testing.assert_array_equal(lse == -np.inf, empty, err_msg="rows with no key differ")
+    assert np.all(out[empty] == 0)
+    err = flash_lib.rowwise_relative_error(out, ref_out).max(initial=0.0)
+    assert err <= tol, f"out: rowwise relative error {err:.3g} > {tol:g}"
+    ok = ~empty
+    lse_err = (np.abs(lse[ok].astype(np.float64) - ref_lse[ok])
+               / (1 + np.abs(ref_lse[ok].astype(np.float64)))).max(initial=0.0)
+    assert lse_err <= tol, f"lse: relative error {lse_err:.3g} > {tol:g}"
+
+
+def _pair_keys(graph_keys):
+    return [key for key in graph_keys
+            if isinstance(key, tuple) and str(key[0]).startswith("flash-attention-pair-")]
+
+
+def _expected_pairs(n_q, n_k, q_chunks, k_chunks, allowed):
+    """Brute force: the (query shard, key shard) pairs whose block of ``allowed`` has a True."""
+    qs, ks = np.cumsum((0,) + q_chunks), np.cumsum((0,) + k_chunks)
+    return {(i, j) for i in range(len(q_chunks)) for j in range(len(k_chunks))
+            if allowed[qs[i]:qs[i + 1], ks[j]:ks[j + 1]].any()}
+
+
+# --------------------------------------------------------------------------------------------
+# Exactness on the cluster
+# --------------------------------------------------------------------------------------------
+
+rng = np.random.default_rng(11)
+_random_mask = rng.random((130, 170)) < 0.2
+_random_mask[:7] = False  # rows with no allowed key
+_random_mask[40:80, 60:110] = False  # a whole shard pair forbidden (shards of 40 and 50 below)
+
+CASES = {
+    # name: (batch q, k, v, Nq, Nk, d, dv, q chunks, k chunks, keyword arguments)
+    "full": ((), (), (), 300, 300, 16, 16, 64, 100, {}),
+    "causal, Nq = Nk, uneven shards": ((), (), (), 300, 300, 16, 16, (50, 120, 130),
+                                       (30, 170, 100), {"causal": True}),
+    "causal, Nq < Nk, uneven shards": ((), (), (), 150, 400, 16, 8, (50, 30, 70),
+                                       (100, 57, 143, 100), {"causal": True}),
+    "causal, Nq > Nk: top rows see no key": ((), (), (), 400, 150, 16, 8, (100, 57, 143, 100),
+                                             (50, 30, 70), {"causal": True}),
+    "masked, NumPy mask": ((), (), (), 130, 170, 8, 8, 40, 50, {"mask": _random_mask}),
+    "masked and causal, Dask mask": ((), (), (), 130, 170, 8, 8, 40, 50,
+                                     {"mask": da.from_array(_random_mask, chunks=(40, 50)),
+                                      "causal": True}),
+    "mask broadcast over queries": ((), (), (), 130, 170, 8, 8, 40, 50,
+                                    {"mask": _random_mask[0:1] | _random_mask[60:61]}),
+    "one decoding query over 10 key shards": ((), (), (), 1, 1000, 32, 32, 1, 100,
+                                              {"causal": True}),
+    "broadcast batch dims, dv != d, scale": ((2, 3), (2, 1), (1, 3), 120, 90, 16, 24, 50, 40,
+                                             {"causal": True, "scale": 0.3}),
+    "batched mask over broadcast heads": ((2, 1), (2, 1), (2, 1), 64, 96, 8, 8, 32, 32,
+                                          {"mask": rng.random((2, 3, 64, 96)) < 0.5}),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_equals_flash_attention_on_the_cluster(client, case):
+    bq, bk, bv, n_q, n_k, d, dv, q_chunks, k_chunks, kwargs = CASES[case]
+    q, k, v = _inputs(np.random.default_rng(len(case)), bq, bk, bv, n_q, n_k, d, dv)
+    out, lse = flash_dask.dask_attention(_chunked(q, q_chunks), _chunked(k, k_chunks),
+                                         _chunked(v, k_chunks), return_lse=True, **kwargs)
+    assert isinstance(out, da.Array) and isinstance(lse, da.Array)  # lazy
+    assert out.chunks[-2] == _chunked(q, q_chunks).chunks[-2]
+    got_out, got_lse = client.compute([out, lse], sync=True)
+    np_kwargs = {name: (np.asarray(x) if isinstance(x, da.Array) else x)
+                 for name, x in kwargs.items()}
+    _assert_equals_flash(got_out, got_lse,
+                         *flash_lib.flash_attention(q, k, v, return_lse=True, **np_kwargs))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16],
+                         ids=["float32", "float16", "bfloat16"])
+def test_low_precision_dtypes(client, dtype):
+    """Like flash_attention, 16-bit inputs are computed in float32 and rounded once, at the end.
+
+    So the two outputs are the same float32 numbers (to ~1e-7) rounded to the 16-bit dtype:
+    equal but where a value lies next to a rounding boundary, and there one rounding apart.
+    Partials rounded to 16 bits before merging differed in 44% of the elements, by up to 100s
+    of ulps (the small ones).
+    """
+    q, k, v = _inputs(np.random.default_rng(3), (), (), (), 200, 300, 16, 16, dtype)
+    out, lse = flash_dask.dask_attention(_chunked(q, 64), _chunked(k, 70), _chunked(v, 70),
+                                         causal=True, return_lse=True)
+    got_out, got_lse = client.compute([out, lse], sync=True)
+    ref_out, ref_lse = flash_lib.flash_attention(q, k, v, causal=True, return_lse=True)
+    assert got_out.dtype == dtype and got_lse.dtype == ref_lse.dtype == np.float32
+    got, ref = got_out.astype(np.float64), ref_out.astype(np.float64)
+    if dtype == np.float32:
+        assert flash_lib.rowwise_relative_error(got, ref).max() <= 1e-5
+    else:
+        eps = float(ml_dtypes.finfo(dtype).eps)
+        assert np.all(np.abs(got - ref) <= eps * np.abs(ref)), "more than one rounding apart"
+        assert np.mean(got != ref) <= 0.02, f"{np.mean(got != ref):.1%} of the elements differ"
+    assert np.abs(got_lse.astype(np.float64) - ref_lse).max() <= 1e-5 * (1 + np.abs(ref_lse).max())
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "threads"])
+def test_runs_unchanged_on_local_schedulers(scheduler):
+    """The same graph on Dask's in-process schedulers, no cluster involved."""
+    q, k, v = _inputs(np.random.default_rng(4), (2,), (2,), (2,), 100, 130, 8, 8)
+    out, lse = flash_dask.dask_attention(_chunked(q, 30), _chunked(k, 40), _chunked(v, 40),
+                                         causal=True, return_lse=True)
+    _assert_equals_flash(*dask.compute(out, lse, scheduler=scheduler),
+                         *flash_lib.flash_attention(q, k, v, causal=True, return_lse=True))
+
+
+def test_numpy_inputs_get_the_default_shards_or_their_partners():
+    rng = np.random.default_rng(5)
+    n = flash_dask.DEFAULT_SHARD * 2 + 10
+    q, k, v = _inputs(rng, (), (), (), n, 50, 4, 4)
+    out = flash_dask.dask_attention(q, k, v)
+    assert out.chunks[-2] == (flash_dask.DEFAULT_SHARD, flash_dask.DEFAULT_SHARD, 10)
+    # a NumPy k takes the chunks of the Dask v it must agree with, and q those of a Dask mask
+    mask = da.from_array(rng.random((n, 50)) < 0.5, chunks=(5000, 20))
+    out = flash_dask.dask_attention(q, k, _chunked(v, 20), mask=mask)
+    assert out.chunks[-2] == (5000, n - 5000)
+    assert flash_dask.attention_task_count(out) == 2 * 3
+    np.testing.assert_allclose(out.compute(scheduler="sync"),
+                               flash_lib.flash_attention(q, k, v, mask=mask.compute()),
+                               rtol=0, atol=1e-13)
+
+
+def test_nan_in_a_query_row_stays_in_that_row(client):
+    q, k, v = _inputs(np.random.default_rng(6), (), (), (), 90, 120, 8, 8)
+    q[17, 3] = np.nan
+    out = client.compute(flash_dask.dask_attention(_chunked(q, 30), _chunked(k, 40),
+                                                   _chunked(v, 40)), sync=True)
+    assert np.isnan(out[17]).all()
+    ref = flash_lib.flash_attention(q, k, v)
+    rows = np.arange(90) != 17
+    assert flash_lib.rowwise_relative_error(out[rows], ref[rows]).max() <= 1e-12
+
+
+def test_no_keys_and_no_queries():
+    out, lse = flash_dask.dask_attention(np.ones((3, 4)), np.ones((0, 4)), np.ones((0, 5)),
+                                         return_lse=True)
+    out, lse = dask.compute(out, lse, scheduler="sync")
+    assert np.array_equal(out, np.zeros((3, 5))) and np.all(lse == -np.inf)
+    out = flash_dask.dask_attention(np.ones((0, 4)), np.ones((6, 4)), np.ones((6, 5)),
+                                    causal=True).compute(scheduler="sync")
+    assert out.shape == (0, 5)
+
+
+@st.composite
+def _chunks(draw, n):
+    """A random partition of n rows into shards (n = 0: one empty shard)."""
+    if n == 0:
+        return (0,)
+    cuts = draw(st.sets(st.integers(1, n - 1), max_size=min(n - 1, 6))) if n > 1 else set()
+    edges = [0, *sorted(cuts), n]
+    return tuple(b - a for a, b in zip(edges[:-1], edges[1:]))
+
+
+@st.composite
+def _sharded_cases(draw):
+    n_q, n_k = draw(st.integers(0, 24)), draw(st.integers(0, 24))
+    return (n_q, n_k, draw(_chunks(n_q)), draw(_chunks(n_k)), draw(st.booleans()),
+            draw(st.sampled_from([None, 0.5, 0.9])), draw(st.integers(2, 5)),
+            draw(st.integers(0, 2**32 - 1)))
+
+
+@settings(max_examples=200)
+@given(_sharded_cases())
+def test_any_shards_any_alignment_equal_flash_attention(case):
+    """Every way of cutting small sequences into shards, causal or not, masked or not.
+
+    Small sizes reach every alignment of a shard pair with the causal diagonal (wholly above,
+    crossing at any offset, wholly below), which a few hand-picked shapes would not.
+    """
+    n_q, n_k, q_chunks, k_chunks, causal, density, split_every, seed = case
+    rng = np.random.default_rng(seed)
+    q, k, v = _inputs(rng, (), (), (), n_q, n_k, 4, 3)
+    mask = None if density is None else rng.random((n_q, n_k)) < density
+    out, lse = flash_dask.dask_attention(_chunked(q, q_chunks), _chunked(k, k_chunks),
+                                         _chunked(v, k_chunks), mask=mask, causal=causal,
+                                         return_lse=True, split_every=split_every)
+    _assert_equals_flash(*dask.compute(out, lse, scheduler="sync"),
+                         *flash_lib.flash_attention(q, k, v, mask=mask, causal=causal,
+                                                    return_lse=True))
+    allowed = np.ones((n_q, n_k), dtype=bool) if mask is None else mask
+    if causal:
+        allowed = allowed & bottom_right_causal_mask(n_q, n_k)
+    pairs = {key[1:] for key in _pair_keys(out.__dask_graph__())}
+    assert pairs == _expected_pairs(n_q, n_k, q_chunks, k_chunks, allowed)
+
+
+# --------------------------------------------------------------------------------------------
+# The graph
+# --------------------------------------------------------------------------------------------
+
+GRAPH_SHAPES = [  # Nq, Nk, q chunks, k chunks
+    (1024, 1024, 128, 128),
+    (1000, 1000, 128, 100),
+    (300, 1000, (100, 50, 150), 125),
+    (1000, 300, 125, (100, 50, 150)),
+    (1, 4096, 1, 512),
+]
+
+
+@pytest.mark.parametrize("n_q, n_k, qc, kc", GRAPH_SHAPES)
+def test_causal_graph_holds_exactly_the_pairs_on_or_below_the_diagonal(n_q, n_k, qc, kc):
+    q = da.zeros((n_q, 8), chunks=(qc, 8))
+    k = da.zeros((n_k, 8), chunks=(kc, 8))
+    v = da.zeros((n_k, 8), chunks=(kc, 8))
+    causal = flash_dask.dask_attention(q, k, v, causal=True)
+    full = flash_dask.dask_attention(q, k, v)
+    pairs = {key[1:] for key in _pair_keys(causal.__dask_graph__())}
+    expected = _expected_pairs(n_q, n_k, q.chunks[0], k.chunks[0],
+                               bottom_right_causal_mask(n_q, n_k))
+    assert pairs == expected
+    assert flash_dask.attention_task_count(causal) == len(expected)
+    assert flash_dask.attention_task_count(full) == q.numblocks[0] * k.numblocks[0]
+    if isinstance(qc, int) and isinstance(kc, int):  # even shards: the tile schedule, one level up
+        assert len(expected) == len(flash_lib.tile_schedule(n_q, n_k, qc, kc, causal=True))
+    assert len(expected) < q.numblocks[0] * k.numblocks[0] or n_q == 1
+
+
+def test_numpy_mask_forbidding_shard_pairs_leaves_them_out():
+    rng = np.random.default_rng(7)
+    mask = rng.random((130, 170)) < 0.2
+    mask[40:80, 50:150] = False
+    out = flash_dask.dask_attention(_chunked(np.zeros((130, 8)), 40),
+                                    _chunked(np.zeros((170, 8)), 50),
+                                    _chunked(np.zeros((170, 8)), 50), mask=mask)
+    pairs = {key[1:] for key in _pair_keys(out.__dask_graph__())}
+    assert pairs == _expected_pairs(130, 170, (40,) * 3 + (10,), (50,) * 3 + (20,), mask)
+    assert len(pairs) == 16 - 2
+
+
+@pytest.mark.parametrize("split_every, merges", [(2, 15), (4, 4 + 1), (16, 1), (None, 4 + 1)])
+def test_merge_tree_has_fan_in_split_every(split_every, merges):
+    """16 partials per query shard: ceil(16/s) + ceil(ceil(16/s)/s) + ... merge tasks."""
+    q, k, v = _inputs(np.random.default_rng(8), (), (), (), 64, 16 * 32, 8, 8)
+    out = flash_dask.dask_attention(_chunked(q, 64), _chunked(k, 32), _chunked(v, 32),
+                                    split_every=split_every)
+    graph = out.__dask_graph__()
+    merge_keys = [key for key in graph if str(key[0]).startswith("flash-attention-merge-")]
+    assert len(merge_keys) == merges
+    dsk = dict(graph)
+    fan_in = max(len(dask.core.get_dependencies(dsk, key)) for key in merge_keys)
+    assert fan_in == min(split_every or 4, 16)
+    np.testing.assert_allclose(out.compute(scheduler="sync"), flash_lib.flash_attention(q, k, v),
+                               rtol=0, atol=1e-14)
+
+
+# --------------------------------------------------------------------------------------------
+# A worker killed in the middle of a computation
+# --------------------------------------------------------------------------------------------
+
+
+def _keys_in_memory(dask_scheduler, prefix):
+    """Scheduler side: {worker address: number of keys with ``prefix`` it holds in memory}."""
+    held = collections.Counter()
+    for key, ts in dask_scheduler.tasks.items():
+        if ts.state == "memory" and isinstance(key, tuple) and str(key[0]).startswith(prefix):
+            held.update(ws.address for ws in ts.who_has)
+    return dict(held)
+
+
+def _computed_twice(dask_scheduler, prefix):
+    """Scheduler side: keys with ``prefix`` that reached memory more than once (recomputed)."""
+    count = collections.Counter(
+        entry[0] for entry in dask_scheduler.transition_log
+        if entry[2] == "memory" and isinstance(entry[0], tuple)
+        and str(entry[0][0]).startswith(prefix))
+    return sorted(str(key) for key, times in count.items() if times > 1)
+
+
+def test_a_worker_killed_mid_computation_loses_nothing(client):
+    """SIGKILL the worker holding the most finished partial results; Dask recomputes them.
+
+    The test checks its own premise: the kill happened while the graph was still running, the
+    killed worker held results of this graph, and some of them were computed a second time.
+    """
+    n, d, shard = 8192, 64, 1024
+    rng = da.random.default_rng(2026)
+    q, k, v = (rng.standard_normal((n, d), chunks=(shard, d)) for _ in range(3))
+    out, lse = flash_dask.dask_attention(q, k, v, causal=True, return_lse=True)  # 36 pairs
+    prefix = "flash-attention-"
+    pids = client.run(os.getpid)
+    futures = client.compute([out, lse])
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while True:  # wait until 6 of the 36 partial results are done, then strike
+            held = client.run_on_scheduler(_keys_in_memory, prefix=prefix + "pair-")
+            if sum(held.values()) >= 6 or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        victim = max(held, key=held.get)
+        assert held[victim] >= 1, "no partial result in memory to lose"
+        assert not all(f.done() for f in futures), "the graph finished before the kill"
+        os.kill(pids[victim], signal.SIGKILL)
+        got_out, got_lse = client.gather(futures)  # raises if a result was lost for good
+    finally:
+        client.cancel(futures)
+        # the nanny starts a new worker process; later tests get their 2 workers back
+        client.wait_for_workers(2, timeout=TIMEOUT)
+    assert pids[victim] not in client.run(os.getpid).values(), "the victim still runs"
+    recomputed = client.run_on_scheduler(_computed_twice, prefix=prefix)
+    assert recomputed, "nothing was recomputed: the kill did not hit the computation"
+    q, k, v = client.compute([q, k, v], sync=True)
+    _assert_equals_flash(got_out, got_lse,
+                         *flash_lib.flash_attention(q, k, v, causal=True, return_lse=True))
+
+
+# --------------------------------------------------------------------------------------------
+# Memory: each task's scratch is set by its shards, not by N; N = 65536 keys on 2 workers
+# --------------------------------------------------------------------------------------------
+
+_PEAKS = []
+
+
+def _install_probe():
+    """Worker side: wrap flash_dask's pair task to record its scratch bytes (tracemalloc).
+
+    The graph refers to the task function by module and name, so a worker that unpickles a
+    task after this runs gets the wrapper. Scratch is the peak traced during the call minus
+    the returned arrays; the inputs existed before.
+    """
+    task = flash_dask._attend_pair
+    if getattr(task, "probe_of", None) is None:
+        def probed(*args, **kwargs):
+            result, peak = flash_lib.measure_peak_bytes(task, *args, **kwargs)
+            _PEAKS.append(peak - result[0].nbytes - result[1].nbytes)
+            return result
+        probed.probe_of = task
+        flash_dask._attend_pair = probed
+
+
+def _remove_probe():
+    peaks, task = list(_PEAKS), flash_dask._attend_pair
+    _PEAKS.clear()
+    flash_dask._attend_pair = getattr(task, "probe_of", task)
+    return peaks
+
+
+def _flash_scratch(q, k, v):
+    (out, lse), peak = flash_lib.measure_peak_bytes(flash_lib.flash_attention, q, k, v,
+                                                    return_lse=True)
+    return peak - out.nbytes - lse.nbytes
+
+
+def test_task_scratch_is_bounded_by_shards_and_65536_keys_complete(client):
+    n_q, d, shard = 512, 64, 4096
+    rng = da.random.default_rng(65536)
+    q = rng.standard_normal((n_q, d), chunks=(n_q, d))
+    least, worst = {}, {}
+    for n_k in (16384, 65536):
+        k, v = (rng.standard_normal((n_k, d), chunks=(shard, d)) for _ in range(2))
+        # On both workers before the graph runs, so no transfer competes with a task for memory.
+        inputs = client.persist([q, k, v])
+        client.replicate(inputs)  # waits for them to be computed
+        assert all(len(holders) == 2 for holders in client.who_has(inputs).values())
+        out = flash_dask.dask_attention(*inputs)
+        client.run(_install_probe)
+        try:
+            got = client.compute(out, sync=True)
+        finally:
+            peaks = [p for w in client.run(_remove_probe).values() for p in w]
+        assert len(peaks) == flash_dask.attention_task_count(out) == n_k // shard
+        least[n_k], worst[n_k] = min(peaks), max(peaks)
+        if n_k == 65536:
+            qn, kn, vn = client.compute(inputs, sync=True)
+            ref = flash_lib.flash_attention(qn, kn, vn)
+            assert flash_lib.rowwise_relative_error(got, ref).max() <= 1e-12
+            # flash_attention on one pair of shards, called directly on a worker
+            own = client.submit(_flash_scratch, qn, kn[:shard], vn[:shard]).result(TIMEOUT)
+        del inputs
+    # Other threads of a worker (its transfers) allocate too, and tracemalloc counts them, so a
+    # task's figure can only come out too high: the least of them is the task's own scratch.
+    # Four times the keys, the same scratch per task ...
+    assert least[65536] <= 1.1 * least[16384], least
+    # ... which is what flash_attention itself needs for one pair of shards ...
+    assert 0.9 * own <= least[65536] <= 1.1 * own, (least, own)
+    # ... and even the worst task holds less than one pair of shards' score matrix, itself
+    # 1/16 of the scores of the query shard against all 65536 keys.
+    pair_scores = n_q * shard * 8
+    assert max(worst.values()) < pair_scores, (worst, pair_scores)
+    assert pair_scores * 16 == n_q * 65536 * 8
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------
+
+
+def _qkv(n_q=100, n_k=120, qc=50, kc=40):
+    return (da.zeros((n_q, 8), chunks=(qc, 8)), da.zeros((n_k, 8), chunks=(kc, 8)),
+            da.zeros((n_k, 8), chunks=(kc, 8)))
+
+
+def test_errors_name_the_argument_and_the_chunks():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"q is chunked along its feature axis -1: "
+                                         r"chunks \(4, 4\)"):
+        flash_dask.dask_attention(q.rechunk((50, 4)), k, v)
+    with pytest.raises(ValueError, match=r"v must be chunked like k .* got \(60, 60\) and k's "
+                                         r"\(40, 40, 40\)"):
+        flash_dask.dask_attention(q, k, v.rechunk((60, 8)))
+    with pytest.raises(ValueError, match=r"k is chunked \(1, 1\) along axis 0, a batch axis"):
+        flash_dask.dask_attention(q[None], da.zeros((2, 120, 8), chunks=(1, 40, 8)), v)
+    mask = da.ones((100, 120), dtype=bool, chunks=(50, 60))
+    with pytest.raises(ValueError, match=r"mask is chunked \(60, 60\) along axis -1, "
+                                         r"inconsistent with k's chunks along -2 \(40, 40, 40\)"):
+        flash_dask.dask_attention(q, k, v, mask=mask)
+    with pytest.raises(ValueError, match=r"mask is chunked \(25, 25, 25, 25\) along axis -2"):
+        flash_dask.dask_attention(q, k, v, mask=mask.rechunk((25, 40)))
+    unknown = da.zeros((100, 8), chunks=(50, 8))
+    unknown = unknown[unknown[:, 0] == 0]  # boolean indexing: chunk sizes unknown
+    with pytest.raises(ValueError, match=r"q has unknown chunk sizes \(\(nan, nan\), \(8,\)\)"):
+        flash_dask.dask_attention(unknown, k, v)
+    with pytest.raises(ValueError, match="mask of shape"):
+        flash_dask.dask_attention(q, k, v, mask=np.ones((7, 120), dtype=bool))
+    with pytest.raises(ValueError, match="same feature size"):
+        flash_dask.dask_attention(q, da.zeros((120, 4), chunks=(40, 4)), v)
+    with pytest.raises(ValueError, match="same number of keys"):
+        flash_dask.dask_attention(q, k, v[:100])
+    with pytest.raises(ValueError, match="at least 2 dimensions"):
+        flash_dask.dask_attention(q[:, 0], k, v)
+    for bad in (1, 0, 2.5, True):
+        with pytest.raises(ValueError, match=f"split_every must be an integer >= 2.*{bad!r}"):
+            flash_dask.dask_attention(q, k, v, split_every=bad)
+    with pytest.raises(ValueError, match="scale must be a finite positive number"):
+        flash_dask.dask_attention(q, k, v, scale=-1.0)
+
+
+def test_type_errors_come_from_flash_lib():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="q must be a float16, .*float64 array, got dtype int64"):
+        flash_dask.dask_attention(q.astype(int), k, v)
+    with pytest.raises(TypeError, match="mask must be a boolean array"):
+        flash_dask.dask_attention(q, k, v, mask=np.ones((100, 120)))
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flash_dask.dask_attention(q, k, v, causal="yes")
