@@ -43,25 +43,37 @@ exact (a single key, ties). ``lse`` likewise, with the error ``|lse - truth| / (
 Chapter 15 of the tutorial measures flash_lib, PyTorch and JAX against this rule and justifies
 the values of ``FACTOR``, ``OUT_FLOOR`` and ``LSE_FLOOR`` below.
 
-Adding cases (the attention variants)
--------------------------------------
+Adding cases
+------------
 A case is a :class:`Case`: a name, its reason (one line, printed in the report), the features it
 needs, and ``make(rng, dtype) -> Inputs``. ``Inputs.kwargs`` are the keywords given to the kernel
 *and* to ``flash_lib.naive_attention`` / ``precise_attention``, which compute the bound and the
-truth. A variant needs nothing else: once flash_lib takes ``window=(left, right)``, say, ::
+truth. A case for a keyword flash_lib takes needs nothing else; the window's, for instance, is ::
 
-    def _window_inputs(rng, dtype):
-        q, k, v = random_qkv(rng, 70, 90, 16, dtype=dtype)
-        return Inputs(q, k, v, {"window": (8, 0), "causal": True})
+    def _window(rng, dtype):
+        q, k, v = random_qkv(rng, 60, 90, dtype=dtype, batch=(2,))
+        return Inputs(q, k, v, {"window": (7, 3)})
 
-    register_case(Case("window_8_0", "sliding window (8, 0): only keys i-8 ... i",
-                       _window_inputs, needs=("window", "causal"),
-                       hint="the window's edges are off by one, or not bottom-right aligned"))
+    register_case(Case("window", "sliding window (7, 3) with Nq = 60 < Nk = 90: ...", _window,
+                       needs=("window",), hint="wrong with a window: ..."))
 
 and ``check_kernel(fn, features=("mask", "causal", "lse", "window"))`` runs it (without
 ``"window"`` in the features it is listed as skipped). A feature name is known once a registered
 case needs it; :data:`FEATURES` describes the built-in ones. A case with its own kind of check
 (such as ``memory``) passes ``run=`` instead, a function ``(ctx) -> list[Failure]``.
+
+The variants
+------------
+Features ``"window"`` (``window=(left, right)``), ``"softcap"``, ``"alibi"`` (``alibi_slopes=``),
+``"gqa"`` (``enable_gqa=True``) and ``"mask_mod"`` (:data:`VARIANTS`), with FlashAttention's
+conventions as flash_lib documents them, each have cases of their own, skipped unless the feature
+is listed. Their failures are diagnosed by comparing the output with the classic mistakes, each
+written out densely here: a window off by one at an edge, aligned top-left or with its sides
+swapped; softcap applied after the mask, after the bias or before the scale; ALiBi's sign
+flipped, its distance aligned top-left, or attention-gym's causal-only form used without causal
+(and, under causal, an lse shifted by that form's per-row constant); GQA grouped as ``h mod Hkv``;
+a mask_mod inverted, called with its arguments swapped, on tile-local positions, with its batch
+dims dropped, or whose tiles are skipped by their corners; and each variant ignored.
 """
 
 from __future__ import annotations
@@ -82,6 +94,7 @@ import flash_lib
 
 __all__ = [
     "FEATURES",
+    "VARIANTS",
     "DEFAULT_FEATURES",
     "DTYPES",
     "FACTOR",
@@ -110,7 +123,20 @@ FEATURES = {
     "lse": "returns (out, lse), lse the natural log-sum-exp of each row's scaled, masked scores",
     "dv": "values may be narrower or wider than queries and keys (dv != d)",
     "memory": "allocates its memory through NumPy or Python, where tracemalloc sees it",
+    # The variants (flash_lib's keywords, FlashAttention's conventions)
+    "window": "takes window=(left, right), FlashAttention's window_size: key j allowed iff "
+              "i + (Nk - Nq) - left <= j <= i + (Nk - Nq) + right (None: unbounded)",
+    "softcap": "takes softcap=c > 0: s <- c * tanh(s / c) on the scaled scores, before the bias "
+               "and the masks",
+    "alibi": "takes alibi_slopes= of shape (H,) or (B, H): adds -slope * |i + (Nk - Nq) - j| "
+             "to the (capped) scores",
+    "gqa": "takes enable_gqa=True with k, v of Hkv heads (axis -3) dividing q's Hq: query head "
+           "h reads kv head h // (Hq / Hkv)",
+    "mask_mod": "takes mask_mod=f, f(q_idx, k_idx) -> bool array (True = may attend) of global "
+                "positions, q_idx of shape (rows, 1), k_idx (1, keys), leading dims allowed",
 }
+#: The variants' features, each with its cases below.
+VARIANTS = ("window", "softcap", "alibi", "gqa", "mask_mod")
 DEFAULT_FEATURES = ("mask", "causal", "lse")
 #: The dtypes a kernel can be checked in, in the order they are checked.
 DTYPES = ("float64", "float32", "float16")
@@ -368,6 +394,148 @@ for _case in [
          hint="values at keys a row may not attend changed that row"),
     Case("dv", "values of width dv = 24 with d = 16", _dv, needs=("dv",),
          hint="wrong when dv != d"),
+]:
+    register_case(_case)
+
+
+# --------------------------------------------------------------------------------------------
+# The variants' cases (flash_lib's keywords; FlashAttention's and FlexAttention's conventions)
+# --------------------------------------------------------------------------------------------
+
+#: The ALiBi paper's slopes for H heads, 2^(-8 (h + 1) / H) (attention-gym's generate_alibi_bias).
+def _alibi_slopes(heads):
+    return 2.0 ** (-8 * (np.arange(heads) + 1) / heads)
+
+
+def _window(rng, dtype):
+    # Nq < Nk, so the window's offset Nk - Nq = 30 matters; both edges inside the keys.
+    q, k, v = random_qkv(rng, 60, 90, dtype=dtype, batch=(2,))
+    return Inputs(q, k, v, {"window": (7, 3)})
+
+
+def _window_zero(rng, dtype):
+    # window (0, 0): query i sees key i + (Nk - Nq) alone, so out is exactly that value row.
+    q, k, v = random_qkv(rng, 40, 50, dtype=dtype)
+    return Inputs(q, k, v, {"window": (0, 0)})
+
+
+def _window_and_mask(rng, dtype):
+    # (12, None) ANDed with causal is (12, 0); Nq > Nk empties the first 20 rows; and key padding.
+    q, k, v = random_qkv(rng, 80, 60, dtype=dtype, batch=(2,))
+    mask = np.ones((2, 1, 60), dtype=bool)
+    mask[1, :, 50:] = False
+    return Inputs(q, k, v, {"window": (12, None), "causal": True, "mask": mask})
+
+
+def _capped_qkv(rng, n_q, n_k, dtype, batch=()):
+    # q scaled up: scaled scores of spread ~4, so that a cap of 3 bites on most rows
+    q, k, v = random_qkv(rng, n_q, n_k, batch=batch)
+    return (4 * q).astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def _softcap(rng, dtype):
+    return Inputs(*_capped_qkv(rng, 48, 96, dtype, batch=(2,)), {"softcap": 3.0})
+
+
+def _softcap_causal(rng, dtype):
+    # Nq = Nk: the first rows may see few keys and must not see many
+    return Inputs(*_capped_qkv(rng, 64, 64, dtype), {"softcap": 3.0, "causal": True})
+
+
+def _alibi(rng, dtype):
+    q, k, v = random_qkv(rng, 40, 70, dtype=dtype, batch=(2, 4))
+    return Inputs(q, k, v, {"alibi_slopes": _alibi_slopes(4)})
+
+
+def _alibi_cap_causal(rng, dtype):
+    q, k, v = _capped_qkv(rng, 50, 80, dtype, batch=(2, 4))
+    slopes = np.stack([_alibi_slopes(4), _alibi_slopes(4)[::-1]])  # (B, H)
+    return Inputs(q, k, v, {"alibi_slopes": slopes, "softcap": 3.0, "causal": True})
+
+
+def _gqa(rng, dtype):
+    q = rng.standard_normal((2, 6, 40, 16)).astype(dtype)
+    k, v = (rng.standard_normal((2, 2, 70, 16)).astype(dtype) for _ in range(2))
+    return Inputs(q, k, v, {"enable_gqa": True})
+
+
+def _mqa_causal(rng, dtype):
+    q = rng.standard_normal((2, 4, 30, 16)).astype(dtype)
+    k, v = (rng.standard_normal((2, 1, 50, 16)).astype(dtype) for _ in range(2))
+    return Inputs(q, k, v, {"enable_gqa": True, "causal": True})
+
+
+def _document_ids():
+    # Two packed sequences of 100 tokens; -1 marks padding, which sees nothing and is seen by none.
+    first = np.repeat([0, 1, 2, 3, 4], [5, 12, 3, 40, 40])
+    second = np.repeat([0, 1, 2, -1], [9, 46, 30, 15])
+    return np.stack([first, second])
+
+
+def _same_document(docs):
+    def mask_mod(q_idx, k_idx):  # (2, rows, keys): one layout per sequence of the batch
+        return (docs[:, q_idx] == docs[:, k_idx]) & (docs[:, q_idx] >= 0)
+    return mask_mod
+
+
+def _mask_mod_document(rng, dtype):
+    q, k, v = random_qkv(rng, 100, 100, dtype=dtype, batch=(2,))
+    return Inputs(q, k, v, {"mask_mod": _same_document(_document_ids()), "causal": True})
+
+
+def _prefix_lm(q_idx, k_idx):
+    return (k_idx < 30) | (k_idx <= q_idx)
+
+
+def _mask_mod_prefix(rng, dtype):
+    return Inputs(*random_qkv(rng, 90, 90, dtype=dtype), {"mask_mod": _prefix_lm})
+
+
+def _dilated(q_idx, k_idx):
+    distance = np.abs(q_idx - k_idx)
+    return (distance <= 40) & (distance % 3 == 0)
+
+
+def _mask_mod_dilated(rng, dtype):
+    return Inputs(*random_qkv(rng, 100, 100, dtype=dtype), {"mask_mod": _dilated})
+
+
+_WINDOW_HINT = ("wrong with a window: its edges are off by one, or it is not aligned "
+                "bottom-right (keys i + (Nk - Nq) - left ... i + (Nk - Nq) + right)")
+_SOFTCAP_HINT = "wrong with softcap: c * tanh(s / c) on the scaled scores, before bias and masks"
+_ALIBI_HINT = "wrong with ALiBi: the bias is -slope_h * |i + (Nk - Nq) - j|, one slope per head"
+_GQA_HINT = "wrong with grouped-query heads: query head h reads kv head h // (Hq / Hkv)"
+_MASK_MOD_HINT = ("wrong with mask_mod: it is called with global positions, True = may attend, "
+                  "and a tile may be skipped only where it is False on every pair")
+
+for _case in [
+    Case("window", "sliding window (7, 3) with Nq = 60 < Nk = 90: both edges, offset 30",
+         _window, needs=("window",), hint=_WINDOW_HINT),
+    Case("window_zero", "window (0, 0): each query sees exactly key i + (Nk - Nq)", _window_zero,
+         needs=("window",), hint=_WINDOW_HINT),
+    Case("window_and_mask", "window (12, None) with causal (Nq = 80 > Nk = 60: 20 empty rows) "
+         "and key padding, ANDed", _window_and_mask, needs=("window", "causal", "mask"),
+         hint=_WINDOW_HINT),
+    Case("softcap", "softcap 3 on scores of spread ~4", _softcap, needs=("softcap",),
+         hint=_SOFTCAP_HINT),
+    Case("softcap_causal", "softcap 3 with causal, Nq = Nk = 64: masked scores must stay -inf",
+         _softcap_causal, needs=("softcap", "causal"), hint=_SOFTCAP_HINT),
+    Case("alibi", "ALiBi, 4 heads, slopes 2^(-8(h+1)/H), not causal, Nq = 40 < Nk = 70",
+         _alibi, needs=("alibi",), hint=_ALIBI_HINT),
+    Case("alibi_cap_causal", "ALiBi with (B, H) slopes, softcap 3 and causal, Nq = 50 < "
+         "Nk = 80", _alibi_cap_causal, needs=("alibi", "softcap", "causal"),
+         hint=_ALIBI_HINT),
+    Case("gqa", "grouped-query attention, Hq = 6 over Hkv = 2", _gqa, needs=("gqa",),
+         hint=_GQA_HINT),
+    Case("mqa_causal", "multi-query attention (Hkv = 1) with causal, Nq = 30 < Nk = 50",
+         _mqa_causal, needs=("gqa", "causal"), hint=_GQA_HINT),
+    Case("mask_mod_document", "mask_mod: packed documents, one layout per sequence (leading "
+         "dim), padding rows empty, with causal", _mask_mod_document,
+         needs=("mask_mod", "causal"), hint=_MASK_MOD_HINT),
+    Case("mask_mod_prefix", "mask_mod: prefix-LM, (k < 30) | (k <= q)", _mask_mod_prefix,
+         needs=("mask_mod",), hint=_MASK_MOD_HINT),
+    Case("mask_mod_dilated", "mask_mod: dilated window, |i - j| <= 40 and divisible by 3 (sparse "
+         "inside tiles)", _mask_mod_dilated, needs=("mask_mod",), hint=_MASK_MOD_HINT),
 ]:
     register_case(_case)
 
@@ -696,10 +864,83 @@ def _passed(ctx, case, dtype):
     return result is not None and result.ok
 
 
+_KEEP = object()  # "as the case says", for _Diagnosis.allowed
+#: The keywords that decide which pairs may attend.
+_PAIRWISE = ("mask", "causal", "window", "mask_mod")
+#: The keywords whose answer depends on the keys' positions or heads.
+_POSITIONAL = ("window", "alibi_slopes", "mask_mod", "enable_gqa")
+#: Block sizes tried when a mistake depends on the kernel's tiles (square tiles).
+_BLOCKS = (8, 16, 32, 64, 128, 256, 512)
+
+
+def _alibi_bias(slopes, n_q, n_k, form):
+    """ALiBi's bias, (..., Nq, Nk), in one of its forms: FlashAttention's ("bottom-right",
+    -slope·|i + (Nk - Nq) - j|) and the mistakes "flipped", "top-left" and "gym" (attention-gym's
+    slope·(j - i), right only under causal masking)."""
+    i, j = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
+    slopes = np.asarray(slopes, np.longdouble)[..., None, None]
+    distance = {"bottom-right": np.abs(i + (n_k - n_q) - j), "flipped": -np.abs(i + (n_k - n_q) - j),
+                "top-left": np.abs(i - j), "gym": i - j}[form]
+    return -slopes * distance
+
+
+def _dense_variant(q, k, v, scale, allowed, *, softcap=None, bias=None, cap_at="scores",
+                   groups=None):
+    """Attention with the variants written out densely, in longdouble, for the diagnoses: the
+    truth with the defaults, a classic mistake otherwise. ``cap_at``: where softcap is applied,
+    "scores" (the scaled scores: right), "unscaled" (q·kᵀ before the scale), "biased" (after
+    the ALiBi bias) or "masked" (after the mask, where c·tanh(-inf) = -c). ``groups``: None, or
+    how query heads find their kv head, "repeat" (h // (Hq/Hkv): right) or "tile" (h mod Hkv)."""
+    wide = np.longdouble
+    q, k, v = (x.astype(wide) for x in (q, k, v))
+    if groups is not None:
+        g = q.shape[-3] // k.shape[-3]
+        if groups == "repeat":
+            k, v = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
+        else:
+            reps = (1,) * (k.ndim - 3) + (g, 1, 1)
+            k, v = np.tile(k, reps), np.tile(v, reps)
+    raw = q @ np.swapaxes(k, -1, -2)
+    cap = None if softcap is None else wide(softcap)
+
+    def capped(x):
+        return cap * np.tanh(x / cap)
+
+    s = wide(scale) * (capped(raw) if cap is not None and cap_at == "unscaled" else raw)
+    if cap is not None and cap_at == "scores":
+        s = capped(s)
+    if bias is not None:
+        s = s + bias
+    if cap is not None and cap_at == "biased":
+        s = capped(s)
+    s = np.where(allowed, s, -np.inf)
+    if cap is not None and cap_at == "masked":
+        s = capped(s)
+    m = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0))
+    total = p.sum(axis=-1, keepdims=True)
+    return (p @ v) / np.where(total == 0, 1, total)
+
+
+def _tile_corners_kept(allowed, block):
+    """For square tiles of ``block``: True on the pairs of every tile where ``allowed`` holds at
+    one of its four corners (what a kernel that tests only the corners would compute)."""
+    n_q, n_k = allowed.shape[-2:]
+    kept = np.zeros(allowed.shape, dtype=bool)
+    for q0 in range(0, n_q, block):
+        q1 = min(q0 + block, n_q) - 1
+        for k0 in range(0, n_k, block):
+            k1 = min(k0 + block, n_k) - 1
+            corners = allowed[..., [q0, q0, q1, q1], [k0, k1, k0, k1]].any(axis=-1)
+            kept[..., q0:q1 + 1, k0:k1 + 1] = corners[..., None, None]
+    return kept
+
+
 class _Diagnosis:
     """Finds the likely cause of a failure, by comparing the kernel's output with the outputs of
-    known mistakes (top-left causal, a dropped key block, an ignored scale) and, where that is
-    not enough, by probing the kernel on one row with its keys reordered."""
+    known mistakes (top-left causal, a dropped key block, an ignored scale, the variants'
+    classic mistakes) and, where that is not enough, by probing the kernel on one row with its
+    keys reordered."""
 
     def __init__(self, ctx, ref, out, lse):
         self.ctx, self.ref, self.out, self.lse = ctx, ref, out, lse
@@ -713,15 +954,37 @@ class _Diagnosis:
 
     # What the kernel output is compared with -------------------------------------------------
 
-    def allowed(self):
-        """The (..., Nq, Nk) pairs that may attend, from the case's mask and causal."""
+    def allowed(self, window=_KEEP, mask_mod=_KEEP, window_offset=None, causal_offset=None):
+        """The (..., Nq, Nk) pairs that may attend, from the case's mask, causal, window and
+        mask_mod, written out here from their definitions; a mistake's pairs with the keywords
+        replaced (``window``, ``mask_mod``) or the diagonal moved (``*_offset``, default
+        Nk - Nq)."""
         kwargs = self.inputs.kwargs
+        offset = self.n_k - self.n_q
+        rel = np.arange(self.n_k)[None, :] - np.arange(self.n_q)[:, None]  # j - i
         allowed = np.ones(self.ref.lse.shape + (self.n_k,), dtype=bool)
         if kwargs.get("mask") is not None:
             allowed = allowed & kwargs["mask"]
         if kwargs.get("causal"):
-            allowed = allowed & _bottom_right(self.n_q, self.n_k)
+            allowed = allowed & (rel <= (offset if causal_offset is None else causal_offset))
+        window = kwargs.get("window") if window is _KEEP else window
+        if window is not None:
+            shift = rel - (offset if window_offset is None else window_offset)
+            left, right = window
+            if left is not None:
+                allowed = allowed & (shift >= -left)
+            if right is not None:
+                allowed = allowed & (shift <= right)
+        mask_mod = kwargs.get("mask_mod") if mask_mod is _KEEP else mask_mod
+        if mask_mod is not None:
+            allowed = allowed & np.asarray(mask_mod(np.arange(self.n_q)[:, None],
+                                                    np.arange(self.n_k)[None, :]), dtype=bool)
         return allowed
+
+    def positional(self):
+        """True if the case's answer depends on where each key is (window, ALiBi, mask_mod) or
+        which head it belongs to (GQA), so that reordering or dropping keys changes it."""
+        return any(key in self.inputs.kwargs for key in _POSITIONAL)
 
     def _other_kwargs(self, *drop):
         return {key: val for key, val in self.inputs.kwargs.items() if key not in drop}
@@ -734,7 +997,8 @@ class _Diagnosis:
         return to_alt <= 0.01 * to_truth and to_alt < 1e-2
 
     def top_left(self):
-        if not self.inputs.kwargs.get("causal") or self.n_q == self.n_k:
+        if (not self.inputs.kwargs.get("causal") or self.n_q == self.n_k
+                or "window" in self.inputs.kwargs):  # the window's own diagnoses say it
             return None
         mask = np.tril(np.ones((self.n_q, self.n_k), dtype=bool))
         if self.inputs.kwargs.get("mask") is not None:
@@ -750,6 +1014,8 @@ class _Diagnosis:
         return None
 
     def dropped_keys(self):
+        if "alibi_slopes" in self.inputs.kwargs:  # the bias depends on Nk: not comparable
+            return None
         allowed = np.broadcast_to(self.allowed(), self.ref.lse.shape + (self.n_k,))
         for b in (8, 16, 32, 64, 128, 256, 512):
             n = self.n_k - self.n_k % b
@@ -760,7 +1026,7 @@ class _Diagnosis:
             else:
                 alt = flash_lib.precise_attention(self.q, self.k[..., :n, :], self.v[..., :n, :],
                                                   mask=allowed[..., :n],
-                                                  **self._other_kwargs("mask", "causal"))
+                                                  **self._other_kwargs(*_PAIRWISE))
             if self._closer_to(alt):
                 return (f"the output is attention over the first {n} of {self.n_k} keys: the "
                         f"last partial key block is dropped (block_k divides {n}; loop to Nk, "
@@ -797,6 +1063,8 @@ class _Diagnosis:
         right when the max comes first and wrong when it rises, whatever its block size.
         """
         ctx, ref = self.ctx, self.ref
+        if self.positional():  # reordering keys changes the answer
+            return None
         allowed = np.broadcast_to(self.allowed(), ref.lse.shape + (self.n_k,))
         row_err = flash_lib.rowwise_relative_error(self.out, ref.out)
         candidates = ref.rows & (allowed.sum(axis=-1) >= 2)
@@ -832,6 +1100,118 @@ class _Diagnosis:
                     f"exp(m - m') (or p is taken against the old max)")
         return None
 
+    def _variant(self, allowed=None, softcap=_KEEP, alibi="bottom-right", cap_at="scores",
+                 groups="repeat"):
+        """The case's attention written out densely, with one thing changed (a mistake)."""
+        kwargs = self.inputs.kwargs
+        scale = kwargs.get("scale")
+        scale = 1 / math.sqrt(self.q.shape[-1]) if scale is None else scale
+        slopes = kwargs.get("alibi_slopes")
+        bias = None if slopes is None or alibi is None else _alibi_bias(slopes, self.n_q,
+                                                                        self.n_k, alibi)
+        return _dense_variant(
+            self.q, self.k, self.v, scale, self.allowed() if allowed is None else allowed,
+            softcap=kwargs.get("softcap") if softcap is _KEEP else softcap, bias=bias,
+            cap_at=cap_at, groups=groups if kwargs.get("enable_gqa") else None)
+
+    def _variant_alternatives(self):
+        """(diagnosis, output) for each classic mistake of the variants this case uses."""
+        kwargs = self.inputs.kwargs
+        window, cap = kwargs.get("window"), kwargs.get("softcap")
+        mask_mod, slopes = kwargs.get("mask_mod"), kwargs.get("alibi_slopes")
+        if window is not None:
+            left, right = window
+            for side, value, edge in (("left", left, "i + (Nk - Nq) - left <= j"),
+                                      ("right", right, "j <= i + (Nk - Nq) + right")):
+                for alt in (() if value is None else (value - 1, value + 1)):
+                    if alt < 0:
+                        continue
+                    other = (alt, right) if side == "left" else (left, alt)
+                    yield (f"window off by one at the {side} edge: the kernel computes "
+                           f"window={other}, not {window} (the window is inclusive: {edge})",
+                           self._variant(self.allowed(window=other)))
+            yield ("the window is aligned top-left (around j = i), not bottom-right around "
+                   "j = i + (Nk - Nq) as FlashAttention's window_size",
+                   self._variant(self.allowed(window_offset=0)))
+            yield ("the window and causal are both aligned top-left (around j = i), not "
+                   "bottom-right (j = i + (Nk - Nq))",
+                   self._variant(self.allowed(window_offset=0, causal_offset=0)))
+            if left != right:
+                yield (f"the window's sides are swapped: window=(left, right) counts left keys "
+                       f"before the diagonal and right after it, got {window[::-1]}",
+                       self._variant(self.allowed(window=window[::-1])))
+            yield "the window is ignored", self._variant(self.allowed(window=None))
+        if cap is not None:
+            if not self.allowed().all():
+                yield ("softcap applied after the mask: c·tanh(-inf / c) = -c, so masked keys get "
+                       "weight exp(-c - m); cap the scaled scores first, then set masked ones to "
+                       "-inf", self._variant(cap_at="masked"))
+            if slopes is not None:
+                yield ("softcap applied after the ALiBi bias: cap the scaled scores, then add "
+                       "the bias (FlashAttention's order)", self._variant(cap_at="biased"))
+            yield ("softcap applied to q·kᵀ before the scale: it caps the scaled scores, "
+                   "c·tanh(τ·q·kᵀ / c) (FlashAttention passes softmax_scale / softcap to tanh)",
+                   self._variant(cap_at="unscaled"))
+            yield "softcap is ignored", self._variant(softcap=None)
+        if slopes is not None:
+            yield ("ALiBi's sign is flipped: the bias is -slope·|i + (Nk - Nq) - j|, a penalty "
+                   "growing with the distance", self._variant(alibi="flipped"))
+            yield ("ALiBi's distance is aligned top-left, |i - j|: FlashAttention measures it "
+                   "from the query's position, |i + (Nk - Nq) - j|", self._variant(alibi="top-left"))
+            if not kwargs.get("causal"):
+                yield ("ALiBi written as slope·(j - i) (attention-gym's score_mod): that equals "
+                       "-slope·|i + (Nk - Nq) - j| up to a constant per row only under causal "
+                       "masking; without it, keys after the diagonal get a bonus instead of a "
+                       "penalty", self._variant(alibi="gym"))
+            yield "ALiBi's bias is ignored", self._variant(alibi=None)
+        if kwargs.get("enable_gqa"):
+            yield ("GQA grouped as h mod Hkv instead of h // (Hq/Hkv): query heads 0, 1, ... of "
+                   "a group are consecutive (FlashAttention: 'head 0, 1, 2 of Q will attention to "
+                   "head 0 of K, V'; SDPA: repeat_interleave), not every Hkv-th head "
+                   "(np.tile, Tensor.repeat)", self._variant(groups="tile"))
+        if mask_mod is not None:
+            i, j = np.arange(self.n_q)[:, None], np.arange(self.n_k)[None, :]
+            mod = np.asarray(mask_mod(i, j), dtype=bool)
+            yield ("mask_mod's result is inverted: True means may attend (FlexAttention's "
+                   "convention), not masked out",
+                   self._variant(self.allowed(mask_mod=lambda a, b: ~mod)))
+            yield ("mask_mod is called with its arguments swapped: it takes (q_idx, k_idx), "
+                   "in that order", self._variant(self.allowed(
+                       mask_mod=lambda a, b: np.asarray(mask_mod(b, a), dtype=bool))))
+            if mod.ndim > 2 and mod.shape[0] > 1:
+                first = mod[(0,) * (mod.ndim - 2)]
+                yield ("mask_mod's leading (batch, head) dims are dropped: its first entry is "
+                       "used for every sequence", self._variant(
+                           self.allowed(mask_mod=lambda a, b: first)))
+            yield ("mask_mod is ignored", self._variant(self.allowed(mask_mod=None)))
+            for b in _BLOCKS:
+                if b >= max(self.n_q, self.n_k):
+                    break
+                local = np.asarray(mask_mod(i % b, j % b), dtype=bool)
+                yield (f"mask_mod is called with positions local to the tile (0 ... {b - 1}, "
+                       f"block {b}), not global ones",
+                       self._variant(self.allowed(mask_mod=lambda a, c: local)))
+                yield (f"tiles are skipped when mask_mod is False at their four corners (block "
+                       f"{b}): a tile may be skipped only if mask_mod is False on every pair of "
+                       f"it (create_block_mask sums the whole block)",
+                       self._variant(self.allowed() & _tile_corners_kept(mod, b)))
+
+    def variant_mistakes(self):
+        """The classic mistake of a variant that explains the output, if one does: the kernel's
+        output is within 5% of its distance to the truth from that mistake's output."""
+        if not any(key in self.inputs.kwargs for key in _POSITIONAL + ("softcap",)):
+            return None
+        rows = self.ref.rows & np.isfinite(self.out).all(axis=-1)
+        if not rows.any():
+            return None
+        to_truth = _max_error(self.out[rows], self.ref.out[rows])
+        best = None
+        for why, alt in self._variant_alternatives():
+            to_alt = _max_error(self.out[rows], alt[rows])
+            if to_alt <= 0.05 * to_truth and to_alt < 1e-2 and (best is None or to_alt < best[0]):
+                best = (to_alt, why)
+        return None if best is None else best[1]
+
     def precision_loss(self, err):
         eps32 = float(np.finfo(np.float32).eps)
         if self.ctx.dtype == "float64" and 1e-3 * eps32 < err < 1e3 * eps32:
@@ -847,9 +1227,9 @@ class _Diagnosis:
     def explain_out(self):
         """Why the output's error is above the bound (computed once, reused for the lse)."""
         if self._out is None:
-            self._out = (self.top_left() or self.dropped_keys() or self.tail_rows()
-                         or self.scale_ignored() or self.precision_loss(self.out_error or 0.0)
-                         or self.key_order())
+            self._out = (self.variant_mistakes() or self.top_left() or self.dropped_keys()
+                         or self.tail_rows() or self.scale_ignored()
+                         or self.precision_loss(self.out_error or 0.0) or self.key_order())
             if self._out is None and self.float16_only():
                 self._out = ("fails in float16 only, where float32 passed: the sums are "
                              "accumulated in float16 (l, acc or P·V); accumulate in float32, as "
@@ -891,6 +1271,10 @@ class _Diagnosis:
             return ("fully masked row is NaN: non-finite values in k or v at keys it may not "
                     "attend reached it (0 · inf = NaN in P·V): leave masked keys out of P·V, or "
                     "zero their v")
+        if nan.any() and "mask_mod" in self.inputs.kwargs:
+            return ("fully masked row is NaN: mask_mod allows none of its pairs, so its tiles are "
+                    "skipped or all -inf and l = 0; out = acc / l is then 0 / 0 (or the "
+                    "exp(-inf - (-inf)) guard is missing): return 0 where l = 0")
         if nan.any():
             return ("fully masked row is NaN: the exp(-inf - (-inf)) guard is missing (use a "
                     "finite reference, e.g. 0, where the running max is still -inf, and 0 "
@@ -922,6 +1306,32 @@ class _Diagnosis:
                 f"kernel's convention (FlashAttention writes +inf, PyTorch's CPU flash op 0.0), "
                 f"pass it as lse_empty")
 
+    def alibi_row_constant(self, rows):
+        """Under causal masking, ALiBi written as slope·(j - i) (attention-gym) or slope·j
+        (FlashAttention's CUDA kernel) gives the same output but an lse shifted by a constant
+        per row: say which, if the lse is off by exactly that."""
+        kwargs = self.inputs.kwargs
+        if kwargs.get("alibi_slopes") is None or not kwargs.get("causal"):
+            return None
+        shape = self.ref.lse.shape
+        slopes = np.broadcast_to(np.asarray(kwargs["alibi_slopes"], np.float64)[..., None], shape)
+        position = np.arange(self.n_q) + (self.n_k - self.n_q)  # i + (Nk - Nq)
+        shift = (self.lse.astype(np.float64) - self.ref.lse.astype(np.float64))[rows]
+        forms = {"slope·(j - i), attention-gym's form, which shifts it by slope·(Nk - Nq)":
+                 slopes * (self.n_k - self.n_q),
+                 "slope·j, as FlashAttention's CUDA kernel adds it under causal "
+                 "(csrc/flash_attn/src/alibi.h), which shifts it by slope·(i + Nk - Nq)":
+                 slopes * position}
+        for form, expected in forms.items():
+            expected = expected[rows]
+            if np.abs(expected).max(initial=0) > 1e-3 and np.allclose(shift, expected, rtol=1e-4,
+                                                                       atol=1e-4):
+                return (f"the output is right but the lse is that of ALiBi written as {form}: "
+                        f"under causal masking the two biases differ by a constant per row, "
+                        f"which softmax ignores and the lse does not; the lse expected is that "
+                        f"of -slope·|i + (Nk - Nq) - j|")
+        return None
+
     def explain_lse(self, rows, err):
         got = self.lse[rows].astype(np.float64)
         true = self.ref.lse[rows].astype(np.float64)
@@ -930,6 +1340,9 @@ class _Diagnosis:
                     "multiply by ln 2 to return the natural log-sum-exp")
         if self.out_failed:
             return f"as the output: {self.explain_out()}"
+        alibi = self.alibi_row_constant(rows)
+        if alibi:
+            return alibi
         if got.size > 1:
             shift = got - true
             c = float(np.mean(shift))
@@ -1015,7 +1428,9 @@ def check_kernel(fn, *, features=DEFAULT_FEATURES, dtypes=DTYPES, lse_empty=-np.
     ----------
     fn : callable
         ``fn(q, k, v, *, mask=None, causal=False, scale=None)`` returning ``out`` (or
-        ``(out, lse)`` with the ``"lse"`` feature); only the keywords a case uses are passed.
+        ``(out, lse)`` with the ``"lse"`` feature); only the keywords a case uses are passed,
+        among them, with their features, ``window``, ``softcap``, ``alibi_slopes``,
+        ``enable_gqa`` and ``mask_mod`` (flash_lib's keywords).
     features : iterable of str
         What the kernel supports (see :data:`FEATURES`); cases needing anything else are skipped.
     dtypes : iterable of str

@@ -151,8 +151,9 @@ for bug in [None, *BUGS]:
 # `flash_check.check_kernel(fn, features=..., dtypes=..., lse_empty=...)` calls
 # `fn(q, k, v, mask=..., causal=..., scale=...)` (only the keywords a case uses) and returns a
 # `Report`. `features` says what the kernel supports ("mask", "causal", "lse", "dv" for
-# $d_v \ne d$, "memory" for kernels whose allocations `tracemalloc` can see); a case that needs
-# another feature is skipped and listed as skipped. Each registered case says why it is there:
+# $d_v \ne d$, "memory" for kernels whose allocations `tracemalloc` can see, and the variants of
+# chapter 13, `flash_check.VARIANTS`: "window", "softcap", "alibi", "gqa", "mask_mod"); a case that
+# needs another feature is skipped and listed as skipped. Each registered case says why it is there:
 
 # %%
 for case in flash_check.CASES.values():
@@ -173,8 +174,9 @@ for case in flash_check.CASES.values():
 # more; the lse likewise, with the error $|\text{lse} - t| / (1 + |t|)$. A fully masked row must
 # give exactly 0 and the lse `lse_empty`; a NaN row of `q` must stay NaN and in its row.
 #
-# flash_lib passes, with its default 512 × 512 tiles (memory included) and with 16 × 16 tiles
-# (which exercise the recurrence on these small cases), and so does the clean kernel above. (The
+# flash_lib passes, with its default 512 × 512 tiles (memory and the variants included) and with
+# 16 × 16 tiles (which exercise the recurrence on these small cases), and so does the clean kernel
+# above, which has no variants (their cases are skipped for it). (The
 # memory case runs $N = 4096$; the kernel above, with its 16 × 16 tiles in Python loops, would take
 # half a minute there, so only the kernels whose memory is in question run it.)
 
@@ -183,10 +185,11 @@ flash_kernel = functools.partial(flash_lib.flash_attention, return_lse=True)
 small_tiles = functools.partial(flash_lib.flash_attention, return_lse=True, block_q=16,
                                 block_k=16)
 features = ("mask", "causal", "lse", "dv")
-clean_reports = {
-    "flash_lib, 512 x 512 tiles": flash_check.check_kernel(flash_kernel,
-                                                           features=features + ("memory",)),
-    "flash_lib, 16 x 16 tiles": flash_check.check_kernel(small_tiles, features=features),
+clean_reports = {  # flash_lib has the variants too; the tiled kernel above does not
+    "flash_lib, 512 x 512 tiles": flash_check.check_kernel(
+        flash_kernel, features=features + flash_check.VARIANTS + ("memory",)),
+    "flash_lib, 16 x 16 tiles": flash_check.check_kernel(
+        small_tiles, features=features + flash_check.VARIANTS),
     "the tiled kernel above": flash_check.check_kernel(tiled_attention, features=features),
 }
 for name, report in clean_reports.items():

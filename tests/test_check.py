@@ -22,6 +22,10 @@ import flash_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ALL = ("mask", "causal", "lse", "dv")
+VARIANTS = flash_check.VARIANTS
+#: The cases that need a variant feature.
+VARIANT_CASES = [name for name, case in flash_check.CASES.items()
+                 if set(case.needs) & set(VARIANTS)]
 
 
 def tiled(q, k, v, *, mask=None, causal=False, scale=None, block=16, bug=None):
@@ -86,13 +90,18 @@ def diagnoses(report, case=None):
 @pytest.mark.parametrize("blocks", [{}, {"block_q": 16, "block_k": 16}, {"block_q": 7, "block_k": 1}],
                          ids=["default tiles", "16x16", "7x1"])
 def test_flash_lib_passes_every_case(blocks):
+    """With every feature, the variants included, at the default and 16 x 16 tiles; at 7 x 1
+    (a thousand rescales in a row) the classic cases only, since one key per tile makes the
+    variant cases' per-tile work (mask_mod, bias) cost seconds here."""
     kernel = functools.partial(flash_lib.flash_attention, return_lse=True, **blocks)
-    features = ALL + (("memory",) if not blocks else ())
+    variants = VARIANTS if blocks.get("block_k") != 1 else ()
+    features = ALL + variants + (("memory",) if not blocks else ())
     report = flash_check.check_kernel(kernel, features=features)
     assert report.ok, str(report)
-    assert [s.case for s in report.skipped] == ([] if "memory" in features else ["memory"])
-    assert {r.case for r in report.results} == set(flash_check.CASES) - (
-        set() if "memory" in features else {"memory"})
+    skipped = (set() if "memory" in features else {"memory"}) | (
+        set() if variants else set(VARIANT_CASES))
+    assert {s.case for s in report.skipped} == skipped
+    assert {r.case for r in report.results} == set(flash_check.CASES) - skipped
 
 
 def test_the_clean_tiled_kernel_passes():
@@ -324,6 +333,164 @@ def test_the_bound_rule_is_the_documented_one():
     (result,) = report.results
     assert result.out_bound == pytest.approx(2 * result.out_naive + 8 * eps["float32"])
     assert 0 < result.out_error <= result.out_bound
+
+
+# --- the variants: window, softcap, ALiBi, GQA, mask_mod ------------------------------------
+
+
+def variant_tiled(q, k, v, *, mask=None, causal=False, scale=None, window=None, softcap=None,
+                  alibi_slopes=None, enable_gqa=False, mask_mod=None, block=16, bug=None):
+    """The variants, tiled like a GPU kernel, written here from FlashAttention's conventions
+    (independently of flash_lib); ``bug`` gets one of them wrong the way real kernels do."""
+    acc = np.float32 if q.dtype == np.float16 else q.dtype.type
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    if enable_gqa:  # a gather per query head (a real kernel indexes instead of copying)
+        heads = np.arange(q.shape[-3])
+        groups = q.shape[-3] // k.shape[-3]
+        kv_head = heads % k.shape[-3] if bug == "gqa_h_mod_hkv" else heads // groups
+        k, v = k[..., kv_head, :, :], v[..., kv_head, :, :]
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2],
+                                () if mask is None else np.shape(mask)[:-2])
+    slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, acc)[..., None, None]
+    offset = n_k - n_q
+    window_offset = 0 if bug == "window_top_left" else offset
+    out = np.zeros(batch + (n_q, v.shape[-1]), acc)
+    lse = np.full(batch + (n_q,), -np.inf, acc)
+
+    def cap(x):
+        return acc(softcap) * np.tanh(x / acc(softcap))
+
+    for qs in range(0, n_q, block):
+        qe = min(qs + block, n_q)
+        i = np.arange(qs, qe)[:, None]
+        m = np.full(batch + (qe - qs,), -np.inf, acc)
+        l = np.zeros_like(m)
+        o = np.zeros(batch + (qe - qs, v.shape[-1]), acc)
+        for ks in range(0, n_k, block):
+            ke = min(ks + block, n_k)
+            j = np.arange(ks, ke)[None, :]
+            ok = np.ones((qe - qs, ke - ks), bool)
+            if mask_mod is not None:
+                if bug == "mask_mod_corner_skip":  # looks at the tile's corners only
+                    corners = np.asarray(mask_mod(np.array([[qs], [qe - 1]]),
+                                                  np.array([[ks, ke - 1]])))
+                    if not corners.any():
+                        continue
+                a, b = (i - qs, j - ks) if bug == "mask_mod_local_indices" else (i, j)
+                mod = np.asarray(mask_mod(b, a) if bug == "mask_mod_swapped" else mask_mod(a, b))
+                mod = ~mod if bug == "mask_mod_inverted" else mod
+                if not mod.any():  # no pair allowed: the tile is never multiplied
+                    continue
+                ok = ok & mod
+            if mask is not None:
+                ok = ok & np.broadcast_to(mask, np.shape(mask)[:-2] + (n_q, n_k))[..., qs:qe, ks:ke]
+            if causal:
+                ok = ok & (j <= i + offset)
+            if window is not None:
+                left, right = window
+                if left is not None:
+                    first = i + window_offset - left
+                    ok = ok & ((j > first) if bug == "window_left_off_by_one" else (j >= first))
+                if right is not None:
+                    ok = ok & (j <= i + window_offset + right)
+            s = (q[..., qs:qe, :].astype(acc) @ np.swapaxes(k[..., ks:ke, :], -1, -2).astype(acc)
+                 * acc(scale))
+            if softcap is not None and bug not in ("softcap_after_mask", "softcap_after_bias"):
+                s = cap(s)
+            if slopes is not None:
+                if bug == "alibi_gym_form":
+                    s = s + slopes * (j - i)
+                elif bug == "alibi_top_left":
+                    s = s - slopes * np.abs(i - j)
+                else:
+                    s = s - slopes * np.abs(i + offset - j)
+            if softcap is not None and bug == "softcap_after_bias":
+                s = cap(s)
+            s = np.where(ok, s, -np.inf)
+            if softcap is not None and bug == "softcap_after_mask":
+                s = cap(s)
+            m_new = np.maximum(m, s.max(axis=-1))
+            m_ref = np.where(m_new == -np.inf, 0, m_new)
+            p = np.exp(s - m_ref[..., None])
+            alpha = np.exp(m - m_ref)
+            l = alpha * l + p.sum(axis=-1)
+            o = alpha[..., None] * o + p @ v[..., ks:ke, :].astype(acc)
+            m = m_new
+        empty = l == 0
+        out[..., qs:qe, :] = o / np.where(empty, 1, l)[..., None]
+        lse[..., qs:qe] = np.where(empty, -np.inf, m + np.log(np.where(empty, 1, l)))
+    return out.astype(q.dtype), lse.astype(np.float32 if q.dtype == np.float16 else q.dtype)
+
+
+def test_variant_cases_are_skipped_unless_their_feature_is_listed():
+    kernel = functools.partial(flash_lib.flash_attention, return_lse=True)
+    report = flash_check.check_kernel(kernel, dtypes=("float32",))
+    skipped = {s.case: s.reason for s in report.skipped}
+    assert set(VARIANT_CASES) <= set(skipped) and len(VARIANT_CASES) >= 10
+    assert skipped["window"].startswith("needs feature 'window': takes window=(left, right)")
+    assert "needs feature 'gqa': takes enable_gqa=True" in skipped["gqa"]
+    assert "'mask_mod'" in skipped["mask_mod_document"]
+    report = flash_check.check_kernel(kernel, features=DEFAULT + ("window",), dtypes=("float32",),
+                                      cases=VARIANT_CASES)
+    assert {r.case for r in report.results} == {"window", "window_zero", "window_and_mask"}
+    assert report.ok, str(report)
+
+
+def test_the_variants_written_here_pass_every_variant_case():
+    """A second implementation, tiled, passes in every dtype: the cases hold each variant to
+    its conventions, not to flash_lib's code."""
+    report = flash_check.check_kernel(variant_tiled, features=ALL + VARIANTS, cases=VARIANT_CASES)
+    assert report.ok, str(report)
+    assert len(report.results) == 3 * len(VARIANT_CASES)
+
+
+def test_the_diagnoses_reference_is_the_truth():
+    """The dense construction the variant diagnoses compare against, without a mistake, is
+    precise_attention on every variant case: so a mistake's output is that mistake's."""
+    for name in VARIANT_CASES:
+        ref = flash_check._reference(flash_check.CASES[name], "float64", 0)
+        ctx = flash_check._Context(variant_tiled, flash_check.CASES[name], "float64",
+                                   ALL + VARIANTS, -np.inf, 0, {})
+        why = flash_check._Diagnosis(ctx, ref, ref.out, ref.lse)
+        assert flash_lib.rowwise_relative_error(why._variant(), ref.out).max() < 1e-15, name
+
+
+VARIANT_BUGS = {
+    # bug: (the case it must fail, words of the diagnosis there)
+    "window_left_off_by_one": ("window", "window off by one at the left edge"),
+    "window_top_left": ("window", "the window is aligned top-left"),
+    "softcap_after_mask": ("softcap_causal", "softcap applied after the mask"),
+    "softcap_after_bias": ("alibi_cap_causal", "softcap applied after the ALiBi bias"),
+    "alibi_gym_form": ("alibi", "(attention-gym's score_mod)"),
+    "alibi_top_left": ("alibi", "ALiBi's distance is aligned top-left"),
+    "gqa_h_mod_hkv": ("gqa", "GQA grouped as h mod Hkv instead of h // (Hq/Hkv)"),
+    "mask_mod_inverted": ("mask_mod_prefix", "mask_mod's result is inverted"),
+    "mask_mod_swapped": ("mask_mod_prefix", "called with its arguments swapped"),
+    "mask_mod_corner_skip": ("mask_mod_dilated",
+                             "skipped when mask_mod is False at their four corners (block 16)"),
+    "mask_mod_local_indices": ("mask_mod_document", "positions local to the tile (0 ... 15, "
+                               "block 16)"),
+}
+
+
+@pytest.mark.parametrize("bug", VARIANT_BUGS)
+def test_each_variant_bug_is_caught_with_its_cause(bug):
+    """In every dtype, the signature case fails with the diagnosis that names the mistake."""
+    case, words = VARIANT_BUGS[bug]
+    cases = [case, "alibi_cap_causal"] if bug == "alibi_gym_form" else [case]
+    report = flash_check.check_kernel(functools.partial(variant_tiled, bug=bug),
+                                      features=ALL + VARIANTS, cases=cases)
+    failing = [f for f in report.failures if f.case == case]
+    assert {f.dtype for f in failing} == set(flash_check.DTYPES), str(report)
+    for dtype in flash_check.DTYPES:
+        assert any(words in f.diagnosis for f in failing if f.dtype == dtype), (
+            dtype, diagnoses(report, case))
+    if bug == "alibi_gym_form":  # under causal, the same output as ours; the lse is shifted
+        causal = [f for f in report.failures if f.case == "alibi_cap_causal"]
+        assert {f.check for f in causal} == {"lse error"}, str(report)
+        assert all("attention-gym's form, which shifts it by slope·(Nk - Nq)" in f.diagnosis
+                   for f in causal), diagnoses(report, "alibi_cap_causal")
 
 
 # --- the command line -----------------------------------------------------------------------
