@@ -141,21 +141,26 @@ DEFAULT_BLOCK_K = 512
 def online_softmax_update(m, l, acc, s, v, matmul=np.matmul):
     """Fold one tile of scores into its rows' running state ``(m, l, acc)``, in place.
 
-    ``m``, ``l``: shape ``(..., rows)``; ``acc``: ``(..., rows, dv)``; ``s``: the tile's scaled
-    scores, ``(..., rows, keys)``, ``-inf`` where a pair is not allowed, overwritten with ``p``;
-    ``v``: the tile's values, ``(..., keys, dv)``. ``matmul(p, v)`` is ``p @ v``; the kernel
-    passes one that writes into a reused buffer and keeps masked keys out (``_matmul_allowed``).
+    m, l: (..., rows); acc: (..., rows, dv); v: the tile's values, (..., keys, dv);
+    s: the tile's scaled scores, (..., rows, keys), -inf where a pair is not allowed;
+    s is overwritten with p. ``matmul(p, v)`` is ``p @ v``: the kernel passes one that
+    reuses a buffer and keeps masked keys out (``_matmul_allowed``).
     """
-    m_new = np.maximum(m, s.max(axis=-1))  # m' = max(m, max_j s_j)
-    # A row with no allowed key yet has m' = -inf, and -inf - (-inf) is NaN; any finite
-    # reference point gives the same e^(-inf) = 0 there, so it uses 0.
+    # m' = max(m, max_j s_j)
+    m_new = np.maximum(m, s.max(axis=-1))
+    # A row with no allowed key yet has m' = -inf, and -inf - (-inf) is NaN;
+    # any finite reference gives the same e^(-inf) = 0 there: use 0.
     m_ref = np.where(m_new == -np.inf, 0, m_new)
-    alpha = np.exp(m - m_ref)  # e^(m - m'): re-expresses what was summed against m'
-    p = np.exp(np.subtract(s, m_ref[..., None], out=s), out=s)  # p_j = e^(s_j - m')
+    # alpha = e^(m - m') re-expresses what was summed against m'
+    alpha = np.exp(m - m_ref)
+    # p_j = e^(s_j - m')
+    p = np.exp(np.subtract(s, m_ref[..., None], out=s), out=s)
+    # l' = l·e^(m - m') + Σ_j p_j
     l *= alpha
-    l += p.sum(axis=-1)  # l' = l·e^(m - m') + Σ_j p_j
+    l += p.sum(axis=-1)
+    # acc' = acc·e^(m - m') + Σ_j p_j v_j
     acc *= alpha[..., None]
-    acc += matmul(p, v)  # acc' = acc·e^(m - m') + Σ_j p_j v_j
+    acc += matmul(p, v)
     m[...] = m_new
 
 
@@ -474,34 +479,44 @@ def _matmul_allowed(a, b, *, allowed, bad, out=None):
 
 def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=None,
                             scores=None):
-    """One tile ``(i, j)`` of FlashAttention-2's backward: add to ``dK_j``, ``dV_j``; return dQ's share.
+    """One tile (i, j) of FlashAttention-2's backward: adds to dK_j and dV_j in place,
+    returns this tile's share of dQ_i.
 
-    ``q``, ``k``: the tile's queries and keys, already scaled (``τ_q·q_i``, ``τ_k·k_j``, so that
-    ``q kᵀ`` is the forward's ``S_ij``); ``v``: ``V_j``; ``dout``: ``dO_i``; ``lse``: the forward's
-    ``lse_i``, with ``+inf`` for rows that have no allowed key; ``D``: ``D_i = rowsum(dO_i ∘ O_i)``;
-    ``dk``, ``dv``: ``dK_j``, ``dV_j`` accumulators, added to in place (``dk`` lacks its
-    factor ``τ_k``); returns ``dS_ij K_j`` (lacking ``τ_q``), this tile's share of ``dQ_i``.
-    ``matmul(a, b, which)`` is ``a @ b``; the kernel passes one that keeps masked pairs out when
-    an operand holds inf or NaN (``which`` names the operand whose rows are summed over).
-    ``scores(q, k)`` returns ``S_ij`` with the score variants applied and their derivative
-    (softcap's ``1 - tanh²``, or None); by default ``(q kᵀ, None)``.
+    q, k: the tile's scaled queries and keys (τ_q·q_i, τ_k·k_j: q kᵀ is the forward's
+    S_ij); v: V_j; dout: dO_i; lse: the forward's lse_i, +inf for a row with no
+    allowed key; D: D_i = rowsum(dO_i ∘ O_i); dk, dv: the dK_j, dV_j accumulators
+    (dk and the returned dS_ij K_j lack their factors τ_k and τ_q).
+    ``matmul(a, b, which)`` is ``a @ b``; the kernel's keeps masked pairs out when an
+    operand holds inf or NaN (``which`` names that operand).
+    ``scores(q, k)`` returns S_ij with the score variants applied, and softcap's
+    derivative 1 - tanh² (or None); by default (q kᵀ, None).
     """
     matmul = matmul or (lambda a, b, which: a @ b)
-    s, slope = scores(q, k) if scores else (q @ np.swapaxes(k, -1, -2), None)  # S_ij, as forward
+    # S_ij, recomputed as the forward computed it
+    s, slope = scores(q, k) if scores else (q @ np.swapaxes(k, -1, -2), None)
     if allowed is not None:
         np.copyto(s, -np.inf, where=~allowed)
-    p = np.exp(np.subtract(s, lse[..., None], out=s), out=s)  # P_ij = e^(S_ij - lse_i): no max, no sum
-    if allowed is not None and np.isnan(lse).any():  # e^(-inf - NaN) is NaN: a NaN row's masked
-        np.copyto(p, 0, where=~allowed)  # pairs must still weigh exactly 0
-    dv += matmul(np.swapaxes(p, -1, -2), dout, "dout")  # dV_j += P_ijᵀ dO_i
-    dp = dout @ np.swapaxes(v, -1, -2)  # dP_ij = dO_i V_jᵀ
-    ds = np.multiply(p, np.subtract(dp, D[..., None], out=dp), out=dp)  # dS_ij = P_ij ∘ (dP_ij - D_i)
-    if allowed is not None:  # an inf or NaN in V_j made dP NaN at masked pairs too: their dS is 0
+    # P_ij = e^(S_ij - lse_i): one exp, no max, no sum
+    p = np.exp(np.subtract(s, lse[..., None], out=s), out=s)
+    if allowed is not None and np.isnan(lse).any():
+        # e^(-inf - NaN) is NaN: a NaN row's masked pairs must still weigh 0
+        np.copyto(p, 0, where=~allowed)
+    # dV_j += P_ijᵀ dO_i
+    dv += matmul(np.swapaxes(p, -1, -2), dout, "dout")
+    # dP_ij = dO_i V_jᵀ
+    dp = dout @ np.swapaxes(v, -1, -2)
+    # dS_ij = P_ij ∘ (dP_ij - D_i)
+    ds = np.multiply(p, np.subtract(dp, D[..., None], out=dp), out=dp)
+    if allowed is not None:
+        # inf or NaN in V_j made dP NaN at masked pairs too: their dS is 0
         np.copyto(ds, 0, where=~allowed)
-    if slope is not None:  # through softcap: dS_raw = dS ∘ (1 - tanh²(S_raw / c))
+    if slope is not None:
+        # through softcap: dS_raw = dS ∘ (1 - tanh²(S_raw / c))
         ds *= slope
-    dk += matmul(np.swapaxes(ds, -1, -2), q, "q")  # dK_j += dS_ijᵀ Q_i
-    return matmul(ds, k, "k")  # dQ_i += dS_ij K_j
+    # dK_j += dS_ijᵀ Q_i
+    dk += matmul(np.swapaxes(ds, -1, -2), q, "q")
+    # dQ_i += dS_ij K_j
+    return matmul(ds, k, "k")
 
 
 def flash_attention_backward(
