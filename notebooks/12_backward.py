@@ -767,9 +767,11 @@ print(f"flash's gradients against naive's, largest relative difference over all 
       f"{max(step_diffs):.0e}")
 
 # %%
-fig, (ax_loss, ax_p0, ax_p1) = plt.subplots(1, 3, figsize=(13, 4.2),
-                                            gridspec_kw={"width_ratios": [1.3, 1, 1]},
-                                            layout="constrained")
+# The loss across the top, the two weight maps below it: three panels in one row would be drawn
+# at two thirds of their size in the page's column.
+fig, axd = plt.subplot_mosaic([["loss", "loss"], ["p0", "p1"]], figsize=(10, 9),
+                              height_ratios=[1, 1.2], layout="constrained")
+ax_loss, ax_p0, ax_p1 = axd["loss"], axd["p0"], axd["p1"]
 ax_loss.semilogy(losses, color="C0")
 ax_loss.set_title("Loss during training")
 ax_loss.set_xlabel("gradient-descent step")

@@ -215,17 +215,21 @@ def draw_tile_map(ax, allowed, visited, title):
     ax.set_title(f"{title}\n{len(visited)} of {len(every_tile)} tiles", fontsize=10)
 
 
-fig, axes = plt.subplots(1, 5, figsize=(16, 4.2))
-for ax, (name, (keywords, allowed)) in zip(axes, masks.items()):
+# Two rows of three, the legend in the sixth place: five panels in one row would be drawn at
+# half size in the page's column.
+fig, axes = plt.subplots(2, 3, figsize=(11, 8.4))
+for ax, (name, (keywords, allowed)) in zip(axes.flat, masks.items()):
     draw_tile_map(ax, allowed, schedules[name], name)
-axes[0].set_ylabel("query index $i$")
+for ax in axes[:, 0]:
+    ax.set_ylabel("query index $i$")
+axes[1, 2].axis("off")
 handles = [plt.Rectangle((0, 0), 1, 1, facecolor="#9ecae1"),
            plt.Rectangle((0, 0), 1, 1, facecolor="none", edgecolor="black"),
            plt.Rectangle((0, 0), 1, 1, facecolor="none", edgecolor="grey", hatch="xx")]
-fig.legend(handles, ["allowed pair", "tile multiplied (tile_schedule, in order)",
-                     "tile skipped"], loc="lower center", ncol=3)
+axes[1, 2].legend(handles, ["allowed pair", "tile multiplied\n(tile_schedule, in order)",
+                            "tile skipped"], loc="center")
 fig.suptitle(f"Five masks over N = {N}, {BLOCK} x {BLOCK} tiles: what flash_lib computes")
-fig.tight_layout(rect=(0, 0.06, 1, 1))
+fig.tight_layout()
 plt.show()
 
 for name in masks:
@@ -392,7 +396,7 @@ print(f"median over rows of the largest weight: {peak_raw:.2f} without the cap, 
 print(f"scores whose gradient the cap damps below half (1 - tanh² < 0.5): {damped:.0%}")
 
 s_axis = np.linspace(-25, 25, 501)
-fig, (ax_map, ax_hist, ax_grad) = plt.subplots(1, 3, figsize=(15, 4))
+fig, (ax_map, ax_hist, ax_grad) = plt.subplots(3, 1, figsize=(8, 11))
 ax_map.plot(s_axis, s_axis, color="grey", linestyle=":", label="no cap")
 for c in (5, 10, 20):
     ax_map.plot(s_axis, c * np.tanh(s_axis / c), label=f"c = {c}")
@@ -545,7 +549,8 @@ gym = slope * (ja - ia)
 fa_causal = slope * ja + 0 * ia  # FlashAttention's causal CUDA path: the same vector per row
 print("slopes of 8 heads:", ", ".join(f"1/{1 / s:g}" for s in slopes))
 
-fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+axes = axes.ravel()
 panels = [(ours, "ours / FlashAttention's docstring\n−slope·|i + o − j|"),
           (gym, "attention-gym: slope·(j − i)"),
           (np.where(causal_a, gym - ours, np.nan), "attention-gym − ours, causal pairs"),
@@ -556,7 +561,8 @@ for ax, (values, title) in zip(axes, panels):
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("key index $j$")
     fig.colorbar(image, ax=ax, label="bias added to the score")
-axes[0].set_ylabel("query index $i$")
+for ax in axes[::2]:
+    ax.set_ylabel("query index $i$")
 for ax in axes:
     ax.axline((offset - 0.5, -0.5), slope=1, color="w", linewidth=0.8, linestyle="--")
 fig.suptitle(f"ALiBi, slope {slope}, Nq = {n_qa}, Nk = {n_ka} (offset o = {offset}; dashed: j = i + o)")
