@@ -47,7 +47,11 @@ rng = np.random.default_rng(11)
 # float16 (IEEE half precision) has 10 fraction bits and 5 exponent bits; bfloat16 ("brain
 # float") has 7 fraction bits and float32's 8 exponent bits. So float16 is four times finer
 # (its machine epsilon is $2^{-10}$, bfloat16's $2^{-7}$) while bfloat16 reaches as far as
-# float32. NumPy's `np.finfo` does not know bfloat16; `ml_dtypes.finfo` does.
+# float32. `ml_dtypes.finfo` describes each of ml_dtypes' formats. NumPy's own `np.finfo` knows
+# bfloat16 only because ml_dtypes 0.7, on import, writes its entries into NumPy's private
+# `np.finfo._finfo_cache` (`ml_dtypes/_finfo.py`); with ml_dtypes 0.6 and earlier,
+# `np.finfo(bfloat16)` raises `ValueError`. `ml_dtypes.finfo` is the call that works on every
+# version, so it is the one this chapter uses.
 
 # %%
 formats = {"float16": np.float16, "bfloat16": bfloat16, "float32": np.float32}
@@ -56,11 +60,31 @@ print(f"{'dtype':<9} {'fraction bits':>13} {'eps':>10} {'u = eps/2':>10} {'max':
 for name, fi in info.items():
     print(f"{name:<9} {fi.nmant:>13} {float(fi.eps):>10.3e} {float(fi.eps) / 2:>10.3e} "
           f"{float(fi.max):>11.4e}")
-try:
-    np.finfo(bfloat16)
-except ValueError as e:
-    finfo_error = f"ValueError: {e}"
-print("np.finfo(bfloat16) ->", finfo_error)
+np_info = np.finfo(bfloat16)
+np_agrees = all(getattr(np_info, f) == getattr(info["bfloat16"], f)
+                for f in ("eps", "max", "tiny", "nmant", "maxexp"))
+print("np.finfo(bfloat16) agrees with ml_dtypes.finfo on eps, max, tiny, nmant, maxexp:",
+      np_agrees)
+
+# %% [markdown]
+# One more version difference touches every bfloat16 input this chapter makes. Rounding float64
+# to bfloat16 by way of float32 rounds twice, and twice is not once: a float64 just above the
+# midpoint of two bfloat16 neighbours can land, in float32, exactly on that midpoint, and the tie
+# then goes to the even neighbour, which is the farther one. $1 + 2^{-8} + 2^{-40}$ lies between
+# 1 and $1 + 2^{-7}$, nearer the second; float32 drops the $2^{-40}$. ml_dtypes 0.6 converted
+# through float32; 0.7 rounds once (its pull request #401, "Fix double rounding in conversions").
+
+# %%
+x64 = np.random.default_rng(1).standard_normal(1_000_000)
+once, twice = x64.astype(bfloat16), x64.astype(np.float32).astype(bfloat16)
+differ = once != twice
+err_once = np.abs(once.astype(np.float64) - x64)[differ]
+err_twice = np.abs(twice.astype(np.float64) - x64)[differ]
+midpoint_plus = np.float64(1 + 2**-8 + 2**-40)
+print(f"float64 -> bfloat16 directly vs by way of float32: {differ.sum()} of {x64.size:,} "
+      f"differ; the direct one is the nearer in all of them: {bool((err_once < err_twice).all())}")
+print(f"1 + 2^-8 + 2^-40 -> {float(midpoint_plus.astype(bfloat16))} directly, "
+      f"{float(midpoint_plus.astype(np.float32).astype(bfloat16))} by way of float32")
 
 # %% [markdown]
 # ## What NumPy does with bfloat16
@@ -364,8 +388,9 @@ plt.show()
 # ## What we showed
 #
 # - float16 has $u = 2^{-11} \approx 4.9 \times 10^{-4}$ and overflows past 65504; bfloat16 has
-#   $u = 2^{-7}/2 \approx 3.9 \times 10^{-3}$ and float32's range. `np.finfo` rejects bfloat16,
-#   `ml_dtypes.finfo` describes it.
+#   $u = 2^{-7}/2 \approx 3.9 \times 10^{-3}$ and float32's range. `ml_dtypes.finfo` describes
+#   both; `np.finfo` agrees with it for bfloat16 only since ml_dtypes 0.7, which also rounds
+#   float64 to bfloat16 once instead of twice (through float32).
 # - With ml_dtypes' bfloat16, `@` returns float32, `np.dot` returns bfloat16 (and is much slower
 #   on the machine that built this page), `np.einsum` raises `TypeError`, and a plain `sum`
 #   accumulates in bfloat16: 1000 ones sum to 256.
@@ -382,7 +407,10 @@ plt.show()
 #   output's rounding in both cases.
 
 # %%
-assert finfo_error.startswith("ValueError")
+assert np_agrees
+assert differ.sum() > 0 and (err_once < err_twice).all()
+assert float(midpoint_plus.astype(bfloat16)) == 1 + 2**-7
+assert float(midpoint_plus.astype(np.float32).astype(bfloat16)) == 1.0
 assert float(info["float16"].eps) == 2.0**-10 and float(info["bfloat16"].eps) == 2.0**-7
 assert float(info["float16"].max) == 65504 and float(info["bfloat16"].max) > 3e38
 assert matmul_dtype == np.float32 and dot_dtype == bfloat16 and einsum_error is not None
