@@ -49,9 +49,9 @@ rng = np.random.default_rng(11)
 # (its machine epsilon is $2^{-10}$, bfloat16's $2^{-7}$) while bfloat16 reaches as far as
 # float32. `ml_dtypes.finfo` describes each of ml_dtypes' formats. NumPy's own `np.finfo` knows
 # bfloat16 only because ml_dtypes 0.7, on import, writes its entries into NumPy's private
-# `np.finfo._finfo_cache` (`ml_dtypes/_finfo.py`); with ml_dtypes 0.6 and earlier,
-# `np.finfo(bfloat16)` raises `ValueError`. `ml_dtypes.finfo` is the call that works on every
-# version, so it is the one this chapter uses.
+# `np.finfo._finfo_cache` (`ml_dtypes/_finfo.py`); with ml_dtypes 0.5 and 0.6,
+# `np.finfo(bfloat16)` raises `ValueError`. `ml_dtypes.finfo` works with all three, so it is the
+# one this chapter uses.
 
 # %%
 formats = {"float16": np.float16, "bfloat16": bfloat16, "float32": np.float32}
@@ -72,7 +72,8 @@ print("np.finfo(bfloat16) agrees with ml_dtypes.finfo on eps, max, tiny, nmant, 
 # midpoint of two bfloat16 neighbours can land, in float32, exactly on that midpoint, and the tie
 # then goes to the even neighbour, which is the farther one. $1 + 2^{-8} + 2^{-40}$ lies between
 # 1 and $1 + 2^{-7}$, nearer the second; float32 drops the $2^{-40}$. ml_dtypes 0.6 converted
-# through float32; 0.7 rounds once (its pull request #401, "Fix double rounding in conversions").
+# through float32; 0.7 rounds once, the fix of its pull request #401 ("Fix double rounding in
+# conversions to the custom float types"), as the cell below measures.
 
 # %%
 x64 = np.random.default_rng(1).standard_normal(1_000_000)
