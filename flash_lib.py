@@ -1031,11 +1031,7 @@ class _Problem:
         """``mask_mod`` on one tile, checked, with its head axis split for grouped queries."""
         allowed = _call_mask_mod(self.mask_mod, q_start, q_stop, k_start, k_stop)
         expected = self.user_batch + (q_stop - q_start, k_stop - k_start)
-        try:
-            ok = np.broadcast_shapes(allowed.shape, expected) == expected
-        except ValueError:
-            ok = False
-        if not ok:
+        if not _broadcasts_to(allowed.shape, expected):
             raise ValueError(
                 f"mask_mod returned an array of shape {allowed.shape}, which does not broadcast "
                 f"to (..., tile_q, tile_k) = {expected}"
@@ -1298,17 +1294,21 @@ def _checked_softcap(softcap):
     return float(softcap)
 
 
+def _broadcasts_to(shape, target):
+    """Whether an array of ``shape`` broadcasts to exactly ``target`` (not to something larger)."""
+    try:
+        return np.broadcast_shapes(shape, target) == target
+    except ValueError:
+        return False
+
+
 def _checked_alibi(slopes, batch, groups):
     if slopes is None:
         return None
     slopes = np.asarray(slopes)
     if slopes.dtype.kind not in "fiu":
         raise TypeError(f"alibi_slopes must be an array of real numbers, got dtype {slopes.dtype}")
-    try:
-        ok = np.broadcast_shapes(slopes.shape, batch) == batch
-    except ValueError:
-        ok = False
-    if not ok:
+    if not _broadcasts_to(slopes.shape, batch):
         raise ValueError(
             f"alibi_slopes of shape {slopes.shape} does not broadcast to the leading (batch, "
             f"head) dims {batch}: give one slope per head, e.g. shape (H,) or (B, H)"
@@ -1338,11 +1338,7 @@ def _call_mask_mod(mask_mod, q_start, q_stop, k_start, k_stop):
             f"{allowed.dtype}"
         )
     tile = (q_stop - q_start, k_stop - k_start)
-    try:
-        ok = np.broadcast_shapes(allowed.shape[-2:], tile) == tile
-    except ValueError:
-        ok = False
-    if not ok:
+    if not _broadcasts_to(allowed.shape[-2:], tile):
         raise ValueError(
             f"mask_mod returned an array of shape {allowed.shape}, which does not broadcast "
             f"to (..., tile_q, tile_k) = (..., {tile[0]}, {tile[1]})"
