@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.py))
 
-.PHONY: all setup test bench bench-dask notebooks lab docs serve clean
+.PHONY: all setup test test-notebooks bench bench-dask notebooks lab docs serve clean
 
 all: docs
 
@@ -22,6 +22,11 @@ setup: $(STAMP)
 
 test: setup
 	$(BIN)/python -m pytest tests notebooks --nbval --nbval-current-env \
+		--nbval-sanitize-with notebooks/nbval_sanitize.cfg -n auto --dist loadfile
+
+# nbval alone, for the portability runs (CONTRIBUTING.md): e.g. with NPY_DISABLE_CPU_FEATURES set.
+test-notebooks: setup
+	$(BIN)/python -m pytest notebooks --nbval --nbval-current-env \
 		--nbval-sanitize-with notebooks/nbval_sanitize.cfg -n auto --dist loadfile
 
 bench: setup
