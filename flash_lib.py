@@ -118,6 +118,7 @@ __all__ = [
     "precise_attention_backward",
     "merge_attention",
     "tile_schedule",
+    "causal_mask",
     "measure_peak_bytes",
     "rowwise_relative_error",
 ]
@@ -332,6 +333,14 @@ def tile_schedule(n_q, n_k, block_q, block_k, causal=False, *, window=None, mask
         for k_start, k_stop in band.key_blocks(q_start, q_stop, block_k)
         if mask_mod is None or _call_mask_mod(mask_mod, q_start, q_stop, k_start, k_stop).any()
     ]
+
+
+def causal_mask(n_q, n_k):
+    """The pairs ``causal=True`` allows, as an explicit ``(n_q, n_k)`` boolean mask: key ``j`` for
+    query ``i`` iff ``j <= i + (n_k - n_q)`` (bottom-right, FlashAttention >= 2.1)."""
+    n_q = _int_at_least("n_q", n_q, 0)
+    n_k = _int_at_least("n_k", n_k, 0)
+    return np.tril(np.ones((n_q, n_k), dtype=bool), k=n_k - n_q)
 
 
 # The kernel walks these generators directly rather than a materialised schedule, whose list
