@@ -242,6 +242,9 @@ for name, mine, n, f in zip(("dq", "dk", "dv"), (dQ, dK, dV), naive, flash):
 #
 # The cell rebuilds $P$ from `flash_attention`'s lse and the scores, with one exp, and compares
 # it with the textbook $P$ above (a max-subtracted softmax: a max, an exp, a sum and a division).
+# The figure then shows the differences measured in this and the two cells before, in machine
+# epsilons: the text above prints only the limit each is under, because their last digits are
+# the CPU's (another machine's loops round differently).
 
 # %%
 # P_ij = exp(S_ij - lse_i)
@@ -253,6 +256,31 @@ largest_exponent = (S - lse[..., None]).max()
 print(f"exp(S - lse) against the textbook softmax: largest row error {below(err_p, ROUNDING)}")
 print(f"its rows' sums minus 1: {below(np.abs(row_sums - 1).max(), ROUNDING)}; largest exponent "
       f"{largest_exponent:.2f}")
+
+eps64 = np.finfo(np.float64).eps
+measured = {"one row: P ∘ (dP - D) vs J dP": jacobian_diff}
+for name, (vs_naive, vs_flash) in matrix_diffs.items():
+    measured[f"{name}: the formulas vs naive"] = vs_naive
+    measured[f"{name}: the formulas vs flash"] = vs_flash
+measured["exp(S - lse) vs the textbook P"] = err_p
+measured["rows of exp(S - lse): sum - 1"] = np.abs(row_sums - 1).max()
+fig, ax = plt.subplots(figsize=(8, 3.8))
+rows = np.arange(len(measured))[::-1]
+values = np.array(list(measured.values())) / eps64
+ax.barh(rows, np.where(values > 0, values, np.nan), color="C0", height=0.6)
+for row, value in zip(rows, values):
+    ax.text(value * 1.1 if value > 0 else 0.06, row, f"{value:.1f} eps" if value > 0 else
+            "0: bit for bit", va="center", fontsize=8)
+ax.axvline(ROUNDING / eps64, color="C3", ls="--", label=f"the limit asserted, {ROUNDING:.0e}")
+ax.set_xscale("log")
+ax.set_xlim(0.05, 200)
+ax.set_yticks(rows, list(measured), fontsize=8)
+ax.set_xlabel("largest relative difference (machine epsilons, 2.2e-16), measured on this machine")
+ax.set_title("Rounding-level differences of the three cells above")
+ax.legend(fontsize=8, loc="lower right")
+ax.grid(True, axis="x", which="major", alpha=0.3)
+fig.tight_layout()
+plt.show()
 
 # %% [markdown]
 # ## What training keeps for the backward
@@ -802,7 +830,8 @@ fig, axd = plt.subplot_mosaic([["loss", "loss"], ["p0", "p1"]], figsize=(10, 9),
                               height_ratios=[1, 1.2], layout="constrained")
 ax_loss, ax_p0, ax_p1 = axd["loss"], axd["p0"], axd["p1"]
 ax_loss.semilogy(losses, color="C0")
-ax_loss.set_title("Loss during training")
+ax_loss.set_title("Loss during training (flash's gradients against naive's, largest relative "
+                  f"difference over the run: {max(step_diffs):.1e}, measured here)", fontsize=10)
 ax_loss.set_xlabel("gradient-descent step")
 ax_loss.set_ylabel(r"$L = \frac{1}{2}\sum_i \|o_i - e_{\pi(i)}\|^2$ (dimensionless)")
 ax_loss.grid(True, which="major", alpha=0.3)
