@@ -27,7 +27,8 @@
 #   the sizes of its terms;
 # - we check the claim this tutorial set out to prove: on rows whose scores reach $10^6$, flash
 #   and naive agree to $10^{-9}$ in float64;
-# - we find flash's error of the same order as naive's on every row;
+# - we find flash's error of the same order as naive's: within the same bound on every row, and
+#   at most twice naive's, FlashAttention's own bar;
 # - we watch the unsafe softmax of chapter 1 return inf or NaN once a row's largest score passes
 #   chapter 1's threshold $\log(\text{max})$;
 # - we measure what the order of merging partial results (chapter 3) does to the rounding: a
@@ -112,12 +113,14 @@ families = {
 
 
 def magnitude_and_span(q, k):
-    """mu_i = tau · max_j Σ_c |q_ic k_jc|, the span and the largest score, in longdouble."""
+    """mu_i = tau · max_j Σ_c |q_ic k_jc|, the span, the largest score and each key block's
+    largest score (blocks of 16), in longdouble."""
     wide = np.longdouble
     qw, kw = q.astype(wide), k.astype(wide)
     mu = (np.abs(qw)[:, None, :] * np.abs(kw)[None, :, :]).sum(-1).max(-1) * wide(tau)
     s = qw @ kw.T * wide(tau)
-    return (x.astype(np.float64) for x in (mu, s.max(1) - s.min(1), s.max(1)))
+    block_max = s.reshape(len(q), -1, 16).max(axis=-1)
+    return (x.astype(np.float64) for x in (mu, s.max(1) - s.min(1), s.max(1), block_max))
 
 
 # %% [markdown]
@@ -126,7 +129,9 @@ def magnitude_and_span(q, k):
 # `flash_attention` runs with `block_q=32`, `block_k=16`, so that each row crosses 8 key blocks
 # and is rescaled by $e^{m - m'}$ whenever a block raises its running maximum $m$ (with the
 # default blocks the 128 keys would fit in one tile). How often that happens depends on where a
-# row's competitors sit; the cell counts it from the scores. `naive_attention` is the textbook
+# row's competitors sit; the cell counts it from the exact scores (in float32 a row of magnitude
+# $10^9$ has scores rounded by far more than its span, and the count would be the CPU's).
+# `naive_attention` is the textbook
 # reference; the unsafe kernel is chapter 1's softmax without the maximum subtracted.
 
 # %%
@@ -147,7 +152,7 @@ for dt in (np.float64, np.float32):
                "naive": flash_lib.naive_attention(qd, kd, vd)}
         with np.errstate(over="ignore", invalid="ignore"):
             out["unsafe"] = unsafe_attention(qd, kd, vd)
-        mu, span, top = magnitude_and_span(qd, kd)
+        mu, span, top, block_max = magnitude_and_span(qd, kd)
         finite = np.isfinite(out["unsafe"]).all(axis=-1)
         r = {name: rowwise_relative_error(o, truth).astype(np.float64) for name, o in out.items()}
         r["unsafe"] = np.where(finite, r["unsafe"], np.nan)
@@ -155,7 +160,6 @@ for dt in (np.float64, np.float32):
         # kappa_i = max |v| / max_c |o_ic|: how much an error of size max|v| weighs in err_i
         r.update(mu=mu, span=span, top=top, unsafe_finite=finite,
                  kappa=(np.abs(vd).max() / np.abs(truth).max(axis=-1)).astype(np.float64))
-        block_max = (qd @ kd.T * dt(tau)).reshape(n_rows, 8, 16).max(axis=-1)
         r["rises"] = (block_max[:, 1:] > np.maximum.accumulate(block_max, axis=1)[:, :-1]).sum(1)
         rows[dt][family] = r
         print(f"{dt.__name__}, {family}:\n"
@@ -202,8 +206,9 @@ for dt in (np.float64, np.float32):
 # reconciles chapter 1, where the safe softmax stayed within a few eps at any span: there the
 # scores were *given*, exact floating-point numbers, so step 1 did not exist and only step 5
 # remained. The bound is a worst case (every rounding in the same direction); typical errors are
-# smaller by about $\sqrt d$, because roundings of random sign partly cancel. The picture plots
-# $u\,\mu$ for reference.
+# smaller by about $\sqrt d$, because roundings of random sign partly cancel. The cell checks the
+# bound on every row; the picture below draws it (and $u\,\mu$ for reference) next to the
+# measured errors.
 
 # %%
 def derived_bound(r, dt, n_blocks):
@@ -219,8 +224,8 @@ for dt, fams in rows.items():
             e, bound = r[name], derived_bound(r, dt, n_blocks)
             f = np.isfinite(e)
             within[(dt, family, name)] = float(np.max(e[f] / bound[f], initial=0))
-        print(f"{dt.__name__}, {family}:\n   largest error / derived bound: " + ", ".join(
-            f"{name} {within[(dt, family, name)]:.1e}" for name in ("flash", "naive", "unsafe")))
+        print(f"{dt.__name__}, {family}:\n   every row within its derived bound: " + ", ".join(
+            f"{name} {within[(dt, family, name)] <= 1}" for name in ("flash", "naive", "unsafe")))
 
 # %% [markdown]
 # ## The picture
@@ -229,7 +234,7 @@ for dt, fams in rows.items():
 # magnitude $\mu_i$, with the unsafe softmax where it is finite and a dotted line where the
 # largest score (about $\mu$ in this family) reaches chapter 1's threshold $\log(\text{max})$,
 # past which $e^s$ overflows. Right: the fixed-magnitude rows ($\mu \approx 10^4$) against their
-# span. The dashed lines are $u\,\mu$ for each dtype.
+# span. The dashed lines are $u\,\mu$ for each dtype, the thin solid ones flash's derived bound.
 
 # %%
 fig, (ax_mu, ax_span) = plt.subplots(1, 2, figsize=(11, 4.8), sharey=True)
@@ -245,11 +250,15 @@ for dt, colors in ((np.float64, ("C0", "C1", "C2")), (np.float32, ("C3", "C4", "
     grid = np.logspace(0, 9.2, 50)
     ax_mu.loglog(grid, u * grid, "--", color="0.4", lw=1)
     ax_span.axhline(u * flat["mu"].mean(), ls="--", color="0.4", lw=1)
+    for ax, r, x in ((ax_mu, grow, grow["mu"]), (ax_span, flat, flat["span"])):
+        order = np.argsort(x)
+        ax.loglog(x[order], derived_bound(r, dt, 8)[order], "-", color=colors[0], lw=0.8)
     log_max = np.log(np.finfo(dt).max)
     ax_mu.axvline(log_max, color=colors[2], ls=":", lw=1.5)
     ax_mu.text(log_max * 1.15, 3e-16 if dt == np.float64 else 1e-9,
                f"log(max {dt.__name__})\n= {log_max:.1f}", fontsize=7, color=colors[2])
 ax_mu.plot([], [], "--", color="0.4", lw=1, label=r"$u \cdot \mu$")
+ax_mu.plot([], [], "-", color="0.4", lw=0.8, label="derived bound (flash)")
 ax_mu.set_title("Fixed span (7 to 12), growing magnitude")
 ax_mu.set_xlabel(r"magnitude of the row's scores, $\mu_i$ (nats)")
 ax_mu.set_ylabel("max relative error of the row")
@@ -286,40 +295,98 @@ for dt, fams in rows.items():
 #
 # The claim this tutorial set out to prove, in float64: on rows whose scores reach a magnitude
 # of $10^6$, flash and naive agree to $10^{-9}$ (the derived bound allows each about $10^{-8}$
-# there; measured, both are near $10^{-10}$).
+# there; measured against the truth, both are near $10^{-10}$).
+#
+# How close flash comes to naive itself depends on the CPU. Where BLAS adds the $d$ terms of a
+# score in the same order in flash's $32 \times 16$ tiles as in naive's whole matrix (OpenBLAS's
+# Haswell kernel does), the two kernels compute bitwise the same scores and differ by about
+# $10^{-15}$; where it does not (its SkylakeX kernel, on AVX-512 CPUs), each carries its own score
+# errors, and they differ by about $10^{-10}$ on these rows. What holds everywhere is the
+# triangle inequality: on every row, flash and naive differ by at most the sum of their two
+# derived bounds (divided by $1 - $ naive's, since the difference is measured relative to
+# naive's row rather than the truth's). The cell checks both and draws what this machine
+# measured.
 
 # %%
-claim_rows = {family: r["mu"] <= 1e6 for family, r in rows[np.float64].items()}
-claim_flash_vs_naive = max(r["flash vs naive"][claim_rows[f]].max() for f, r in rows[np.float64].items())
-claim_flash_vs_truth = max(r["flash"][claim_rows[f]].max() for f, r in rows[np.float64].items())
-print(f"float64, the {sum(m.sum() for m in claim_rows.values())} rows with magnitude up to 1e6:\n"
-      f"   flash vs naive {claim_flash_vs_naive:.1e}, flash vs the truth {claim_flash_vs_truth:.1e}")
+r64 = {key: np.concatenate([r[key] for r in rows[np.float64].values()])
+       for key in ("mu", "flash", "naive", "flash vs naive")}
+bound_flash = np.concatenate([derived_bound(r, np.float64, 8) for r in rows[np.float64].values()])
+bound_naive = np.concatenate([derived_bound(r, np.float64, 1) for r in rows[np.float64].values()])
+bound_flash_vs_naive = (bound_flash + bound_naive) / (1 - bound_naive)
+claim_rows = r64["mu"] <= 1e6
+claim_flash_vs_naive = r64["flash vs naive"][claim_rows].max()
+claim_flash_vs_truth = r64["flash"][claim_rows].max()
+flash_vs_naive_within = bool(np.all(r64["flash vs naive"] <= bound_flash_vs_naive))
+print(f"float64, the {claim_rows.sum()} rows with magnitude up to 1e6:\n"
+      f"   flash vs naive at most 1e-9: {claim_flash_vs_naive <= 1e-9}, flash vs the truth at most "
+      f"1e-9: {claim_flash_vs_truth <= 1e-9}")
+print(f"float64, all {len(claim_rows)} rows: flash vs naive within the sum of the two derived "
+      f"bounds: {flash_vs_naive_within}")
+
+fig, ax = plt.subplots(figsize=(7, 4))
+order = np.argsort(r64["mu"])
+ax.loglog(r64["mu"], r64["flash vs naive"], "x", ms=5, color="C3", label="flash vs naive")
+ax.loglog(r64["mu"], r64["flash"], "o", ms=3, color="C0", label="flash vs the truth")
+ax.loglog(r64["mu"][order], bound_flash_vs_naive[order], "-", color="0.4", lw=0.8,
+          label="flash's bound + naive's bound")
+ax.axhline(1e-9, color="k", ls=":", lw=1)
+ax.axvline(1e6, color="k", ls=":", lw=1)
+ax.text(1.3, 1.5e-9, "the claim: $10^{-9}$ up to $\\mu = 10^6$", fontsize=8)
+ax.set_xlabel(r"magnitude of the row's scores, $\mu_i$ (nats)")
+ax.set_ylabel("max relative difference of the row")
+ax.set_title("float64, both families: flash against naive, as measured here")
+ax.set_ylim(1e-17, 1e-4)
+ax.grid(True, which="major", alpha=0.3)
+ax.legend(fontsize=8, loc="upper left")
+fig.tight_layout()
+plt.show()
 
 # %% [markdown]
 # ## Flash against naive
 #
 # Tiling adds operations: each rescaling by $e^{m - m'}$ rounds $l$ and the accumulator once
 # more. Those roundings are of size $u$, while the scores' errors are of size $u\,\mu$, so
-# flash's error should be the same order as naive's. On every row where both errors are above
-# $100u$ (below that, both are a few roundings and their ratio is noise) and below 0.1 (above
-# it, both are noise), flash's error is within a factor of 10 of naive's, on either side.
+# flash's error should be the same order as naive's, and it is: the same derived bound holds
+# for both on every row (above).
 #
-# Which of the two comes out smaller is not a property of the algorithms: it depends on the
-# order in which the matrix product adds the $d$ terms of each score, which BLAS picks by matrix
-# shape (flash multiplies $32 \times 16$ tiles, naive the whole matrix), CPU and library version.
-# So the claim is "the same order", and a fair test bar for a tiled kernel is a multiple of the
-# reference's own error against the truth (FlashAttention's rule, chapter 11), not a fixed
-# number of digits.
+# Which of the two comes out smaller on a given row is not a property of the algorithms: it
+# depends on the order in which the matrix product adds the $d$ terms of each score, which BLAS
+# picks by matrix shape (flash multiplies $32 \times 16$ tiles, naive the whole matrix), CPU and
+# library version. On the rows where both errors are above $100u$ (below that, both are a few
+# roundings and their ratio is noise) and below 0.1 (above it, both are noise), flash's error /
+# naive's in float64 was 0.97 to 1.00 on every row with OpenBLAS's Haswell kernel (the same
+# order, so the same scores) and 0.20 to 1.33 with its SkylakeX kernel; in float32, 0.29 to 1.25
+# and 0.16 to 0.83; and 0.08 to 2.4 over a dozen permutations of the 32 features (which changes
+# the order in any BLAS). So no order between the two holds
+# row by row, and the claim is the one a test can rely on, FlashAttention's bar (chapter 11): a
+# tiled kernel's largest error at most twice the reference's, here on those rows, per dtype and
+# family. The cell checks it and draws the per-row ratios this machine measured.
 
 # %%
-ratios = {}
+ratios, fa_bar = {}, {}
 for dt, fams in rows.items():
     u = np.finfo(dt).eps / 2
-    both = [(r["flash"] / r["naive"])[(r["flash"] > 100 * u) & (r["naive"] > 100 * u)
-                                      & (r["flash"] < 0.1) & (r["naive"] < 0.1)] for r in fams.values()]
-    ratios[dt] = np.concatenate(both)
-    print(f"{dt.__name__}: {len(ratios[dt])} rows; flash's error / naive's from "
-          f"{ratios[dt].min():.2f} to {ratios[dt].max():.2f}")
+    both = [(r["flash"] > 100 * u) & (r["naive"] > 100 * u) & (r["flash"] < 0.1) & (r["naive"] < 0.1)
+            for r in fams.values()]
+    ratios[dt] = np.concatenate([(r["flash"] / r["naive"])[b] for r, b in zip(fams.values(), both)])
+    fa_bar[dt] = {family: r["flash"][b].max() / r["naive"][b].max()
+                  for (family, r), b in zip(fams.items(), both)}
+    print(f"{dt.__name__}, flash's largest error at most twice naive's:\n   " +
+          ", ".join(f"{family}: {ratio <= 2}" for family, ratio in fa_bar[dt].items()))
+
+fig, ax = plt.subplots(figsize=(7, 3.5))
+bins = np.logspace(-1.5, 1, 41)
+for i, (dt, ratio) in enumerate(ratios.items()):
+    ax.hist(ratio, bins=bins, histtype="step", lw=1.5, color=f"C{i}", label=dt.__name__)
+ax.axvline(2, color="k", ls="--", lw=1, label="FlashAttention's bar: 2")
+ax.axvline(1, color="0.6", ls=":", lw=1)
+ax.set_xscale("log")
+ax.set_xlabel("flash's error / naive's, per row")
+ax.set_ylabel("rows")
+ax.set_title("Flash against naive, row by row, as measured here")
+ax.legend(fontsize=8)
+fig.tight_layout()
+plt.show()
 
 # %% [markdown]
 # ## The order of merges
@@ -384,15 +451,19 @@ merge_depths = {name: depth(group(list(range(256)), lambda a, b: (a, b)))
                 for name, group in groupings.items()}
 
 eps64 = np.finfo(np.float64).eps
-for name, errs in merge_err.items():
-    print(f"{name:<13} (depth {merge_depths[name]:>3} at T = 256): mean error (eps) at "
-          f"T = 1, 16, 256: " + ", ".join(f"{errs[i].mean() / eps64:.0f}" for i in (0, 4, 8)))
 worst_merge = max(errs.max() for errs in merge_err.values())
 chain_vs_tree = merge_err["left to right"][-1].mean() / merge_err["balanced tree"][-1].mean()
+chain_growth = merge_err["left to right"][-1].mean() / merge_err["left to right"][0].mean()
 tree_means = merge_err["balanced tree"].mean(axis=1)
 tree_flatness = tree_means.max() / tree_means[0]
-print(f"at T = 256 the chain's error is {chain_vs_tree:.1f} times the tree's;\n"
-      f"the tree's mean error is at most {tree_flatness:.1f} times its error at T = 1")
+# The measured errors are plotted below. Each statement printed here held with room at every
+# NumPy CPU level and both OpenBLAS kernels tried (chain / tree 3.9 to 4.5, tree flatness 1.3
+# to 1.5, chain growth 3.1 to 4.5, worst 26 to 32 eps), and over six other seeds (2.9 to 4.7,
+# 1.0 to 1.2, 2.3 to 3.0, at most 31 eps).
+print(", ".join(f"{name}: depth {merge_depths[name]} at T = 256" for name in merge_err))
+print(f"at T = 256 the chain's mean error is more than twice the tree's: {chain_vs_tree > 2};\n"
+      f"the tree's mean error stays within twice its error at T = 1: {tree_flatness < 2};\n"
+      f"every error below 100 eps: {worst_merge < 100 * eps64}")
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 4))
@@ -433,7 +504,7 @@ s_random = q_random @ k.T * tau
 q_random *= (target / (s_random.max(axis=1) - s_random.min(axis=1)))[:, None]
 err_random = rowwise_relative_error(flash_lib.flash_attention(q_random, k, v, block_q=32, block_k=16),
                                     flash_lib.precise_attention(q_random, k, v)).astype(np.float64)
-mu_random, span_random, _ = magnitude_and_span(q_random, k)
+mu_random, span_random, _, _ = magnitude_and_span(q_random, k)
 wide_random_rows = span_random >= 1e6
 print(f"scaled random rows spanning at least 1e6: {wide_random_rows.sum()}, largest error "
       f"{err_random[wide_random_rows].max():.1e}")
@@ -450,9 +521,12 @@ print(f"scaled random rows spanning at least 1e6: {wide_random_rows.sum()}, larg
 #   in both dtypes and both families. Subtracting the maximum is exact for the competing keys
 #   (Sterbenz's lemma) and so can neither add nor remove error.
 # - The claim holds: in float64, on rows of magnitude up to $10^6$, flash and naive agree to
-#   $10^{-9}$, and flash is within $10^{-9}$ of the truth.
-# - Flash's error is the same order as naive's: within a factor of 10 on every row where both
-#   are measurable.
+#   $10^{-9}$, and flash is within $10^{-9}$ of the truth; on every row the two differ by at most
+#   the sum of their derived bounds. How much less depends on the CPU: $10^{-15}$ where BLAS sums
+#   tiles and the whole matrix in the same order, $10^{-10}$ where it does not.
+# - Flash's error is the same order as naive's: both within the same derived bound on every row,
+#   and flash's largest error at most twice naive's (FlashAttention's bar) in both dtypes and
+#   families. Which one is smaller on a given row depends on BLAS's order of summation.
 # - In float32, rows of magnitude $10^7$ or more come out with errors of order 0.1 to 1.
 # - The unsafe softmax returns inf or NaN on every row whose largest score is above
 #   $\log(\text{max})$ of its format (chapter 1) and is finite below that minus $\log N_k$
@@ -475,6 +549,7 @@ for dt, fams in rows.items():
     for name in ("flash", "naive"):
         small, large = grow["mu"] < 10, (grow["mu"] > 1e5) & (grow[name] < 0.5)
         assert large.sum() >= 5 and grow[name][large].min() > 100 * grow[name][small].max(), (dt, name)
+        # (measured at most 12 over a dozen feature orders, which change BLAS's order of summation)
         assert flat[name].max() / flat[name].min() < 30, (dt, name, flat[name].max(), flat[name].min())
     assert flat["span"].max() / flat["span"].min() > 1e6 and flat["mu"].max() / flat["mu"].min() < 1.01
     # overflow of the unsafe softmax: exactly past log(max), never below log(max) - log(Nk)
@@ -483,18 +558,24 @@ for dt, fams in rows.items():
         assert not r["unsafe_finite"][r["top"] > log_max].any()
         assert r["unsafe_finite"][r["top"] < log_max - np.log(n_k)].all()
     assert (~grow["unsafe_finite"]).any() and grow["unsafe_finite"].any()
-    assert len(ratios[dt]) >= 40 and np.all((ratios[dt] >= 0.1) & (ratios[dt] <= 10)), ratios[dt]
+    # FlashAttention's bar; measured at most 1.0 at every CPU level here and 1.1 over a dozen
+    # feature orders: room of 1.8 or more
+    assert len(ratios[dt]) >= 40 and all(ratio <= 2 for ratio in fa_bar[dt].values()), fa_bar[dt]
     assert all(r["rises"].max() >= 1 for r in fams.values())
 
-assert sum(m.sum() for m in claim_rows.values()) >= 100
+assert claim_rows.sum() >= 100
+# measured at most 1.7e-10 (flash vs naive) and 1.4e-10 (flash vs the truth) at every CPU level
+# and BLAS order tried; the derived bound on every row is what catches a kernel off by 1e-6
 assert claim_flash_vs_naive <= 1e-9 and claim_flash_vs_truth <= 1e-9
+assert flash_vs_naive_within, np.max(r64["flash vs naive"] / bound_flash_vs_naive)
 wide32 = rows[np.float32]["fixed span, growing magnitude"]
+# order-1 errors: at least 0.22 over a dozen feature orders
 assert wide32["flash"][wide32["mu"] >= 1e7].min() >= 0.1 and wide32["naive"][wide32["mu"] >= 1e7].min() >= 0.1
 # the order of merges: the chain's T - 1 roundings grow (sqrt(256) = 16 times one merge's rounding
 # if they add as a random walk), the tree's 8 rounds stay flat
 assert merge_depths == {"left to right": 255, "balanced tree": 8}
 assert np.array_equal(merge_err["left to right"][0], merge_err["balanced tree"][0])  # T = 1
 assert chain_vs_tree > 2 and tree_flatness < 2, (chain_vs_tree, tree_flatness)
-assert merge_err["left to right"][-1].mean() > 2 * merge_err["left to right"][0].mean()
+assert chain_growth > 1.5, chain_growth  # the chain grows: 2.3 to 4.5 measured
 assert worst_merge < 100 * eps64, worst_merge / eps64  # "a few tens of machine epsilons"
 assert wide_random_rows.sum() >= 20 and np.all(err_random[wide_random_rows] == 0)
