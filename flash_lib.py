@@ -683,8 +683,8 @@ def precise_attention(q, k, v, *, mask=None, causal=False, scale=None, return_ls
 
 def _dense_softmax(problem, dtype, grad=False):
     """The one dense reference: the whole score matrix in ``dtype``, then ``p = exp(s - m)``
-    against each row's max ``m``. Returns ``p, m, allowed`` (None: all pairs), and with
-    ``grad=True`` softcap's slope too. Naive, precise and the dense backward start here."""
+    against each row's max ``m``: ``p, m, allowed`` (None: all pairs); with ``grad=True``
+    also the scores and softcap's slope (first and last). Naive, precise and the backward's."""
     n_q, n_k = problem.n_q, problem.n_k
     s = _scores(problem, problem.q_tile(0, n_q, dtype), problem.k_tile(0, n_k, dtype),
                 0, n_q, 0, n_k, grad=grad)
@@ -696,7 +696,7 @@ def _dense_softmax(problem, dtype, grad=False):
         s = np.broadcast_to(s, problem.batch + s.shape[-2:])
     m = s.max(axis=-1, initial=-np.inf)
     p = np.exp(s - _reference(m)[..., None])
-    return (p, m, allowed, slope) if grad else (p, m, allowed)
+    return (s, p, m, allowed, slope) if grad else (p, m, allowed)
 
 
 def _reference(m):
@@ -748,7 +748,8 @@ def _dense_backward(problem, dout, dtype):
     n_q, n_k = problem.n_q, problem.n_k
     q, k, v = problem.q_tile(0, n_q, dtype), problem.k_tile(0, n_k, dtype), problem.v_tile(0, n_k, dtype)
     dout = dout.astype(dtype)
-    p, m, allowed, slope = _dense_softmax(problem, dtype, grad=True)
+    # s stays alive as in a textbook backward: chapter 12 counts S, P, dP, dS at the peak
+    s, p, m, allowed, slope = _dense_softmax(problem, dtype, grad=True)
     l = p.sum(axis=-1)
     p /= np.where(l == 0, 1, l)[..., None]  # P = softmax(S); an empty row stays 0
     if allowed is not None:  # and a masked pair weighs exactly 0, in a NaN row too
