@@ -273,3 +273,29 @@ def test_nan_in_a_query_row_stays_in_that_row(kernel, dtype, causal, row):
     np.testing.assert_array_equal(out[others], clean_out[others])
     np.testing.assert_array_equal(lse[others], clean_lse[others])
     assert np.all(out[:, 3] == 0)
+
+
+@given(n_q=st.integers(0, 30), n_k=st.integers(0, 30), block_q=st.integers(1, 12),
+       block_k=st.integers(1, 12), causal=st.booleans(), window=st.sampled_from(
+           [None, (3, 0), (0, None), (5, 2)]))
+def test_tile_schedule_of_listed_block_sizes_is_the_one_of_even_blocks(n_q, n_k, block_q, block_k,
+                                                                       causal, window):
+    """block_q and block_k given as lists of sizes (Dask's chunks, as flash_dask passes them)
+    schedule exactly the tiles of the same blocks given as one size; empty blocks never appear."""
+    def sizes(n, b):
+        listed = [min(b, n - s) for s in range(0, n, b)]
+        return [0] + listed[:1] + [0] + listed[1:]  # empty blocks anywhere are skipped
+
+    even = tile_schedule(n_q, n_k, block_q, block_k, causal, window=window)
+    listed = tile_schedule(n_q, n_k, sizes(n_q, block_q), tuple(sizes(n_k, block_k)), causal,
+                           window=window)
+    assert listed == even
+
+
+def test_tile_schedule_refuses_block_sizes_that_do_not_tile_the_sequence():
+    with pytest.raises(ValueError, match=r"block_q's sizes must sum to 10, got \(3, 3\)"):
+        tile_schedule(10, 8, [3, 3], 4)
+    with pytest.raises(ValueError, match="each of block_k's sizes must be a non-negative integer"):
+        tile_schedule(10, 8, 5, [4, -1, 5])
+    with pytest.raises(ValueError, match="block_k must be a positive integer, got 0"):
+        tile_schedule(10, 8, 5, 0)
