@@ -191,23 +191,9 @@ def _finalize(acc, l, m):
 # --------------------------------------------------------------------------------------------
 
 
-def flash_attention(
-    q,
-    k,
-    v,
-    *,
-    mask=None,
-    causal=False,
-    scale=None,
-    block_q=DEFAULT_BLOCK_Q,
-    block_k=DEFAULT_BLOCK_K,
-    return_lse=False,
-    window=None,
-    softcap=None,
-    alibi_slopes=None,
-    enable_gqa=False,
-    mask_mod=None,
-):
+def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEFAULT_BLOCK_Q,
+                    block_k=DEFAULT_BLOCK_K, return_lse=False, window=None, softcap=None,
+                    alibi_slopes=None, enable_gqa=False, mask_mod=None):
     """Exact attention, computed tile by tile without storing the ``Nq × Nk`` scores.
 
     Parameters
@@ -515,25 +501,9 @@ def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=
     return matmul(ds, k, "k")
 
 
-def flash_attention_backward(
-    q,
-    k,
-    v,
-    out,
-    lse,
-    dout,
-    *,
-    mask=None,
-    causal=False,
-    scale=None,
-    block_q=DEFAULT_BLOCK_Q,
-    block_k=DEFAULT_BLOCK_K,
-    window=None,
-    softcap=None,
-    alibi_slopes=None,
-    enable_gqa=False,
-    mask_mod=None,
-):
+def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False, scale=None,
+                             block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K, window=None,
+                             softcap=None, alibi_slopes=None, enable_gqa=False, mask_mod=None):
     """The gradients of ``sum(dout * flash_attention(q, k, v, ...))`` without storing ``P``.
 
     Parameters
