@@ -112,33 +112,14 @@ def dask_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=F
     """
     split_every = _check_split_every(split_every)
     q, k, v = (_as_array(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
-    mask = None if mask is None else _as_array("mask", mask, min_ndim=0)
+    mask = None if mask is None else _as_array("mask", mask)
+    if mask is not None and mask.ndim < 2:  # a (Nk,) or scalar mask broadcasts over queries too
+        mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
+    # flash_lib's own check of dtypes and shapes (it reads shapes only: nothing is computed), then
+    # of causal and scale on arrays of one row: one source of truth for what the kernel accepts,
+    # and the dtypes it returns.
+    batch = flash_lib.check_arrays(q, k, v, mask)
     n_q, n_k, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
-    if k.shape[-1] != d:
-        raise ValueError(f"q and k must have the same feature size d (last axis), "
-                         f"got q.shape={q.shape} and k.shape={k.shape}")
-    if v.shape[-2] != n_k:
-        raise ValueError(f"k and v must have the same number of keys Nk (axis -2), "
-                         f"got k.shape={k.shape} and v.shape={v.shape}")
-    try:
-        batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    except ValueError:
-        raise ValueError(f"the leading (batch) dimensions of q, k and v must broadcast together, "
-                         f"got q.shape={q.shape}, k.shape={k.shape}, v.shape={v.shape}") from None
-    if mask is not None:
-        if mask.ndim < 2:  # a (Nk,) or scalar mask broadcasts over the query axis as well
-            mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
-        try:
-            full = np.broadcast_shapes(mask.shape, batch + (n_q, n_k))
-        except ValueError:
-            full = None
-        if full is None or full[-2:] != (n_q, n_k):
-            raise ValueError(f"mask of shape {mask.shape} does not broadcast to (..., Nq, Nk) = "
-                             f"{batch + (n_q, n_k)}")
-        batch = full[:-2]
-
-    # flash_lib checks dtypes, causal and scale, on arrays of one row: one source of truth for
-    # what the kernel accepts, and the dtypes it returns.
     out_meta, lse_meta = flash_lib.flash_attention(
         np.zeros((1, d), q.dtype), np.zeros((1, d), k.dtype), np.zeros((1, dv), v.dtype),
         mask=None if mask is None else np.ones((1, 1), mask.dtype),
@@ -166,15 +147,15 @@ def dask_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=F
     layer = {}
     finals = []
     q_starts, k_starts = np.cumsum((0,) + q_chunks), np.cumsum((0,) + k_chunks)
+    # The shard pairs with a pair causality allows: the kernel's own schedule, shards for tiles.
+    pairs = set(flash_lib.tile_schedule(n_q, n_k, q_chunks, k_chunks, causal))
     for i, n_qi in enumerate(q_chunks):
         parts = []
         for j, n_kj in enumerate(k_chunks):
-            if n_qi == 0 or n_kj == 0:
-                continue
+            if (q_starts[i], q_starts[i + 1], k_starts[j], k_starts[j + 1]) not in pairs:
+                continue  # empty, or wholly above the diagonal
             # In the pair's own coordinates, query r may see key c iff c <= r + delta.
             delta = int(q_starts[i] - k_starts[j] + (n_k - n_q))
-            if causal and n_qi + delta <= 0:
-                continue  # wholly above the diagonal: not even the pair's last query sees a key
             crossing = causal and delta < n_kj - 1  # else its first query sees every key
             if numpy_mask is not None and not _any_allowed(
                     numpy_mask[..., q_starts[i]:q_starts[i + 1], k_starts[j]:k_starts[j + 1]],
@@ -297,16 +278,13 @@ def _check_split_every(split_every):
     return int(split_every)
 
 
-def _as_array(name, x, min_ndim=2):
-    """A Dask array as it is, anything else as a NumPy array; at least ``min_ndim`` axes."""
+def _as_array(name, x):
+    """A Dask array as it is (with known chunk sizes), anything else as a NumPy array."""
     if not isinstance(x, da.Array):
         x = np.asarray(x)
     elif any(math.isnan(c) for axis in x.chunks for c in axis):
         raise ValueError(f"{name} has unknown chunk sizes {x.chunks}: call "
                          f"{name}.compute_chunk_sizes() first, or rechunk it")
-    if x.ndim < min_ndim:
-        raise ValueError(f"{name} must have at least 2 dimensions (..., N, features), "
-                         f"got shape {x.shape}")
     return x
 
 
@@ -366,7 +344,9 @@ def _any_allowed(mask_block, delta):
     if delta is None:
         return bool(mask_block.any())
     n_q, n_k = mask_block.shape[-2:]
-    causal = np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + delta
+    # c <= r + delta: the top-left corner of a bottom-right aligned mask, grown by the shift
+    shift = delta - (n_k - n_q)
+    causal = flash_lib.causal_mask(n_q + max(-shift, 0), n_k + max(shift, 0))[:n_q, :n_k]
     return bool((mask_block & causal).any())
 
 

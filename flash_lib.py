@@ -1,33 +1,18 @@
 """FlashAttention, forward and backward, exact, in plain NumPy.
 
-Attention of queries ``q`` over keys ``k`` and values ``v`` is
+    S = τ · q kᵀ,   P = softmax(S) row by row,   out = P v        (τ = ``scale``, 1/√d by default)
 
-    S = τ · q kᵀ,   P = softmax(S) row by row,   out = P v,      (τ = ``scale``, 1/√d by default)
-
-and the textbook way (:func:`naive_attention`) stores the whole ``Nq × Nk`` matrix ``S``.
-:func:`flash_attention` computes the same ``out`` without ever holding more than one
-``block_q × block_k`` tile of ``S``: it walks over key blocks and keeps, for each query row,
+:func:`naive_attention` stores the whole ``Nq × Nk`` matrix ``S``; :func:`flash_attention` never
+holds more than one ``block_q × block_k`` tile of it, and keeps per query row the state
 
 * ``m``   -- the running maximum of the scores seen so far (so ``exp`` never overflows),
-* ``l``   -- the running denominator ``Σ exp(s - m)`` over those scores,
-* ``acc`` -- the running numerator ``Σ exp(s - m) · v`` (a ``dv``-vector per row).
+* ``l``   -- the running denominator ``Σ exp(s - m)``,
+* ``acc`` -- the running numerator ``Σ exp(s - m) · v``.
 
-When a new tile raises the maximum from ``m`` to ``m'``, everything summed so far was scaled
-by ``exp(-m)`` instead of ``exp(-m')``; multiplying ``l`` and ``acc`` by ``exp(m - m')``
-corrects that exactly. After the last tile ``out = acc / l`` and the row's log-sum-exp is
-``lse = m + log(l)``. That recurrence is :func:`online_softmax_update`; the rest of this file
-is what feeds it tiles (:func:`flash_attention`), what checks it (:func:`naive_attention`,
-:func:`precise_attention`), and what runs it on several threads.
-
-The backward pass (:func:`flash_attention_backward`, FlashAttention-2's) never stores ``P``
-either: it recomputes each tile's ``P = exp(S - lse)`` from the lse the forward saved, and
-needs ``D = rowsum(dout ∘ out)`` besides; one tile's arithmetic is :func:`attention_backward_tile`.
-Every kernel takes the same variants: a sliding ``window``, ``softcap``, ALiBi
-(``alibi_slopes``), grouped-query heads (``enable_gqa``) and FlexAttention-style ``mask_mod``;
-the tiles that ``causal``, ``window`` and ``mask_mod`` rule out are never computed
-(:func:`tile_schedule` lists the ones that are).
-
-Symbols, used throughout the code and the notebooks:
+A tile that raises the maximum from ``m`` to ``m'`` rescales ``l`` and ``acc`` by ``exp(m - m')``
+(:func:`online_softmax_update`); at the end ``out = acc / l`` and ``lse = m + log(l)``. The
+backward (:func:`flash_attention_backward`, FlashAttention-2's) recomputes each tile's
+``P = exp(S - lse)`` and needs ``D = rowsum(dout ∘ out)`` (:func:`attention_backward_tile`).
 
 =========== ===============================================================================
 ``Nq, Nk``  number of queries, number of keys
@@ -40,45 +25,21 @@ Symbols, used throughout the code and the notebooks:
 ``D``       ``rowsum(dout ∘ out)`` per query row, in the backward: ``Σ_j P_ij dP_ij``
 =========== ===============================================================================
 
-Contracts, the same in every kernel here (``README.md`` says how other libraries differ):
+Contracts, the same in every kernel here (README.md and the chapters say why and how others differ):
 
 * ``mask[..., i, j]`` True means query ``i`` may attend to key ``j`` (PyTorch SDPA and JAX).
-* ``causal=True`` allows key ``j`` for query ``i`` iff ``j <= i + (Nk - Nq)``: the diagonal is
-  aligned bottom-right, as in FlashAttention >= 2.1, so the last query sees every key.
-* **Empty rows.** A row with no allowed key gives ``out`` exactly ``0.0`` and ``lse = -inf``,
-  with no NaN and no floating-point warning, whatever ``q``, ``k`` and ``v`` hold.
-  (FlashAttention stores ``+inf`` as such a row's lse; :func:`merge_attention` says how to
-  convert.)
-* **Masked keys never leak.** An inf or NaN in ``k`` or ``v`` at key ``j`` reaches exactly the
-  rows allowed to attend key ``j``, for every block size: a row that may not attend it is
-  computed as if key ``j`` did not exist. This is the padding of a KV cache, whose unused slots
-  hold garbage. A weight of exactly 0 is not enough for that, because ``0 · inf = NaN`` in IEEE
-  arithmetic; ``_matmul_allowed`` handles the few key blocks that hold such values (they are
-  found once per call, so finite inputs pay nothing). Rows allowed to attend a non-finite key
-  get what IEEE arithmetic gives (NaN or ±inf); a score of ``-inf`` weighs 0, like a masked one.
-* **NaN in q.** A NaN in row ``i`` of ``q`` makes row ``i`` of ``out`` and ``lse`` NaN (unless the
-  row is fully masked) and leaves every other row exact.
-* **The scale** is applied to the inputs, not to the scores: ``τ = r·2^e`` (``0.5 <= r < 1``) is
-  applied as ``q · r·2^a`` and ``k · 2^b`` with ``a + b = e`` and ``b = trunc(e/2)``. Why:
+* ``causal``: key ``j`` for query ``i`` iff ``j <= i + (Nk - Nq)``, bottom-right (:func:`causal_mask`).
+* Empty rows: ``out`` exactly 0 and ``lse = -inf``, no NaN, no warning, whatever q, k, v hold.
+* Masked keys never leak: an inf or NaN at key ``j`` reaches exactly the rows that may attend it.
+* A NaN in row ``i`` of ``q`` makes row ``i`` NaN and leaves every other row exact.
+* The scale ``τ = r·2^e`` is applied as ``q · r·2^a`` and ``k · 2^b``, ``a + b = e``, ``b = trunc(e/2)``.
+* Threads (:func:`threads`, ``FLASH_LIB_THREADS``) and BLAS held at one thread: the same bits
+  on any number of threads, from any calling thread; Ctrl-C stops a call within about a tile.
+* float16 and bfloat16 (``ml_dtypes``) compute in float32; without ml_dtypes bfloat16 is refused.
 
-  - *accuracy*: a power of two scales exactly, so the scores round exactly as ``(τq)kᵀ``; that
-    and ``τ(qkᵀ)`` carry the same error bound (one rounding of ``τ`` per product against the
-    dot product's ``d`` roundings), and agree bit for bit when ``τ`` is a power of two;
-  - *cost*: scaling inputs touches ``(block_q + block_k)·d`` numbers per tile; scaling the
-    scores would be one more pass over all ``block_q·block_k`` of them;
-  - *range*: ``τq`` alone overflows for ``q = 1e300, τ = 1e10`` although every score is finite,
-    and ``qkᵀ`` overflows float32 for ``q = k = 1e20`` before ``τ = 1e-30`` shrinks it; with
-    ``√τ`` on each side neither does, unless the scores themselves are near the limit.
-* **Threads.** Query blocks run on up to ``FLASH_LIB_THREADS`` threads (default: the number
-  of cores, at most 4) and every tile is computed by the same calls whichever thread runs it,
-  so results are bit-identical from run to run, from any calling thread, and whatever runs
-  concurrently. That needs BLAS at one thread: how many threads a BLAS uses changes how it
-  splits a matmul, and with it the rounding. NumPy's OpenBLAS keeps that count in one
-  process-wide variable, so a call holds it at 1 while it runs and puts back exactly what it
-  found (the caller's setting, unless another thread changed it meanwhile) when it returns,
-  raises or is interrupted; calls are serialised by a lock, so no call ever sees another's
-  setting. While a call runs, other threads' NumPy matmuls run on one BLAS thread too.
-  Ctrl-C stops a call within about one tile.
+Beside this file, private to it (copy them with it): ``_flash_inputs.py`` (the checks),
+``_flash_runtime.py`` (threads, BLAS), ``_flash_masked.py`` (the matmul that keeps masked inf
+and NaN out) and ``_flash_measure.py`` (peak memory, the error metric).
 """
 
 from __future__ import annotations
@@ -86,24 +47,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import itertools
-import math
-import numbers
-import os
-import threading
-import tracemalloc
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
-from threadpoolctl import ThreadpoolController
 
-try:  # bfloat16 is not a NumPy dtype; ml_dtypes (a dependency) provides it.
-    import ml_dtypes
-
-    _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is in pyproject.toml's dependencies
-    _BFLOAT16 = None
+import _flash_inputs as _inputs
+import _flash_masked as _masked
+import _flash_runtime as _runtime
+from _flash_measure import measure_peak_bytes, rowwise_relative_error
 
 __all__ = [
     "DEFAULT_BLOCK_Q",
@@ -119,6 +70,9 @@ __all__ = [
     "merge_attention",
     "tile_schedule",
     "causal_mask",
+    "check_arrays",
+    "threads",
+    "thread_count",
     "measure_peak_bytes",
     "rowwise_relative_error",
 ]
@@ -132,6 +86,59 @@ __all__ = [
 DEFAULT_BLOCK_Q = 512
 #: Keys in one tile, by default (chosen with ``DEFAULT_BLOCK_Q``).
 DEFAULT_BLOCK_K = 512
+
+# The process-wide default thread count: FLASH_LIB_THREADS, read at import (default: the number
+# of cores, at most 4). Chapters 8, 9, 12, 14 and bench/ still read it, and chapter 12 sets it,
+# until they use thread_count() and threads(): so it is honoured here, below threads().
+_THREADS = _runtime.threads_from_environment()
+_THREADS_HERE = contextvars.ContextVar("flash_lib_threads", default=None)
+# Chapter 12 compares its own split with this name until it imports _flash_inputs.split_scale.
+_split_scale = _inputs.split_scale
+
+
+@contextlib.contextmanager
+def threads(n):
+    """Run the kernel calls made inside ``with flash_lib.threads(n):`` on up to ``n`` worker threads.
+
+    Per context, not process-wide: the setting is a context variable, so it holds for the
+    calling thread (and asyncio task) only, other threads keep theirs, and a new thread starts
+    at the default, ``FLASH_LIB_THREADS``. The count changes the speed, never the bits.
+    """
+    token = _THREADS_HERE.set(_inputs.int_at_least("threads(n): n", n, 1))
+    try:
+        yield
+    finally:
+        _THREADS_HERE.reset(token)
+
+
+def thread_count():
+    """The worker-thread count in force here: the innermost :func:`threads`, else the default."""
+    n = _THREADS_HERE.get()
+    return _THREADS if n is None else n
+
+
+def check_arrays(q, k, v, mask=None, *, enable_gqa=False):
+    """Check ``q``, ``k``, ``v`` and ``mask`` as every kernel does (dtypes, shapes, broadcasting),
+    reading only their ``shape``, ``ndim`` and ``dtype`` (a Dask array is not computed), and
+    return the leading (batch) shape of the results. Raises the kernels' own errors."""
+    return _inputs.check_arrays(q, k, v, mask, enable_gqa=enable_gqa)[2]
+
+
+_VARIANTS = ("mask", "causal", "scale", "window", "softcap", "alibi_slopes", "enable_gqa", "mask_mod")
+
+
+def _problem(args):
+    """A kernel's own arguments (its ``locals()`` on entry), checked: an ``_inputs.Problem``."""
+    return _inputs.check_inputs(q=args["q"], k=args["k"], v=args["v"], band_of=_Band.of,
+                                **{name: args[name] for name in _VARIANTS})
+
+
+def _ieee_quiet():
+    """IEEE's "invalid" flag is ignored inside the kernels and references. The only invalid
+    operations left are those that give NaN to a row allowed to meet an inf or NaN (inf - inf,
+    0 · inf), which is what the contract gives such rows: the empty-row and masked-key guards keep
+    them from every other row. A new errstate per use (a decorator's is safe per call too)."""
+    return np.errstate(invalid="ignore")
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,23 +191,9 @@ def _finalize(acc, l, m):
 # --------------------------------------------------------------------------------------------
 
 
-def flash_attention(
-    q,
-    k,
-    v,
-    *,
-    mask=None,
-    causal=False,
-    scale=None,
-    block_q=DEFAULT_BLOCK_Q,
-    block_k=DEFAULT_BLOCK_K,
-    return_lse=False,
-    window=None,
-    softcap=None,
-    alibi_slopes=None,
-    enable_gqa=False,
-    mask_mod=None,
-):
+def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEFAULT_BLOCK_Q,
+                    block_k=DEFAULT_BLOCK_K, return_lse=False, window=None, softcap=None,
+                    alibi_slopes=None, enable_gqa=False, mask_mod=None):
     """Exact attention, computed tile by tile without storing the ``Nq × Nk`` scores.
 
     Parameters
@@ -260,10 +253,9 @@ def flash_attention(
     The module docstring states the contracts: empty rows, masked keys, NaN, the scale's
     placement, threads and BLAS.
     """
-    problem = _check_inputs(q, k, v, mask, causal, scale, window, softcap, alibi_slopes,
-                            enable_gqa, mask_mod)
-    block_q = _int_at_least("block_q", block_q, 1)
-    block_k = _int_at_least("block_k", block_k, 1)
+    problem = _problem(locals())
+    block_q = _inputs.int_at_least("block_q", block_q, 1)
+    block_k = _inputs.int_at_least("block_k", block_k, 1)
     out = np.zeros(problem.batch + (problem.n_q, problem.dv), dtype=problem.out_dtype)
     # Not allocated unless asked for: it would be O(Nq) scratch.
     lse = np.full(problem.batch + (problem.n_q,), -np.inf, problem.acc) if return_lse else None
@@ -294,19 +286,16 @@ def flash_attention(
             if bad is None:
                 matmul = functools.partial(np.matmul, out=pv)
             else:
-                matmul = functools.partial(_matmul_allowed, allowed=allowed, bad=bad, out=pv)
+                matmul = functools.partial(_masked.matmul_allowed, allowed=allowed, bad=bad, out=pv)
             online_softmax_update(m, l, acc, s, problem.v_tile(k_start, k_stop), matmul)
         # Divide once, at the end.
         out[..., q_start:q_stop, :], lse_blk = _finalize(acc, l, m)
         if lse is not None:
             lse[..., q_start:q_stop] = lse_blk
 
-    # Threads only pay for themselves on real work (a thread pool costs ~0.1 ms to start).
-    n_scores = math.prod(problem.batch) * problem.n_q * problem.n_k
-    n_blocks = -(-problem.n_q // block_q)
-    workers = min(_THREADS, n_blocks) if n_scores >= _PARALLEL_MIN_SCORES else 1
-    with np.errstate(invalid="ignore"):  # see _IEEE_QUIET; the workers inherit it
-        _run_blocks(attend, _query_blocks(problem.n_q, block_q), workers)
+    with _ieee_quiet():  # the workers inherit it
+        _runtime.run_blocks(attend, _blocks(problem.n_q, block_q), threads=thread_count(),
+                            n_blocks=-(-problem.n_q // block_q), n_scores=problem.n_scores)
     out, lse = problem.merge_heads(out), problem.merge_heads(lse)
     return (out, lse) if return_lse else out
 
@@ -320,32 +309,49 @@ def tile_schedule(n_q, n_k, block_q, block_k, causal=False, *, window=None, mask
     ``window`` allow (for causal alone: iff its bottom-left pair, last query and first key, is
     allowed) and, with ``mask_mod``, one that ``mask_mod`` allows (in any batch entry); the
     others are skipped without being computed. The ``mask`` array never skips a tile.
+
+    ``block_q`` and ``block_k`` may also list uneven block sizes summing to ``n_q`` and ``n_k``
+    (Dask's chunks: ``flash_dask`` schedules its shards with this); empty blocks are never visited.
     """
-    n_q = _int_at_least("n_q", n_q, 0)
-    n_k = _int_at_least("n_k", n_k, 0)
-    block_q = _int_at_least("block_q", block_q, 1)
-    block_k = _int_at_least("block_k", block_k, 1)
-    band = _Band.of(n_q, n_k, _bool("causal", causal), _checked_window(window))
-    mask_mod = _checked_mask_mod(mask_mod)
+    n_q = _inputs.int_at_least("n_q", n_q, 0)
+    n_k = _inputs.int_at_least("n_k", n_k, 0)
+    q_blocks, k_blocks = _blocks_of("block_q", n_q, block_q), _blocks_of("block_k", n_k, block_k)
+    band = _Band.of(n_q, n_k, _inputs.check_bool("causal", causal), _inputs.checked_window(window))
+    mask_mod = _inputs.checked_mask_mod(mask_mod)
     return [
         (q_start, q_stop, k_start, k_stop)
-        for q_start, q_stop in _query_blocks(n_q, block_q)
-        for k_start, k_stop in band.key_blocks(q_start, q_stop, block_k)
-        if mask_mod is None or _call_mask_mod(mask_mod, q_start, q_stop, k_start, k_stop).any()
+        for q_start, q_stop in q_blocks if q_stop > q_start
+        for k_start, k_stop in (band.key_blocks(q_start, q_stop, block_k)
+                                if isinstance(block_k, int) else k_blocks)
+        if k_stop > k_start and band.visits(q_start, q_stop, k_start, k_stop)
+        and (mask_mod is None
+             or _inputs.call_mask_mod(mask_mod, q_start, q_stop, k_start, k_stop).any())
     ]
+
+
+def _blocks_of(name, n, size):
+    """``(start, stop)`` of blocks of ``size`` (the last partial), or of the sizes listed."""
+    if not isinstance(size, (tuple, list)):
+        return list(_blocks(n, _inputs.int_at_least(name, size, 1)))
+    for s in size:
+        _inputs.int_at_least(f"each of {name}'s sizes", s, 0)
+    if sum(size) != n:
+        raise ValueError(f"{name}'s sizes must sum to {n}, got {tuple(size)!r}")
+    stops = np.cumsum(size, dtype=int).tolist()
+    return list(zip([0] + stops[:-1], stops))
 
 
 def causal_mask(n_q, n_k):
     """The pairs ``causal=True`` allows, as an explicit ``(n_q, n_k)`` boolean mask: key ``j`` for
     query ``i`` iff ``j <= i + (n_k - n_q)`` (bottom-right, FlashAttention >= 2.1)."""
-    n_q = _int_at_least("n_q", n_q, 0)
-    n_k = _int_at_least("n_k", n_k, 0)
+    n_q = _inputs.int_at_least("n_q", n_q, 0)
+    n_k = _inputs.int_at_least("n_k", n_k, 0)
     return np.tril(np.ones((n_q, n_k), dtype=bool), k=n_k - n_q)
 
 
 # The kernel walks these generators directly rather than a materialised schedule, whose list
 # would hold one tuple per tile: O(Nq·Nk / (block_q·block_k)) memory.
-def _query_blocks(n_q, block_q):
+def _blocks(n_q, block_q):
     for q_start in range(0, n_q, block_q):
         yield q_start, min(q_start + block_q, n_q)
 
@@ -448,39 +454,6 @@ def _scores(problem, q, k, q_start, q_stop, k_start, k_stop, out=None, grad=Fals
     return (s, slope) if grad else s
 
 
-def _matmul_allowed(a, b, *, allowed, bad, out=None):
-    """``a @ b`` over the allowed pairs only, where rows ``bad`` of ``b`` hold inf or NaN.
-
-    ``a`` (..., rows, keys) is exactly 0 at the pairs that are not allowed, but IEEE arithmetic
-    makes ``0 · inf = NaN``, so a plain matmul would let a masked key's inf or NaN into a row
-    that may not attend it. Here the finite part is one matmul with those entries zeroed, and
-    the non-finite terms of the allowed pairs are classified exactly: a term ``a_ij · b_jc`` with
-    ``b_jc`` non-finite is NaN if ``b_jc`` is NaN or ``a_ij`` is 0 or NaN, else ±inf by sign; a
-    sum is NaN if any term is NaN or both infinities occur, else the infinity that occurs.
-    Only key blocks holding such values come here (``bad`` is found once per call). ``a`` holds
-    finite numbers or NaN (weights; an infinite ``a_ij`` would turn some ±inf entries into NaN).
-    """
-    finite_b = b.copy()
-    b_bad = b[..., bad, :]
-    finite_b[..., bad, :] = np.where(np.isfinite(b_bad), b_bad, 0)
-    out = np.matmul(a, finite_b, out=out)
-    a_bad = a[..., bad]
-    ok = np.broadcast_to(allowed, a.shape)[..., bad]
-    pos, neg = ok & (a_bad > 0), ok & (a_bad < 0)
-    flat = ok & ~(a_bad > 0) & ~(a_bad < 0)  # a is 0 or NaN
-    b_pos, b_neg, b_nan = b_bad == np.inf, b_bad == -np.inf, np.isnan(b_bad)
-
-    def some(x, y):  # some j with x_ij and y_jc, as a count through one small matmul
-        return np.matmul(x.astype(out.dtype), y.astype(out.dtype)) > 0
-
-    plus = some(pos, b_pos) | some(neg, b_neg)
-    minus = some(pos, b_neg) | some(neg, b_pos)
-    nan = some(ok, b_nan) | some(flat, b_pos | b_neg) | (plus & minus)
-    # Adding 0 leaves a finite sum unchanged; adding ±inf or NaN gives IEEE's sum of the terms.
-    out += np.where(nan, np.nan, np.where(plus, np.inf, np.where(minus, -np.inf, 0)))
-    return out
-
-
 # --------------------------------------------------------------------------------------------
 # The backward pass
 # --------------------------------------------------------------------------------------------
@@ -528,25 +501,9 @@ def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=
     return matmul(ds, k, "k")
 
 
-def flash_attention_backward(
-    q,
-    k,
-    v,
-    out,
-    lse,
-    dout,
-    *,
-    mask=None,
-    causal=False,
-    scale=None,
-    block_q=DEFAULT_BLOCK_Q,
-    block_k=DEFAULT_BLOCK_K,
-    window=None,
-    softcap=None,
-    alibi_slopes=None,
-    enable_gqa=False,
-    mask_mod=None,
-):
+def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False, scale=None,
+                             block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K, window=None,
+                             softcap=None, alibi_slopes=None, enable_gqa=False, mask_mod=None):
     """The gradients of ``sum(dout * flash_attention(q, k, v, ...))`` without storing ``P``.
 
     Parameters
@@ -587,15 +544,14 @@ def flash_attention_backward(
     meet it; a NaN in row ``i`` of ``q`` makes row ``i`` of ``dq`` NaN, and, through ``P_ij``,
     the ``dk``, ``dv`` rows of the keys row ``i`` attends (what IEEE arithmetic gives).
     """
-    problem = _check_inputs(q, k, v, mask, causal, scale, window, softcap, alibi_slopes,
-                            enable_gqa, mask_mod)
-    block_q = _int_at_least("block_q", block_q, 1)
-    block_k = _int_at_least("block_k", block_k, 1)
-    out, lse, dout = _check_saved(problem, out, lse, dout)
+    problem = _problem(locals())
+    block_q = _inputs.int_at_least("block_q", block_q, 1)
+    block_k = _inputs.int_at_least("block_k", block_k, 1)
+    out, lse, dout = _inputs.check_saved(problem, out, lse, dout)
     acc, batch, n_q, n_k = problem.acc, problem.batch, problem.n_q, problem.n_k
     # D_i = rowsum(dO_i ∘ O_i) = Σ_j P_ij dP_ij, once per row: P is never needed whole.
     D = np.empty(batch + (n_q,), acc)
-    for q_start, q_stop in _query_blocks(n_q, block_q):
+    for q_start, q_stop in _blocks(n_q, block_q):
         rows = slice(q_start, q_stop)
         D[..., rows] = np.einsum("...c,...c->...", dout[..., rows, :].astype(acc, copy=False),
                                  out[..., rows, :].astype(acc, copy=False))
@@ -603,9 +559,7 @@ def flash_attention_backward(
     dq = np.zeros(problem.q.shape, acc)  # the shares Σ_j dS_ij K_j, times τ_q at the end
     dk = np.zeros(problem.k.shape, problem.k.dtype)
     dv = np.zeros(problem.v.shape, problem.v.dtype)
-    n_q_blocks = -(-n_q // block_q)
-    turn = [0] * n_q_blocks  # turn[i]: the key block whose share of dQ_i is added next
-    turns = threading.Condition()
+    turns = _runtime.InOrder(-(-n_q // block_q))  # dQ_i's shares, added in key-block order
 
     def key_block(block, cancelled):
         """One key block over every query block: dK_j, dV_j resident, dQ's shares added in turn."""
@@ -615,7 +569,7 @@ def flash_attention_backward(
         v_blk = problem.v_tile(k_start, k_stop)
         dk_blk = np.zeros(batch + k_blk.shape[-2:], acc)
         dv_blk = np.zeros(batch + v_blk.shape[-2:], acc)
-        for i, (q_start, q_stop) in enumerate(_query_blocks(n_q, block_q)):
+        for i, (q_start, q_stop) in enumerate(_blocks(n_q, block_q)):
             if cancelled.is_set():
                 return
             share = None
@@ -623,7 +577,7 @@ def flash_attention_backward(
             allowed = _allowed(problem, q_start, q_stop, k_start, k_stop) if visits else False
             if allowed is not False:
                 rows = slice(q_start, q_stop)
-                matmul = _backward_matmul(problem, allowed, dout, q_start, q_stop, k_start, k_stop)
+                matmul = _masked.backward_matmul(problem, allowed, dout, q_start, q_stop, k_start, k_stop)
                 share = attention_backward_tile(
                     problem.q_tile(q_start, q_stop), k_blk, v_blk,
                     dout[..., rows, :].astype(acc, copy=False), lse[..., rows], D[..., rows],
@@ -632,50 +586,20 @@ def flash_attention_backward(
                                       k_start=k_start, k_stop=k_stop, grad=True),
                 )
                 share = _sum_to(share, dq.shape[:-2] + share.shape[-2:])
-            with turns:
-                while turn[i] != j:
-                    if cancelled.is_set():
-                        return
-                    turns.wait(0.05)
+            with turns.turn(i, j, cancelled) as mine:
+                if not mine:
+                    return
                 if share is not None:
                     dq[..., q_start:q_stop, :] += share
-                turn[i] = j + 1
-                turns.notify_all()
         dk_blk *= acc.type(problem.scale_k)
         dk[..., k_start:k_stop, :] = _sum_to(dk_blk, dk.shape[:-2] + dk_blk.shape[-2:])
         dv[..., k_start:k_stop, :] = _sum_to(dv_blk, dv.shape[:-2] + dv_blk.shape[-2:])
 
-    n_scores = math.prod(batch) * n_q * n_k
-    n_blocks = -(-n_k // block_k)
-    workers = min(_THREADS, n_blocks) if n_scores >= _PARALLEL_MIN_SCORES else 1
-    key_blocks = ((k0, min(k0 + block_k, n_k)) for k0 in range(0, n_k, block_k))
-    with np.errstate(invalid="ignore"):  # see _IEEE_QUIET; the workers inherit it
-        _run_blocks(key_block, key_blocks, workers)
+    with _ieee_quiet():  # the workers inherit it
+        _runtime.run_blocks(key_block, _blocks(n_k, block_k), threads=thread_count(),
+                            n_blocks=-(-n_k // block_k), n_scores=problem.n_scores)
     dq *= acc.type(problem.scale_q)
     return problem.input_shapes(dq.astype(problem.q.dtype, copy=False), dk, dv)
-
-
-def _backward_matmul(problem, allowed, dout, q_start, q_stop, k_start, k_stop):
-    """The ``matmul`` of :func:`attention_backward_tile` for one tile: plain ``a @ b``, or, for an
-    operand with inf or NaN rows in this tile and a tile with masked pairs, ``_matmul_allowed``."""
-    if allowed is None:
-        return None
-    bad = {
-        "dout": problem.nonfinite_rows("dout", q_start, q_stop, dout),
-        "q": problem.nonfinite_rows("q", q_start, q_stop),
-        "k": problem.nonfinite_rows("k", k_start, k_stop),
-    }
-    if all(rows is None for rows in bad.values()):
-        return None
-
-    def matmul(a, b, which):
-        if bad[which] is None:
-            return a @ b
-        # a is (..., rows, keys) for dS @ K, or its transpose for Pᵀ dO and dSᵀ Q
-        ok = allowed if which == "k" else np.swapaxes(allowed, -1, -2)
-        return _matmul_allowed(a, b, allowed=ok, bad=bad[which])
-
-    return matmul
 
 
 def _sum_to(x, shape):
@@ -700,8 +624,7 @@ def naive_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=
     it is the oracle the tiled kernel is tested against, so it stays as plain as possible. Its
     one matmul uses the BLAS threads the caller has set.
     """
-    problem = _check_inputs(q, k, v, mask, causal, scale, window, softcap, alibi_slopes,
-                            enable_gqa, mask_mod)
+    problem = _problem(locals())
     out, lse = _dense_attention(problem, problem.acc)
     out = problem.merge_heads(out.astype(problem.out_dtype, copy=False))
     lse = problem.merge_heads(lse)
@@ -719,8 +642,7 @@ def precise_attention(q, k, v, *, mask=None, causal=False, scale=None, return_ls
     40 significant digits, elementwise and slow: meant for small inputs. Returns float64 arrays
     from the mpmath path and longdouble arrays otherwise.
     """
-    problem = _check_inputs(q, k, v, mask, causal, scale, window, softcap, alibi_slopes,
-                            enable_gqa, mask_mod)
+    problem = _problem(locals())
     if np.finfo(np.longdouble).nmant > np.finfo(np.float64).nmant:
         out, lse = _dense_attention(problem, np.dtype(np.longdouble))
     else:  # pragma: no cover - only where longdouble is float64 (macOS arm64, Windows)
@@ -729,23 +651,37 @@ def precise_attention(q, k, v, *, mask=None, causal=False, scale=None, return_ls
     return (out, lse) if return_lse else out
 
 
-@np.errstate(invalid="ignore")  # see _IEEE_QUIET
-def _dense_attention(problem, dtype):
-    """The full score matrix in ``dtype``, then a max-subtracted softmax: naive and precise."""
+def _dense_softmax(problem, dtype, grad=False):
+    """The one dense reference: the whole score matrix in ``dtype``, then ``p = exp(s - m)``
+    against each row's max ``m``: ``p, m, allowed`` (None: all pairs); with ``grad=True``
+    also the scores and softcap's slope (first and last). Naive, precise and the backward's."""
     n_q, n_k = problem.n_q, problem.n_k
     s = _scores(problem, problem.q_tile(0, n_q, dtype), problem.k_tile(0, n_k, dtype),
-                0, n_q, 0, n_k)
+                0, n_q, 0, n_k, grad=grad)
+    s, slope = s if grad else (s, None)
     allowed = _dense_allowed(problem)
     if allowed is not None:
         s = np.where(allowed, s, -np.inf)
-    s = np.broadcast_to(s, problem.batch + s.shape[-2:])  # v or mask may carry more batch dims
+    if not grad:  # v or mask may carry more batch dims (the backward's dout broadcasts p)
+        s = np.broadcast_to(s, problem.batch + s.shape[-2:])
     m = s.max(axis=-1, initial=-np.inf)
-    # Any finite reference point works for an empty row (all its scores are -inf); 0 avoids
-    # the NaN of -inf - (-inf).
-    p = np.exp(s - np.where(m == -np.inf, 0, m)[..., None])
-    v = problem.v_tile(0, n_k, dtype)
-    bad = problem.bad_values(0, n_k) if allowed is not None else None
-    pv = p @ v if bad is None else _matmul_allowed(p, v, allowed=allowed, bad=bad)
+    p = np.exp(s - _reference(m)[..., None])
+    return (s, p, m, allowed, slope) if grad else (p, m, allowed)
+
+
+def _reference(m):
+    """The reference point of ``exp(s - m)``: the row max, or 0 for an empty row, whose -inf would
+    give -inf - (-inf) = NaN (:func:`online_softmax_update` spells it out: chapter 5 prints it)."""
+    return np.where(m == -np.inf, 0, m)
+
+
+@_ieee_quiet()
+def _dense_attention(problem, dtype):
+    """naive's and precise's forward: :func:`_dense_softmax`, then ``p v / Σ p``."""
+    p, m, allowed = _dense_softmax(problem, dtype)
+    v = problem.v_tile(0, problem.n_k, dtype)
+    bad = problem.bad_values(0, problem.n_k) if allowed is not None else None
+    pv = p @ v if bad is None else _masked.matmul_allowed(p, v, allowed=allowed, bad=bad)
     return _finalize(pv, p.sum(axis=-1), m)
 
 
@@ -759,9 +695,8 @@ def naive_attention_backward(q, k, v, dout, *, mask=None, causal=False, scale=No
     scale placement, broadcasting and gradient dtypes. It needs no ``out`` or ``lse``, and does
     not use the identity ``rowsum(P ∘ dP) = rowsum(dO ∘ O)`` the tiled kernel rests on.
     """
-    problem = _check_inputs(q, k, v, mask, causal, scale, window, softcap, alibi_slopes,
-                            enable_gqa, mask_mod)
-    dout = _check_saved(problem, dout=dout)
+    problem = _problem(locals())
+    dout = _inputs.check_saved(problem, dout=dout)
     grads = _dense_backward(problem, dout, problem.acc)
     return problem.input_shapes(*(g.astype(x.dtype, copy=False)
                                   for g, x in zip(grads, (problem.q, problem.k, problem.v))))
@@ -773,23 +708,18 @@ def precise_attention_backward(q, k, v, dout, *, mask=None, causal=False, scale=
     """:func:`naive_attention_backward` in ``np.longdouble``: the truth gradients are measured
     against (x86-64 and aarch64 Linux, where longdouble is wider than float64). Returns
     longdouble arrays."""
-    problem = _check_inputs(q, k, v, mask, causal, scale, window, softcap, alibi_slopes,
-                            enable_gqa, mask_mod)
-    dout = _check_saved(problem, dout=dout)
+    problem = _problem(locals())
+    dout = _inputs.check_saved(problem, dout=dout)
     return problem.input_shapes(*_dense_backward(problem, dout, np.dtype(np.longdouble)))
 
 
-@np.errstate(invalid="ignore")  # see _IEEE_QUIET
+@_ieee_quiet()
 def _dense_backward(problem, dout, dtype):
     n_q, n_k = problem.n_q, problem.n_k
     q, k, v = problem.q_tile(0, n_q, dtype), problem.k_tile(0, n_k, dtype), problem.v_tile(0, n_k, dtype)
     dout = dout.astype(dtype)
-    allowed = _dense_allowed(problem)
-    s, slope = _scores(problem, q, k, 0, n_q, 0, n_k, grad=True)
-    if allowed is not None:
-        s = np.where(allowed, s, -np.inf)
-    m = s.max(axis=-1, initial=-np.inf)
-    p = np.exp(s - np.where(m == -np.inf, 0, m)[..., None])
+    # s stays alive as in a textbook backward: chapter 12 counts S, P, dP, dS at the peak
+    s, p, m, allowed, slope = _dense_softmax(problem, dtype, grad=True)
     l = p.sum(axis=-1)
     p /= np.where(l == 0, 1, l)[..., None]  # P = softmax(S); an empty row stays 0
     if allowed is not None:  # and a masked pair weighs exactly 0, in a NaN row too
@@ -805,7 +735,7 @@ def _dense_backward(problem, dout, dtype):
 
     def matmul(a, b, allowed_for_a, name, x):
         bad = None if allowed is None else problem.nonfinite_rows(name, 0, x.shape[-2], x)
-        return a @ b if bad is None else _matmul_allowed(a, b, allowed=allowed_for_a, bad=bad)
+        return a @ b if bad is None else _masked.matmul_allowed(a, b, allowed=allowed_for_a, bad=bad)
 
     allowed_t = None if allowed is None else np.swapaxes(allowed, -1, -2)
     dv = matmul(np.swapaxes(p, -1, -2), dout, allowed_t, "dout", dout)
@@ -851,7 +781,7 @@ def _mpmath_attention(problem):  # pragma: no cover - see precise_attention
 
 
 # --------------------------------------------------------------------------------------------
-# Combining partial results, and measuring memory and error
+# Combining partial results
 # --------------------------------------------------------------------------------------------
 
 
@@ -874,32 +804,11 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     Returns ``(out, lse)`` with ``out`` in the dtype of ``out_a``/``out_b`` and ``lse`` in the
     dtype of the lse arguments (float32 at least).
     """
-    out_a = _as_float_array("out_a", out_a, longdouble=True)
-    out_b = _as_float_array("out_b", out_b, longdouble=True)
-    lse_a, lse_b = np.asarray(lse_a), np.asarray(lse_b)
-    for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
-        if x.dtype.type not in _FLOAT_DTYPES + (np.longdouble,):
-            raise TypeError(f"{name} must be a float array, got dtype {x.dtype}")
-    if out_a.shape != out_b.shape:
-        raise ValueError(
-            f"out_a and out_b must have the same shape, got {out_a.shape} and {out_b.shape}"
-        )
-    for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
-        if x.shape != out_a.shape[:-1]:
-            raise ValueError(
-                f"{name} must have shape out.shape[:-1] = {out_a.shape[:-1]}, got {x.shape}"
-            )
-        if np.any(x == np.inf):
-            raise ValueError(
-                f"{name} is +inf in {np.count_nonzero(x == np.inf)} row(s). FlashAttention "
-                f"writes +inf as the lse of a row with no allowed key (its out is 0); flash_lib "
-                f"writes -inf, which is log(0), the lse such a row has. Convert before merging: "
-                f"np.where({name} == np.inf, -np.inf, {name})"
-            )
+    out_a, lse_a, out_b, lse_b = _inputs.check_merge(out_a, lse_a, out_b, lse_b)
     work = np.result_type(lse_a.dtype, lse_b.dtype, out_a.dtype, out_b.dtype, np.float32)
     lse_a, lse_b = lse_a.astype(work), lse_b.astype(work)
     m = np.maximum(lse_a, lse_b)
-    m_ref = np.where(m == -np.inf, 0, m)
+    m_ref = _reference(m)
     w_a, w_b = np.exp(lse_a - m_ref), np.exp(lse_b - m_ref)
 
     def weighted(w, out, lse):  # an empty part weighs 0, and 0 · NaN must not be NaN
@@ -909,570 +818,3 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     out_dtype = np.result_type(out_a.dtype, out_b.dtype)
     lse_dtype = np.result_type(lse_a.dtype, lse_b.dtype, np.float32)
     return out.astype(out_dtype, copy=False), lse.astype(lse_dtype, copy=False)
-
-
-def measure_peak_bytes(fn, *args, **kwargs):
-    """Run ``fn(*args, **kwargs)``; return ``(result, peak_bytes)`` allocated during the call.
-
-    Measured from outside by ``tracemalloc``, where NumPy reports its array buffers, so it is
-    evidence about the kernel rather than the kernel's word about itself. ``peak_bytes`` counts
-    from the traced total at the call, so it includes the returned arrays: subtract their
-    ``nbytes`` to get the scratch memory. Allocations from all threads are counted.
-
-    If the caller is tracing already, its own peak survives the call: tracemalloc can only
-    reset the peak, not set it, so a peak above what this call reached is re-created afterwards
-    by one short-lived allocation (it may come out a few hundred bytes higher than it was).
-    """
-    started = not tracemalloc.is_tracing()
-    if started:
-        tracemalloc.start()
-    _, callers_peak = tracemalloc.get_traced_memory()
-    try:
-        tracemalloc.reset_peak()
-        base, _ = tracemalloc.get_traced_memory()
-        result = fn(*args, **kwargs)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        if started:
-            tracemalloc.stop()
-        elif callers_peak > tracemalloc.get_traced_memory()[1]:
-            np.empty(callers_peak - tracemalloc.get_traced_memory()[0], np.uint8)  # freed at once
-    return result, peak - base
-
-
-def rowwise_relative_error(out, ref):
-    """Error of each row against a reference: ``max_c |out_ic - ref_ic| / max_c |ref_ic|``.
-
-    The metric of this project's tests, chapters and benchmark: relative to the row's own scale,
-    so that a row of small outputs is held to the same standard as a row of large ones.
-    Entries where ``ref`` is not finite must match exactly (the same infinity, or NaN for NaN),
-    so identical inf rows have error 0; the finite entries are measured against the largest
-    finite ``|ref|`` of the row. A row whose finite reference is all zeros (a fully masked
-    row) has error 0 only if ``out``'s row matches exactly, else inf. A non-finite ``out`` where
-    ``ref`` is finite is inf. Computed in the wider of the two dtypes (``ref`` may be
-    longdouble). Returns an array of shape ``out.shape[:-1]``.
-    """
-    wide = np.result_type(out, ref, np.float64)
-    out, ref = np.asarray(out, wide), np.asarray(ref, wide)
-    if out.ndim == 0 or ref.ndim == 0:
-        raise ValueError(
-            f"out and ref must have at least 1 dimension (..., features), got shapes "
-            f"{out.shape} and {ref.shape}"
-        )
-    if out.shape != ref.shape:
-        raise ValueError(f"out and ref must have the same shape, got {out.shape} and {ref.shape}")
-    if out.shape[-1] == 0:
-        return np.zeros(out.shape[:-1])
-    finite = np.isfinite(ref)
-    same = (out == ref) | (np.isnan(out) & np.isnan(ref))
-    with np.errstate(invalid="ignore", over="ignore"):
-        diff = np.where(same, 0, np.where(finite & np.isfinite(out), np.abs(out - ref), np.inf))
-    size = np.where(finite, np.abs(ref), 0).max(axis=-1)
-    worst = diff.max(axis=-1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        err = np.where(size == 0, np.where(worst == 0, 0, np.inf), worst / np.where(size == 0, 1, size))
-    return err
-
-
-# --------------------------------------------------------------------------------------------
-# Input checking, shared by every kernel so that they accept and reject exactly the same inputs
-# --------------------------------------------------------------------------------------------
-
-_FLOAT_DTYPES = (np.float16, np.float32, np.float64)
-_FLOAT_NAMES = "float16, bfloat16, float32 or float64"
-
-
-@dataclass(frozen=True)
-class _Problem:
-    """Validated inputs (``q``, ``k``, ``v``, ``mask`` unbroadcast) and what the kernels derive.
-
-    With ``enable_gqa`` the head axis of ``q`` (and of the mask, the ALiBi slopes, mask_mod's
-    result) is split into (Hkv, groups) and ``k``, ``v`` get a groups axis of 1, so that NumPy's
-    broadcasting pairs each query head with its kv head; ``merge_heads`` and ``input_shapes``
-    undo the split on the results.
-    """
-
-    q: np.ndarray
-    k: np.ndarray
-    v: np.ndarray
-    mask: np.ndarray | None
-    band: _Band  # causal and window
-    scale: float
-    scale_q: float  # r·2^a, see the module docstring
-    scale_k: float  # 2^b
-    softcap: float | None
-    alibi: np.ndarray | None  # the slopes, shaped (..., 1, 1) to broadcast against a tile
-    mask_mod: object  # callable or None
-    batch: tuple
-    out_dtype: np.dtype
-    acc: np.dtype  # the compute dtype
-    groups: int | None = None  # with enable_gqa: query heads per kv head
-    shapes: tuple = ()  # the caller's q, k, v shapes
-    user_batch: tuple = ()  # the broadcast batch as the caller sees it (Hq heads)
-
-    @property
-    def n_q(self):
-        return self.q.shape[-2]
-
-    @property
-    def n_k(self):
-        return self.k.shape[-2]
-
-    @property
-    def dv(self):
-        return self.v.shape[-1]
-
-    def q_tile(self, start, stop, dtype=None):
-        dtype = self.acc if dtype is None else dtype
-        return np.multiply(self.q[..., start:stop, :], dtype.type(self.scale_q), dtype=dtype)
-
-    def k_tile(self, start, stop, dtype=None):
-        dtype = self.acc if dtype is None else dtype
-        k = self.k[..., start:stop, :]
-        if self.scale_k == 1:
-            return k.astype(dtype, copy=False)
-        return np.multiply(k, dtype.type(self.scale_k), dtype=dtype)
-
-    def v_tile(self, start, stop, dtype=None):
-        return self.v[..., start:stop, :].astype(self.acc if dtype is None else dtype, copy=False)
-
-    def mask_mod_tile(self, q_start, q_stop, k_start, k_stop):
-        """``mask_mod`` on one tile, checked, with its head axis split for grouped queries."""
-        allowed = _call_mask_mod(self.mask_mod, q_start, q_stop, k_start, k_stop)
-        expected = self.user_batch + (q_stop - q_start, k_stop - k_start)
-        if not _broadcasts_to(allowed.shape, expected):
-            raise ValueError(
-                f"mask_mod returned an array of shape {allowed.shape}, which does not broadcast "
-                f"to (..., tile_q, tile_k) = {expected}"
-            )
-        return _split_heads(allowed, -3, self.groups) if self.groups else allowed
-
-    def merge_heads(self, x):
-        """A result with the grouped-query split (…, Hkv, groups, Nq, …) back to (…, Hq, Nq, …)."""
-        if not self.groups or x is None:
-            return x
-        lead = len(self.batch) - 2
-        return x.reshape(x.shape[:lead] + (-1,) + x.shape[lead + 2:])
-
-    def input_shapes(self, dq, dk, dv):
-        """Gradients in the caller's shapes of q, k, v (undoing the grouped-query split)."""
-        return tuple(g.reshape(shape) for g, shape in zip((dq, dk, dv), self.shapes))
-
-    @functools.cached_property
-    def _nonfinite(self):
-        return {}  # name -> sorted row indices, filled on first use (once per call)
-
-    def nonfinite_rows(self, name, start, stop, x=None):
-        """Positions, within rows ``start:stop`` of ``q``, ``k``, ``v`` (or ``x``, under
-        ``name``), of the rows holding an inf or NaN; or None when there are none."""
-        if name not in self._nonfinite:
-            self._nonfinite[name] = _nonfinite_rows(getattr(self, name) if x is None else x)
-        rows = self._nonfinite[name]
-        lo, hi = np.searchsorted(rows, (start, stop))
-        return rows[lo:hi] - start if hi > lo else None
-
-    def bad_values(self, k_start, k_stop):
-        """Positions, within keys ``k_start:k_stop``, of values holding inf or NaN; or None."""
-        return self.nonfinite_rows("v", k_start, k_stop)
-
-
-def _nonfinite_rows(x):
-    """Sorted indices (axis -2) of the rows of ``x`` holding an inf or NaN in any batch entry.
-
-    A chunk of rows at a time, so that finding them needs no scratch proportional to N.
-    """
-    batch_axes = tuple(range(x.ndim - 2))
-    found = [
-        start + np.flatnonzero(~np.isfinite(chunk).all(axis=-1).all(axis=batch_axes))
-        for start in range(0, x.shape[-2], 1024)
-        for chunk in [x[..., start : start + 1024, :]]
-    ]
-    return np.concatenate(found) if found else np.zeros(0, dtype=np.intp)
-
-
-def _check_saved(problem, out=None, lse=None, dout=None):
-    """The forward's ``out`` and ``lse`` and the incoming ``dout``, checked against q, k, v."""
-    shapes = {"out": problem.user_batch + (problem.n_q, problem.dv),
-              "lse": problem.user_batch + (problem.n_q,)}
-    shapes["dout"] = shapes["out"]
-    checked = []
-    for name, x in (("out", out), ("lse", lse), ("dout", dout)):
-        if x is None:
-            continue
-        x = np.asarray(x)
-        if not (x.dtype.type in _FLOAT_DTYPES or x.dtype == _BFLOAT16):
-            raise TypeError(f"{name} must be a {_FLOAT_NAMES} array, got dtype {x.dtype}")
-        if x.shape != shapes[name]:
-            raise ValueError(
-                f"{name} must have shape {shapes[name]}, what the forward returns for these q, k, v "
-                f"(and mask), got {x.shape}"
-            )
-        if problem.groups:
-            x = _split_heads(x, -2 if name == "lse" else -3, problem.groups)
-        checked.append(x)
-    return checked[0] if len(checked) == 1 else tuple(checked)
-
-
-def _as_float_array(name, x, longdouble=False):
-    x = np.asarray(x)
-    ok = x.dtype.type in _FLOAT_DTYPES or x.dtype == _BFLOAT16
-    if not ok and not (longdouble and x.dtype == np.longdouble):
-        raise TypeError(f"{name} must be a {_FLOAT_NAMES} array, got dtype {x.dtype}")
-    if x.ndim < 2:
-        raise ValueError(
-            f"{name} must have at least 2 dimensions (..., N, features), got shape {x.shape}"
-        )
-    return x
-
-
-def _int_at_least(name, value, low):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        kind = "positive" if low == 1 else "non-negative"
-        raise ValueError(f"{name} must be a {kind} integer, got {value!r}")
-    return int(value)
-
-
-def _bool(name, value):
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-    return bool(value)
-
-
-def _result_dtype(*dtypes):
-    """The output dtype: NumPy's promotion, with float16 and bfloat16 (no common type) → float32."""
-    half = {np.dtype(np.float16), _BFLOAT16}
-    if len(set(dtypes)) > 1 and set(dtypes) <= half:
-        return np.dtype(np.float32)
-    rest = [d for d in dtypes if d != _BFLOAT16] or [_BFLOAT16]
-    return np.result_type(*rest)
-
-
-def _checked_scale(scale, d, acc):
-    """``scale`` as a float64, refused unless it is a normal number of the compute dtype."""
-    if scale is None:
-        return 1.0 / math.sqrt(d) if d > 0 else 1.0
-    if (
-        isinstance(scale, bool)
-        or not isinstance(scale, numbers.Real)
-        or scale != scale  # NaN
-        or scale <= 0
-        or (not isinstance(scale, numbers.Integral) and np.isinf(scale))
-    ):
-        raise ValueError(f"scale must be a finite positive number, got {scale!r}")
-    with np.errstate(over="ignore", under="ignore"):  # a longdouble beyond float64's range
-        try:
-            as_float = float(scale)
-        except OverflowError:  # an int such as 10**400
-            as_float = math.inf
-    info = np.finfo(acc)
-    if not float(info.tiny) <= as_float <= float(info.max):
-        raise ValueError(
-            f"scale = {scale!r} is outside the normal range of the compute dtype {acc} "
-            f"[{float(info.tiny):.4g}, {float(info.max):.4g}]: in {acc} it "
-            f"{'overflows' if as_float > 1 else 'vanishes'}"
-        )
-    return as_float
-
-
-def _split_scale(scale):
-    """τ = r·2^e (0.5 <= r < 1) → (r·2^a, 2^b) with a + b = e, b = trunc(e/2)."""
-    r, e = math.frexp(scale)
-    b = int(e / 2)
-    return math.ldexp(r, e - b), math.ldexp(1.0, b)
-
-
-def _check_inputs(q, k, v, mask, causal, scale, window=None, softcap=None, alibi_slopes=None,
-                  enable_gqa=False, mask_mod=None):
-    """Validate and normalise the arguments of every kernel; return a :class:`_Problem`."""
-    q = _as_float_array("q", q)
-    k = _as_float_array("k", k)
-    v = _as_float_array("v", v)
-    shapes = (q.shape, k.shape, v.shape)
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"q and k must have the same feature size d (last axis), "
-            f"got q.shape={q.shape} and k.shape={k.shape}"
-        )
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(
-            f"k and v must have the same number of keys Nk (axis -2), "
-            f"got k.shape={k.shape} and v.shape={v.shape}"
-        )
-    n_q, n_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    groups = None
-    if _bool("enable_gqa", enable_gqa):
-        groups = _gqa_groups(q, k, v)
-        hkv = k.shape[-3]
-        q = q.reshape(q.shape[:-3] + (hkv, groups) + q.shape[-2:])
-        k, v = k[..., None, :, :], v[..., None, :, :]
-    try:
-        batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    except ValueError:
-        raise ValueError(
-            f"the leading (batch) dimensions of q, k and v must broadcast together, got "
-            f"q.shape={shapes[0]}, k.shape={shapes[1]}, v.shape={shapes[2]}"
-        ) from None
-    # the batch as the caller sees it: with grouped queries, Hq heads rather than (Hkv, groups)
-    user_batch = batch[:-2] + (batch[-2] * batch[-1],) if groups else batch
-    if mask is not None:
-        mask = np.asarray(mask)
-        if mask.dtype != np.bool_:
-            raise TypeError(
-                f"mask must be a boolean array (True = may attend), got dtype {mask.dtype}"
-            )
-        try:
-            full = np.broadcast_shapes(mask.shape, user_batch + (n_q, n_k))
-        except ValueError:
-            full = None
-        if full is None or full[-2:] != (n_q, n_k):
-            raise ValueError(
-                f"mask of shape {mask.shape} does not broadcast to (..., Nq, Nk) = "
-                f"{user_batch + (n_q, n_k)}"
-            )
-        user_batch = full[:-2]
-        if groups:
-            mask = _split_heads(mask, -3, groups)
-        batch = np.broadcast_shapes(batch, mask.shape[:-2])
-    band = _Band.of(n_q, n_k, _bool("causal", causal), _checked_window(window))
-    out_dtype = _result_dtype(q.dtype, k.dtype, v.dtype)
-    # float16 has 11 bits of mantissa and overflows at 65504, bfloat16 has 8 bits: sums and
-    # products run in float32.
-    acc = np.dtype(np.float32) if out_dtype in (np.float16, _BFLOAT16) else out_dtype
-    scale = _checked_scale(scale, d, acc)
-    scale_q, scale_k = _split_scale(scale)
-    softcap = _checked_softcap(softcap)
-    alibi = _checked_alibi(alibi_slopes, user_batch, groups)
-    mask_mod = _checked_mask_mod(mask_mod)
-    return _Problem(q, k, v, mask, band, scale, scale_q, scale_k, softcap, alibi, mask_mod,
-                    batch, out_dtype, acc, groups, shapes, user_batch)
-
-
-def _gqa_groups(q, k, v):
-    """Query heads per kv head, checked: axis -3 holds the heads, Hkv divides Hq."""
-    if min(q.ndim, k.ndim, v.ndim) < 3:
-        raise ValueError(
-            f"enable_gqa needs a head axis (-3) in q, k and v, got q.shape={q.shape}, "
-            f"k.shape={k.shape}, v.shape={v.shape}"
-        )
-    h_q, h_kv = q.shape[-3], k.shape[-3]
-    if v.shape[-3] != h_kv or h_kv == 0 or h_q % h_kv:
-        raise ValueError(
-            f"enable_gqa needs k and v with the same number of heads Hkv (axis -3) dividing "
-            f"q's Hq, got q.shape={q.shape}, k.shape={k.shape}, v.shape={v.shape}"
-        )
-    return h_q // h_kv
-
-
-def _split_heads(x, axis, groups):
-    """Split the head axis ``axis`` of an array aligned with q's leading dims into
-    (Hkv, groups); a head axis of 1, or none, stays broadcastable."""
-    if x.ndim < -axis:
-        return x
-    axis = x.ndim + axis
-    heads = x.shape[axis]
-    split = (heads // groups, groups) if heads != 1 else (1, 1)
-    return x.reshape(x.shape[:axis] + split + x.shape[axis + 1:])
-
-
-def _checked_window(window):
-    if window is None:
-        return None
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise ValueError(
-            f"window must be None or a pair (left, right) of non-negative integers or None, "
-            f"got {window!r}"
-        )
-    for side, value in zip(("left", "right"), window):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
-                                  or value < 0):
-            raise ValueError(
-                f"window's {side} must be a non-negative integer or None (unbounded), got "
-                f"{value!r} in window={window!r}"
-            )
-    return tuple(None if value is None else int(value) for value in window)
-
-
-def _checked_softcap(softcap):
-    if softcap is None:
-        return None
-    if (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
-            or not math.isfinite(softcap) or softcap <= 0):
-        raise ValueError(
-            f"softcap must be a finite positive number (None turns it off), got {softcap!r}"
-        )
-    return float(softcap)
-
-
-def _broadcasts_to(shape, target):
-    """Whether an array of ``shape`` broadcasts to exactly ``target`` (not to something larger)."""
-    try:
-        return np.broadcast_shapes(shape, target) == target
-    except ValueError:
-        return False
-
-
-def _checked_alibi(slopes, batch, groups):
-    if slopes is None:
-        return None
-    slopes = np.asarray(slopes)
-    if slopes.dtype.kind not in "fiu":
-        raise TypeError(f"alibi_slopes must be an array of real numbers, got dtype {slopes.dtype}")
-    if not _broadcasts_to(slopes.shape, batch):
-        raise ValueError(
-            f"alibi_slopes of shape {slopes.shape} does not broadcast to the leading (batch, "
-            f"head) dims {batch}: give one slope per head, e.g. shape (H,) or (B, H)"
-        )
-    slopes = slopes.astype(np.float64)
-    if not np.isfinite(slopes).all():
-        raise ValueError(f"alibi_slopes must be finite, got {slopes}")
-    slopes = slopes[..., None, None]  # broadcasts against a tile's (rows, keys)
-    return _split_heads(slopes, -3, groups) if groups else slopes
-
-
-def _checked_mask_mod(mask_mod):
-    if mask_mod is not None and not callable(mask_mod):
-        raise TypeError(f"mask_mod must be a callable mask_mod(q_idx, k_idx) or None, got "
-                        f"{mask_mod!r}")
-    return mask_mod
-
-
-def _call_mask_mod(mask_mod, q_start, q_stop, k_start, k_stop):
-    """``mask_mod(q_idx, k_idx)`` on one tile's global positions, checked to be boolean."""
-    q_idx = np.arange(q_start, q_stop)[:, None]
-    k_idx = np.arange(k_start, k_stop)[None, :]
-    allowed = np.asarray(mask_mod(q_idx, k_idx))
-    if allowed.dtype != np.bool_:
-        raise TypeError(
-            f"mask_mod must return a boolean array (True = may attend), got dtype "
-            f"{allowed.dtype}"
-        )
-    tile = (q_stop - q_start, k_stop - k_start)
-    if not _broadcasts_to(allowed.shape[-2:], tile):
-        raise ValueError(
-            f"mask_mod returned an array of shape {allowed.shape}, which does not broadcast "
-            f"to (..., tile_q, tile_k) = (..., {tile[0]}, {tile[1]})"
-        )
-    return allowed
-
-
-# --------------------------------------------------------------------------------------------
-# Threads and BLAS
-# --------------------------------------------------------------------------------------------
-
-
-def _threads_from_environment():
-    raw = os.environ.get("FLASH_LIB_THREADS")
-    if raw is None:
-        return min(os.cpu_count() or 1, 4)
-    try:
-        threads = int(raw)
-    except ValueError:
-        threads = 0
-    if threads < 1:
-        raise ValueError(f"FLASH_LIB_THREADS must be a positive integer, got {raw!r}")
-    return threads
-
-
-# Query blocks are independent, so they run on a small thread pool: NumPy releases the GIL in
-# matmul, exp and the reductions, which the single-threaded elementwise passes need to use all
-# cores. FLASH_LIB_THREADS=1 turns it off.
-_THREADS = _threads_from_environment()
-_PARALLEL_MIN_SCORES = 1 << 20
-# One kernel call at a time holds BLAS at one thread (see _one_blas_thread).
-_KERNEL_LOCK = threading.Lock()
-# True inside a kernel call (and its workers): a nested call runs inline, under the outer's lock.
-_IN_KERNEL = contextvars.ContextVar("flash_lib_in_kernel", default=False)
-# Found once at import (NumPy's BLAS is loaded by then); setting a count then costs ~1 µs.
-_BLAS_LIBS = ThreadpoolController().select(user_api="blas").lib_controllers
-
-
-def _run_blocks(work_on, blocks, workers):
-    """Call ``work_on(block, cancelled)`` for every block, on ``workers`` threads, BLAS at one.
-
-    Workers take the next block from one shared iterator, so the bookkeeping is O(workers)
-    whatever the number of blocks. Each worker runs in a copy of the caller's context, so
-    ``np.errstate`` (a context variable) holds inside the workers as it does for the caller.
-    If a worker raises, or the caller is interrupted (Ctrl-C), ``cancelled`` is set: every worker
-    stops before its next tile, and the exception reaches the caller once they have.
-    """
-    cancelled = threading.Event()
-    if _IN_KERNEL.get():
-        for block in blocks:
-            work_on(block, cancelled)
-        return
-    with _KERNEL_LOCK, _one_blas_thread():
-        token = _IN_KERNEL.set(True)
-        try:
-            if workers == 1:
-                for block in blocks:
-                    work_on(block, cancelled)
-                return
-            blocks, take = iter(blocks), threading.Lock()
-
-            def work():
-                _one_blas_thread_here()
-                while not cancelled.is_set():
-                    with take:
-                        block = next(blocks, None)
-                    if block is None:
-                        return
-                    work_on(block, cancelled)
-
-            pool = ThreadPoolExecutor(workers, thread_name_prefix="flash_lib")
-            try:
-                futures = [pool.submit(contextvars.copy_context().run, work) for _ in range(workers)]
-                done, _ = wait(futures, return_when=FIRST_EXCEPTION)  # Ctrl-C interrupts this
-                for future in done:
-                    future.result()
-            finally:
-                cancelled.set()
-                pool.shutdown(wait=True)
-        finally:
-            _IN_KERNEL.reset(token)
-
-
-@contextlib.contextmanager
-def _one_blas_thread():
-    """Hold each BLAS library at one thread during a kernel call, then restore what was there.
-
-    How many threads a BLAS uses changes how it splits a matmul, and so the rounding (measured
-    with NumPy's OpenBLAS: a 512 × 64 × 512 float32 product differs in 37% of rows between 1
-    and 2 threads), and the kernel's own threads already use the cores. NumPy's OpenBLAS keeps
-    the count in one process-wide variable. threadpoolctl (>= 3.8) lets only one "controlling"
-    Python thread change it and silently ignores the others, which would leave a call from any
-    other thread at the caller's count, so OpenBLAS's own setter is called instead. What is put
-    back is what was found, unless another thread changed it during the call: theirs stands.
-    """
-    found = [(lib, lib.get_num_threads()) for lib in _BLAS_LIBS]
-    for lib, _ in found:
-        _set_blas_threads(lib, 1)
-    try:
-        yield
-    finally:
-        for lib, threads in found:
-            if threads is not None and lib.get_num_threads() == 1:
-                _set_blas_threads(lib, threads)
-
-
-def _one_blas_thread_here():
-    """A BLAS threaded by OpenMP keeps its count per thread: each worker sets its own."""
-    for lib in _BLAS_LIBS:
-        if lib.threading_layer == "openmp":
-            lib.set_num_threads(1)
-
-
-def _set_blas_threads(lib, threads):
-    if lib.internal_api == "openblas" and lib.threading_layer != "openmp":
-        _openblas_setter(lib)(threads)
-    else:
-        lib.set_num_threads(threads)
-
-
-@functools.cache
-def _openblas_setter(lib):
-    """``openblas_set_num_threads`` of this OpenBLAS, under whichever affixes its build uses."""
-    for prefix, suffix in itertools.product(("", "scipy_"), ("", "64_", "_64")):
-        name = f"{prefix}openblas_set_num_threads{suffix}"
-        if hasattr(lib.dynlib, name) and hasattr(lib.dynlib, name.replace("set", "get")):
-            return getattr(lib.dynlib, name)
-    return lib.set_num_threads  # pragma: no cover - an OpenBLAS without the setter

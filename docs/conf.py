@@ -92,7 +92,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # are read again when it changes, or when another copy is imported (PYTHONPATH, as the tests of
 # the tests do): a config value that changes makes Sphinx re-read every page.
 _flash_lib_file = pathlib.Path(flash_lib.__file__).resolve()
-flash_lib_source = f"{_flash_lib_file} {hashlib.sha256(_flash_lib_file.read_bytes()).hexdigest()}"
+_flash_lib_files = [_flash_lib_file, *sorted(_flash_lib_file.parent.glob("_flash_*.py"))]  # its modules
+flash_lib_source = f"{_flash_lib_file} " + " ".join(
+    hashlib.sha256(path.read_bytes()).hexdigest() for path in _flash_lib_files)
 
 
 # --- Per-chapter "run it yourself" box ---------------------------------------------------------

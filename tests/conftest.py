@@ -1,4 +1,6 @@
-"""Shared helpers for the flash_lib test suite: the largest row error, tolerances, input builders.
+"""Shared helpers for the flash_lib test suite: the largest row error, tolerances, the dense
+oracle; inputs come from ``flash_check.random_qkv`` (every call here passes ``d``: its default is
+16) and the causal mask from ``flash_lib.causal_mask``.
 
 Hypothesis runs under the profile registered here: derandomized (the same examples on every
 run and machine), no deadline (timings on a shared CI box are noise), no example database
@@ -12,6 +14,7 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 
 import flash_lib
+from flash_check import random_qkv  # noqa: F401 - the tests import it from here
 
 settings.register_profile(
     "flash",
@@ -76,15 +79,13 @@ def assert_close_to_naive(out, lse, ref_out, ref_lse, v, dtype):
     assert lse_err <= tol["lse"], f"lse differs from naive by {lse_err:.3g} (relative)"
 
 
-def random_qkv(rng, n_q, n_k, d=8, dv=None, dtype=np.float64, batch=()):
-    """Standard-normal q (batch, Nq, d), k (batch, Nk, d), v (batch, Nk, dv) in ``dtype``."""
-    dv = d if dv is None else dv
-    q = rng.standard_normal(batch + (n_q, d)).astype(dtype)
-    k = rng.standard_normal(batch + (n_k, d)).astype(dtype)
-    v = rng.standard_normal(batch + (n_k, dv)).astype(dtype)
-    return q, k, v
-
-
-def bottom_right_causal_mask(n_q, n_k):
-    """The explicit causal mask: key j allowed for query i iff j <= i + (Nk - Nq)."""
-    return np.tril(np.ones((n_q, n_k), dtype=bool), k=n_k - n_q)
+def dense_softmax(s, v, allowed=None):
+    """softmax(s) @ v with -inf where not allowed, and 0 for an empty row: the tests' own dense
+    oracle, written here from the definition and sharing no code with flash_lib (whose
+    naive_attention it checks)."""
+    if allowed is not None:
+        s = np.where(allowed, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(m), m, 0))
+    total = e.sum(axis=-1, keepdims=True)
+    return (e @ v) / np.where(total == 0, 1, total)

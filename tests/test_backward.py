@@ -8,14 +8,16 @@ central finite differences of the forward, which use neither derivation.
 
 import warnings
 
+import ml_dtypes
 import numpy as np
 import pytest
-from conftest import bottom_right_causal_mask, random_qkv
+from conftest import random_qkv
 from hypothesis import given, note
 from hypothesis import strategies as st
 
 import flash_lib
 from flash_lib import (
+    causal_mask,
     flash_attention,
     flash_attention_backward,
     measure_peak_bytes,
@@ -23,7 +25,7 @@ from flash_lib import (
     precise_attention_backward,
 )
 
-BFLOAT16 = flash_lib._BFLOAT16
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def flash_grads(q, k, v, dout, **kw):
@@ -95,7 +97,7 @@ def test_float64_gradients_within_a_derived_bound_of_the_truth(amplitude, causal
     rng = np.random.default_rng(int(amplitude * 10) + causal)
     q, k, v, dout = inputs(rng, 37, 45, amplitude=amplitude, batch=(2,))
     scale = 1 / np.sqrt(8)
-    allowed = bottom_right_causal_mask(37, 45) if causal else np.ones((37, 45), bool)
+    allowed = causal_mask(37, 45) if causal else np.ones((37, 45), bool)
     scores = np.where(allowed, scale * q @ np.swapaxes(k, -1, -2), np.nan)
     spans = np.nanmax(scores, axis=-1) - np.nanmin(scores, axis=-1)
     truth = precise_attention_backward(q, k, v, dout, causal=causal)
@@ -355,24 +357,29 @@ def test_garbage_at_masked_pairs_stays_out_of_the_gradients(n_q, n_k, block, cau
 @given(n_q=st.integers(1, 25), n_k=st.integers(1, 25), block_q=st.integers(1, 30),
        block_k=st.integers(1, 30), causal=st.booleans())
 def test_backward_computes_exactly_the_forwards_tiles(n_q, n_k, block_q, block_k, causal):
-    """Every tile the backward recomputes is one the forward's schedule lists, each once."""
-    seen = []
-    scores = flash_lib._scores
+    """Every tile the backward recomputes is one the forward's schedule lists, each once.
 
-    def recording_scores(problem, q, k, q_start, q_stop, k_start, k_stop, **kw):
-        seen.append((q_start, q_stop, k_start, k_stop))
-        return scores(problem, q, k, q_start, q_stop, k_start, k_stop, **kw)
+    Watched through the public ``attention_backward_tile``, which the kernel calls once per tile
+    it computes: column 0 of ``v`` holds each key's index and column 0 of ``dout`` each query's,
+    so the tile's rows and keys can be read off the blocks it is given."""
+    seen = []
+    tile = flash_lib.attention_backward_tile
+
+    def recording_tile(q, k, v, dout, *args, **kw):
+        seen.append((int(dout[0, 0]), int(dout[-1, 0]) + 1, int(v[0, 0]), int(v[-1, 0]) + 1))
+        return tile(q, k, v, dout, *args, **kw)
 
     q, k, v, dout = inputs(np.random.default_rng(1), n_q, n_k, d=3, dv=2)
+    v[:, 0], dout[:, 0] = np.arange(n_k), np.arange(n_q)
     out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(flash_lib, "_scores", recording_scores)
+        patch.setattr(flash_lib, "attention_backward_tile", recording_tile)
         flash_attention_backward(q, k, v, out, lse, dout, causal=causal, block_q=block_q,
                                  block_k=block_k)
     assert sorted(seen) == flash_lib.tile_schedule(n_q, n_k, block_q, block_k, causal)
 
 
-def test_gradients_are_bit_identical_on_any_number_of_threads(monkeypatch):
+def test_gradients_are_bit_identical_on_any_number_of_threads():
     """Key blocks on 1, 2 or 4 worker threads, twice each: the same bits. dQ's shares are added
     in key-block order whatever thread computes them."""
     rng = np.random.default_rng(8)
@@ -380,9 +387,9 @@ def test_gradients_are_bit_identical_on_any_number_of_threads(monkeypatch):
     out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
     results = []
     for threads in (1, 2, 4, 4):
-        monkeypatch.setattr(flash_lib, "_THREADS", threads)
-        results.append(flash_attention_backward(q, k, v, out, lse, dout, causal=True,
-                                                block_q=128, block_k=96))
+        with flash_lib.threads(threads):
+            results.append(flash_attention_backward(q, k, v, out, lse, dout, causal=True,
+                                                    block_q=128, block_k=96))
     for other in results[1:]:
         for a, b in zip(results[0], other):
             np.testing.assert_array_equal(a, b)
@@ -397,14 +404,14 @@ def backward_scratch(n, dtype=np.float32, **blocks):
     return peak - sum(g.nbytes for g in grads)
 
 
-def test_backward_scratch_is_flat_in_n(monkeypatch):
+def test_backward_scratch_is_flat_in_n():
     """At fixed 512 × 512 blocks, one worker, float32: the backward's scratch is the same within
     5% for N = 1024, 4096 and 16384 (the P it never stores grows 256-fold, 4 MiB to 1 GiB);
     D and the lse are its only O(N) arrays (64 KiB each at N = 16384)."""
-    monkeypatch.setattr(flash_lib, "_THREADS", 1)
     blocks = dict(block_q=512, block_k=512)
-    backward_scratch(600, **blocks)  # first-call allocations aside
-    scratch = {n: backward_scratch(n, **blocks) for n in (1024, 4096, 16384)}
+    with flash_lib.threads(1):
+        backward_scratch(600, **blocks)  # first-call allocations aside
+        scratch = {n: backward_scratch(n, **blocks) for n in (1024, 4096, 16384)}
     assert max(scratch.values()) <= 1.05 * min(scratch.values()), scratch
 
 

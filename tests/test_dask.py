@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import flash_dask
 import flash_lib
-from conftest import bottom_right_causal_mask
+from flash_lib import causal_mask
 
 TIMEOUT = 60  # seconds: any wait on the cluster that takes longer is a failure, not a hang
 # Set in each worker before it starts. Dask's default MALLOC_TRIM_THRESHOLD_=65536 is dropped:
@@ -276,7 +276,7 @@ def test_any_shards_any_alignment_equal_flash_attention(case):
                                                     return_lse=True))
     allowed = np.ones((n_q, n_k), dtype=bool) if mask is None else mask
     if causal:
-        allowed = allowed & bottom_right_causal_mask(n_q, n_k)
+        allowed = allowed & causal_mask(n_q, n_k)
     pairs = {key[1:] for key in _pair_keys(out.__dask_graph__())}
     assert pairs == _expected_pairs(n_q, n_k, q_chunks, k_chunks, allowed)
 
@@ -303,7 +303,7 @@ def test_causal_graph_holds_exactly_the_pairs_on_or_below_the_diagonal(n_q, n_k,
     full = flash_dask.dask_attention(q, k, v)
     pairs = {key[1:] for key in _pair_keys(causal.__dask_graph__())}
     expected = _expected_pairs(n_q, n_k, q.chunks[0], k.chunks[0],
-                               bottom_right_causal_mask(n_q, n_k))
+                               causal_mask(n_q, n_k))
     assert pairs == expected
     assert flash_dask.attention_task_count(causal) == len(expected)
     assert flash_dask.attention_task_count(full) == q.numblocks[0] * k.numblocks[0]

@@ -6,13 +6,18 @@ import numpy as np
 import pytest
 from conftest import (
     FLOAT_DTYPES,
-    bottom_right_causal_mask,
     random_qkv,
     rowwise_rel_error,
 )
 
 import flash_lib
-from flash_lib import flash_attention, naive_attention, precise_attention, rowwise_relative_error
+from flash_lib import (
+    causal_mask,
+    flash_attention,
+    naive_attention,
+    precise_attention,
+    rowwise_relative_error,
+)
 
 
 def wide_span_inputs(seed, n_q=203, n_k=157, d=16, dv=12):
@@ -49,7 +54,7 @@ def test_flash_matches_naive_on_scores_spanning_1e6(block_q, block_k, causal):
     running max jumps by up to 1e6 between key blocks. Fully masked rows must be exactly 0.
     """
     q, k, v, mask = wide_span_inputs(seed=block_q * 1000 + block_k)
-    allowed = mask & bottom_right_causal_mask(*mask.shape[-2:]) if causal else mask
+    allowed = mask & causal_mask(*mask.shape[-2:]) if causal else mask
     scores = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
     span = np.where(allowed, scores, -np.inf).max(-1) + np.where(allowed, -scores, -np.inf).max(-1)
     assert np.count_nonzero(span >= 1e6) >= 20, "the inputs must really span 1e6"
@@ -86,7 +91,7 @@ def test_against_a_textbook_written_here(kernel, n_q, n_k):
     q, k, v = random_qkv(rng, n_q, n_k, d, dv=4, batch=(2,))
     mask = rng.random((2, n_q, n_k)) < 0.7
     mask[..., 0] = True  # key 0: causal allows it to all but the first Nq - Nk queries
-    allowed = mask & (np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + (n_k - n_q))
+    allowed = mask & causal_mask(n_q, n_k)
     rows = allowed.any(axis=-1)
     ref, ref_lse = textbook_attention(q[:, -n_k:], k, v, allowed[:, -n_k:], scale=1 / 3)
     extra = dict(block_q=2, block_k=3) if kernel is flash_attention else {}
@@ -247,7 +252,7 @@ def test_default_block_sizes_with_partial_blocks():
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-13)
 
 
-def test_threads_do_not_change_a_single_bit(monkeypatch):
+def test_threads_do_not_change_a_single_bit():
     """Running the query blocks on the thread pool gives bit-identical results to running them
     one after another, and repeated runs are bit-identical. (2 × 1100 × 500 = 1.1e6 scores:
     enough for the kernel to bother with threads, which it skips below 2**20.)"""
@@ -257,8 +262,8 @@ def test_threads_do_not_change_a_single_bit(monkeypatch):
     kwargs = dict(mask=mask, causal=True, block_q=64, block_k=128, return_lse=True)
     threaded = flash_attention(q, k, v, **kwargs)
     again = flash_attention(q, k, v, **kwargs)
-    monkeypatch.setattr(flash_lib, "_THREADS", 1)
-    serial = flash_attention(q, k, v, **kwargs)
+    with flash_lib.threads(1):
+        serial = flash_attention(q, k, v, **kwargs)
     for a, b, c in zip(threaded, again, serial):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)

@@ -16,12 +16,13 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import bottom_right_causal_mask, random_qkv
+from conftest import random_qkv
 from hypothesis import given, note
 from hypothesis import strategies as st
 
+import _flash_masked
 import flash_lib
-from flash_lib import flash_attention, naive_attention
+from flash_lib import causal_mask, flash_attention, naive_attention
 
 POISONS = {"nan": np.nan, "+inf": np.inf, "-inf": -np.inf}
 
@@ -67,7 +68,7 @@ def test_non_finite_keys_reach_exactly_the_rows_allowed_to_attend_them(
     if mask is not None:
         allowed &= mask
     if causal:
-        allowed &= bottom_right_causal_mask(n_q, n_k)
+        allowed &= causal_mask(n_q, n_k)
     reaches = allowed[..., planted].any(axis=-1)  # (2, n_q): rows that may attend a planted key
     # A planted value always shows in such a row, except ±inf in k alone: the score is then
     # ±inf by the sign of q, and a score of -inf weighs 0, as a masked pair does.
@@ -114,7 +115,7 @@ def test_a_kv_cache_with_garbage_in_its_unused_slots(kernel, block):
     data=st.data(),
 )
 def test_matmul_over_allowed_pairs_matches_the_sum_of_its_terms(rows, keys, cols, data):
-    """``_matmul_allowed(a, b)`` against the plain sum of the allowed terms ``a_ij · b_jc``, with
+    """``_flash_masked.matmul_allowed(a, b)`` (flash_lib's private helper) against the plain sum of the allowed terms ``a_ij · b_jc``, with
     a holding zeros, negatives and NaN (weights and gradients are never infinite) and b rows of
     ±inf and NaN: the same class (NaN, +inf, -inf or finite) in every entry, and the finite
     entries equal to rounding."""
@@ -129,7 +130,7 @@ def test_matmul_over_allowed_pairs_matches_the_sum_of_its_terms(rows, keys, cols
     bad = np.flatnonzero(~np.isfinite(b).all(axis=-1))
     with np.errstate(all="ignore"):
         expected = np.where(allowed[..., None], a[..., None] * b[None], 0).sum(axis=-2)
-        got = flash_lib._matmul_allowed(a, b, allowed=allowed, bad=bad)
+        got = _flash_masked.matmul_allowed(a, b, allowed=allowed, bad=bad)
     for cls in (np.isnan, np.isposinf, np.isneginf):
         np.testing.assert_array_equal(cls(got), cls(expected), err_msg=cls.__name__)
     finite = np.isfinite(expected)

@@ -12,12 +12,12 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from conftest import FLOAT_DTYPES, bottom_right_causal_mask, random_qkv, rowwise_rel_error
+from conftest import FLOAT_DTYPES, random_qkv, rowwise_rel_error
 from hypothesis import given, note
 from hypothesis import strategies as st
 
 import flash_lib
-from flash_lib import flash_attention, naive_attention, tile_schedule
+from flash_lib import causal_mask, flash_attention, naive_attention, tile_schedule
 
 KERNELS = {
     "flash": lambda *a, **kw: flash_attention(*a, block_q=2, block_k=3, **kw),
@@ -56,7 +56,7 @@ def test_fully_masked_rows_are_exact_zeros_with_lse_minus_inf(kernel, dtype, how
     mask[0, [5, 9]] = False
     mask[1, 4] = False
     allowed = (mask if use_mask else True) & (
-        bottom_right_causal_mask(n_q, n_k) if causal else True
+        causal_mask(n_q, n_k) if causal else True
     )
     empty = ~np.broadcast_to(allowed, (2, n_q, n_k)).any(axis=-1)
     assert empty.any() and not empty.all()
@@ -115,7 +115,7 @@ def test_causal_equals_the_explicit_bottom_right_mask(n_q, n_k, block_q, block_k
     combined with a user mask; flash equals naive up to rounding."""
     rng = np.random.default_rng(n_q * 100 + n_k)
     q, k, v = random_qkv(rng, n_q, n_k, 6, dv=3, batch=(2,))
-    tril = bottom_right_causal_mask(n_q, n_k)
+    tril = causal_mask(n_q, n_k)
     user = rng.random((2, n_q, n_k)) < 0.6
     flash = dict(block_q=block_q, block_k=block_k, return_lse=True)
     for mask in (None, user):
@@ -181,7 +181,7 @@ def test_tile_schedule_covers_every_allowed_pair_exactly_once(n_q, n_k, block_q,
     bounds on the grid, come in order (q blocks outer, k blocks inner), cover every allowed
     (i, j) exactly once, and each holds at least one allowed pair (nothing computed in vain)."""
     schedule = tile_schedule(n_q, n_k, block_q, block_k, causal=causal)
-    allowed = bottom_right_causal_mask(n_q, n_k) if causal else np.ones((n_q, n_k), bool)
+    allowed = causal_mask(n_q, n_k) if causal else np.ones((n_q, n_k), bool)
     covered = np.zeros((n_q, n_k), int)
     for q_start, q_stop, k_start, k_stop in schedule:
         assert q_start % block_q == 0 and q_stop == min(q_start + block_q, n_q)
@@ -221,29 +221,26 @@ def test_nan_keys_reach_exactly_the_rows_that_may_attend_them_under_causal():
 def test_kernel_computes_exactly_the_scheduled_tiles(n_q, n_k, block_q, block_k, causal, masked):
     """The kernel multiplies exactly the tiles ``tile_schedule`` lists, each once, and no others.
 
-    Watched from inside: every tile the kernel multiplies goes through ``_scores`` and is
-    folded in by ``online_softmax_update``, so both are wrapped to record what they see. (The
-    output cannot show a tile with no allowed pair being computed: masked keys never leak.)"""
-    seen, updates = [], []
-    scores, update = flash_lib._scores, flash_lib.online_softmax_update
-
-    def recording_scores(problem, q, k, q_start, q_stop, k_start, k_stop, **kw):
-        seen.append((q_start, q_stop, k_start, k_stop))
-        return scores(problem, q, k, q_start, q_stop, k_start, k_stop, **kw)
+    Watched through the public ``online_softmax_update``, which folds in every tile the kernel
+    multiplies: column 0 of ``v`` holds each key's index, so a tile's keys are read off the
+    values it is given, and on one worker the tiles come in the schedule's order, each of its
+    block's height. (The output cannot show a tile with no allowed pair being computed: masked
+    keys never leak.)"""
+    seen = []
+    update = flash_lib.online_softmax_update
 
     def recording_update(m, l, acc, s, v, matmul):
-        updates.append(s.shape[-2:])
+        seen.append((s.shape[-2], s.shape[-1], int(v[0, 0]), int(v[-1, 0]) + 1))
         return update(m, l, acc, s, v, matmul)
 
     q, k, v = random_qkv(np.random.default_rng(n_q * 31 + n_k), n_q, n_k, 3, dv=2)
+    v[:, 0] = np.arange(n_k)
     mask = np.random.default_rng(n_q).random((n_q, n_k)) < 0.7 if masked else None
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(flash_lib, "_scores", recording_scores)
+    with pytest.MonkeyPatch.context() as patch, flash_lib.threads(1):
         patch.setattr(flash_lib, "online_softmax_update", recording_update)
         flash_attention(q, k, v, mask=mask, causal=causal, block_q=block_q, block_k=block_k)
     schedule = tile_schedule(n_q, n_k, block_q, block_k, causal)
-    assert sorted(seen) == schedule
-    assert sorted(updates) == sorted((b - a, d - c) for a, b, c, d in schedule)
+    assert seen == [(b - a, d - c, c, d) for a, b, c, d in schedule]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,3 +273,29 @@ def test_nan_in_a_query_row_stays_in_that_row(kernel, dtype, causal, row):
     np.testing.assert_array_equal(out[others], clean_out[others])
     np.testing.assert_array_equal(lse[others], clean_lse[others])
     assert np.all(out[:, 3] == 0)
+
+
+@given(n_q=st.integers(0, 30), n_k=st.integers(0, 30), block_q=st.integers(1, 12),
+       block_k=st.integers(1, 12), causal=st.booleans(), window=st.sampled_from(
+           [None, (3, 0), (0, None), (5, 2)]))
+def test_tile_schedule_of_listed_block_sizes_is_the_one_of_even_blocks(n_q, n_k, block_q, block_k,
+                                                                       causal, window):
+    """block_q and block_k given as lists of sizes (Dask's chunks, as flash_dask passes them)
+    schedule exactly the tiles of the same blocks given as one size; empty blocks never appear."""
+    def sizes(n, b):
+        listed = [min(b, n - s) for s in range(0, n, b)]
+        return [0] + listed[:1] + [0] + listed[1:]  # empty blocks anywhere are skipped
+
+    even = tile_schedule(n_q, n_k, block_q, block_k, causal, window=window)
+    listed = tile_schedule(n_q, n_k, sizes(n_q, block_q), tuple(sizes(n_k, block_k)), causal,
+                           window=window)
+    assert listed == even
+
+
+def test_tile_schedule_refuses_block_sizes_that_do_not_tile_the_sequence():
+    with pytest.raises(ValueError, match=r"block_q's sizes must sum to 10, got \(3, 3\)"):
+        tile_schedule(10, 8, [3, 3], 4)
+    with pytest.raises(ValueError, match="each of block_k's sizes must be a non-negative integer"):
+        tile_schedule(10, 8, 5, [4, -1, 5])
+    with pytest.raises(ValueError, match="block_k must be a positive integer, got 0"):
+        tile_schedule(10, 8, 5, 0)

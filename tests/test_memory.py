@@ -25,7 +25,7 @@ def scratch_bytes(kernel, n, dtype, **kwargs):
     return peak - out.nbytes - lse.nbytes
 
 
-def test_flash_scratch_is_the_same_for_n_1024_4096_16384(monkeypatch):
+def test_flash_scratch_is_the_same_for_n_1024_4096_16384():
     """At fixed blocks (256 × 512) flash's scratch is the same within 5% for N = 1024, 4096 and
     16384, while the score matrix it never stores grows 256-fold (4 MiB to 1 GiB in float32).
 
@@ -33,12 +33,12 @@ def test_flash_scratch_is_the_same_for_n_1024_4096_16384(monkeypatch):
     their tiles at the same instant, which is timing, not memory use (the bound below covers
     the threaded case). Causal, to halve the time of the N = 16384 run.
     """
-    monkeypatch.setattr(flash_lib, "_THREADS", 1)
     blocks = dict(block_q=256, block_k=512, causal=True)
-    scratch_bytes(flash_attention, 600, np.float32, **blocks)  # first-call allocations aside
-    scratch = {
-        n: scratch_bytes(flash_attention, n, np.float32, **blocks) for n in (1024, 4096, 16384)
-    }
+    with flash_lib.threads(1):
+        scratch_bytes(flash_attention, 600, np.float32, **blocks)  # first-call allocations aside
+        scratch = {
+            n: scratch_bytes(flash_attention, n, np.float32, **blocks) for n in (1024, 4096, 16384)
+        }
     assert max(scratch.values()) <= 1.05 * min(scratch.values()), scratch
 
 
@@ -51,7 +51,7 @@ UFUNC_BUFFERS = 3 * np.getbufsize() * 8
 @pytest.mark.parametrize("block_q, block_k", [(64, 128), (256, 512)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_flash_scratch_is_a_few_tiles_per_worker(dtype, block_q, block_k, causal):
-    """scratch <= W · (2 · block_q · (block_k + dv) · itemsize + UFUNC_BUFFERS), W = _THREADS.
+    """scratch <= W · (2 · block_q · (block_k + dv) · itemsize + UFUNC_BUFFERS), W = thread_count().
 
     Why 2 tiles' worth per worker: each worker holds one scores tile (block_q × block_k,
     reused across key blocks and overwritten by p = exp(s - m)), for a causal diagonal tile up
@@ -66,7 +66,8 @@ def test_flash_scratch_is_a_few_tiles_per_worker(dtype, block_q, block_k, causal
     scratch = scratch_bytes(
         flash_attention, 2048, dtype, block_q=block_q, block_k=block_k, causal=causal
     )
-    assert scratch <= flash_lib._THREADS * per_worker, (scratch, flash_lib._THREADS, per_worker)
+    workers = flash_lib.thread_count()
+    assert scratch <= workers * per_worker, (scratch, workers, per_worker)
 
 
 def test_naive_scratch_grows_as_n_squared():

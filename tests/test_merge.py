@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from flash_lib import flash_attention, merge_attention
+from flash_lib import causal_mask, flash_attention, merge_attention
 
 
 def merge_in_order(parts, order, tree):
@@ -60,7 +60,7 @@ def test_merged_key_chunks_equal_attention_over_all_keys(
         mask = rng.random((2, n_q, n_k)) < 0.6
         mask[:, ::4] = False
     elif masking == "causal":  # causal as an explicit mask: its alignment uses the global Nk
-        mask = np.tril(np.ones((n_q, n_k), bool), k=n_k - n_q)
+        mask = causal_mask(n_q, n_k)
     note(f"chunks {bounds}, merged in order {order}, {'tree' if tree else 'left to right'}")
 
     parts = [

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import _flash_inputs
 import flash_lib
 from flash_lib import flash_attention, naive_attention, precise_attention
 
@@ -56,7 +57,7 @@ def test_flash_and_naive_are_finite_and_bit_equal_where_one_placement_overflows(
 def test_the_split_is_exact_and_balanced(scale):
     """scale_q · scale_k == τ exactly, scale_k is a power of two, and the two factors are
     within a factor 4 of √τ, so neither side carries more of τ's range than it must."""
-    scale_q, scale_k = flash_lib._split_scale(scale)
+    scale_q, scale_k = _flash_inputs.split_scale(scale)  # flash_lib's private helper, tested here
     assert scale_q * scale_k == scale
     assert math.frexp(scale_k)[0] == 0.5
     assert abs(math.log2(scale_q) - math.log2(math.sqrt(scale))) <= 2

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import threadpoolctl
 
+import _flash_runtime  # flash_lib's private runtime: its BLAS pinning is tested here
 import flash_lib
 from flash_lib import flash_attention
 
@@ -103,9 +104,10 @@ def test_blas_is_held_at_one_thread_inside_a_call_from_any_thread(monkeypatch):
     recurrence), and the caller's setting (here 2, set with threadpoolctl) is back afterwards."""
     seen = []
     update = flash_lib.online_softmax_update
+    blas = _flash_runtime.BLAS_LIBS  # the libraries the kernel pins: those loaded at its import
 
     def watching_update(*args):
-        seen.append(tuple(lib.get_num_threads() for lib in flash_lib._BLAS_LIBS))
+        seen.append(tuple(lib.get_num_threads() for lib in blas))
         return update(*args)
 
     monkeypatch.setattr(flash_lib, "online_softmax_update", watching_update)
@@ -115,7 +117,7 @@ def test_blas_is_held_at_one_thread_inside_a_call_from_any_thread(monkeypatch):
         flash_attention(q, k, v)
         run_in_threads(lambda: flash_attention(q, k, v), 2)
         after = blas_threads()
-    assert seen and set(seen) == {(1,) * len(flash_lib._BLAS_LIBS)}, set(seen)
+    assert seen and set(seen) == {(1,) * len(blas)}, set(seen)
     assert after == before and all(n == 2 for _, n in before), before
 
 
@@ -162,3 +164,49 @@ def test_ctrl_c_stops_a_threaded_call_within_about_a_tile():
     assert blas_threads() == before
     small = inputs(np.float32, 64, 64)
     np.testing.assert_array_equal(flash_attention(*small), flash_attention(*small))
+
+
+def test_threads_sets_the_worker_count_for_calls_inside_it_and_only_there():
+    """``flash_lib.threads(n)`` is a context manager: inside it, thread_count() is n and a large
+    call runs on exactly n worker threads (seen from inside the recurrence); it nests, restores
+    the outer count on exit (also on an exception), holds per context (another thread keeps the
+    default), refuses a count that is not a positive integer, and moves no bit."""
+    default = flash_lib.thread_count()
+    q, k, v = inputs(np.float64)
+
+    def workers_used(n):
+        names = set()
+        update = flash_lib.online_softmax_update
+
+        def watching_update(*args):
+            names.add(threading.current_thread().name)
+            time.sleep(0.005)  # each tile takes long enough for every worker to get one
+            return update(*args)
+
+        with pytest.MonkeyPatch.context() as patch, flash_lib.threads(n):
+            patch.setattr(flash_lib, "online_softmax_update", watching_update)
+            out = flash_attention(q, k, v, block_q=64)
+        return names, out
+
+    (one, out_1), (three, out_3) = workers_used(1), workers_used(3)
+    assert one == {threading.current_thread().name}, one  # no pool: the calling thread
+    assert len(three) == 3 and all(name.startswith("flash_lib") for name in three), three
+    np.testing.assert_array_equal(out_1, out_3)
+
+    with flash_lib.threads(2):
+        assert flash_lib.thread_count() == 2
+        with flash_lib.threads(5):
+            assert flash_lib.thread_count() == 5
+            seen_elsewhere = []
+            other = threading.Thread(target=lambda: seen_elsewhere.append(flash_lib.thread_count()))
+            other.start()
+            other.join()
+            assert seen_elsewhere == [default]
+        assert flash_lib.thread_count() == 2
+        with pytest.raises(KeyError), flash_lib.threads(1):
+            raise KeyError
+        assert flash_lib.thread_count() == 2
+    assert flash_lib.thread_count() == default
+    for bad in (0, -1, 2.0, True, "2"):
+        with pytest.raises(ValueError, match="positive integer"), flash_lib.threads(bad):
+            pass

@@ -12,12 +12,13 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import bottom_right_causal_mask, random_qkv
+from conftest import dense_softmax, random_qkv
 from hypothesis import given
 from hypothesis import strategies as st
 
 import flash_lib
 from flash_lib import (
+    causal_mask,
     flash_attention,
     flash_attention_backward,
     measure_peak_bytes,
@@ -37,16 +38,6 @@ def window_mask(n_q, n_k, left, right):
     if right is not None:
         ok &= rel <= right
     return ok
-
-
-def dense_softmax(s, v, allowed=None):
-    """softmax(s) @ v with -inf where not allowed, and 0 for an empty row: a plain oracle."""
-    if allowed is not None:
-        s = np.where(allowed, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    e = np.exp(s - np.where(np.isfinite(m), m, 0))
-    total = e.sum(axis=-1, keepdims=True)
-    return (e @ v) / np.where(total == 0, 1, total)
 
 
 def grads(kernel, q, k, v, dout, **kw):
@@ -79,7 +70,7 @@ def test_naive_window_is_the_explicit_band_mask(window, causal, n_q, n_k):
     dout = rng.standard_normal((n_q, 3))
     mask = window_mask(n_q, n_k, *window)
     if causal:
-        mask &= bottom_right_causal_mask(n_q, n_k)
+        mask &= causal_mask(n_q, n_k)
     np.testing.assert_array_equal(naive_attention(q, k, v, window=window, causal=causal),
                                   naive_attention(q, k, v, mask=mask))
     for a, b in zip(naive_attention_backward(q, k, v, dout, window=window, causal=causal),
@@ -113,7 +104,7 @@ def test_naive_alibi_is_the_explicit_bias_matrix(causal):
     i, j = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
     bias = -slopes[:, None, None] * np.abs(i + (n_k - n_q) - j)  # (heads, Nq, Nk)
     s = 0.5 * (q @ np.swapaxes(k, -1, -2)) + bias
-    allowed = bottom_right_causal_mask(n_q, n_k) if causal else None
+    allowed = causal_mask(n_q, n_k) if causal else None
     got = naive_attention(q, k, v, alibi_slopes=slopes, causal=causal)
     assert close(got, dense_softmax(s, v, allowed), 1e-14)
 
@@ -129,7 +120,7 @@ def test_alibi_written_as_attention_gyms_per_row_shift_is_the_same_under_causal(
     slope = 0.3
     i, j = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
     gym = 0.5 * (q @ k.T) + slope * (j - i)
-    causal = bottom_right_causal_mask(n_q, n_k)
+    causal = causal_mask(n_q, n_k)
     ours = naive_attention(q, k, v, alibi_slopes=np.array(slope), causal=True)
     assert close(ours, dense_softmax(gym, v, causal), 1e-14)
     assert not close(naive_attention(q, k, v, alibi_slopes=np.array(slope)),
@@ -198,8 +189,7 @@ def test_gqa_never_copies_k_and_v_per_query_head():
     n = 2048
     q = rng.standard_normal((16, n, 16)).astype(np.float32)
     k, v = (rng.standard_normal((1, n, 16)).astype(np.float32) for _ in range(2))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(flash_lib, "_THREADS", 1)
+    with flash_lib.threads(1):
         out, peak = measure_peak_bytes(flash_attention, q, k, v, enable_gqa=True,
                                        block_q=64, block_k=64)
     copy_of_k = 16 * n * 16 * 4
@@ -328,8 +318,10 @@ def test_a_sliding_window_visits_a_number_of_tiles_linear_in_n(n):
 
 def test_the_kernel_multiplies_exactly_the_tiles_the_schedule_lists():
     """Document masking (3 documents of uneven length) with mask_mod, a window and causal: the
-    tiles the kernel multiplies (watched inside ``_scores``) are exactly tile_schedule's, which
-    are exactly the tiles holding an allowed pair."""
+    tiles the kernel multiplies are exactly tile_schedule's, in its order, which are exactly the
+    tiles holding an allowed pair. Watched through the public ``online_softmax_update``, called
+    once per tile multiplied: column 0 of ``v`` holds each key's index, so each tile's keys can
+    be read off its values, and its rows are the tile's height (one worker: tiles come in order)."""
     n, block = 40, 8
     docs = np.repeat([0, 1, 2], [9, 20, 11])
 
@@ -337,23 +329,25 @@ def test_the_kernel_multiplies_exactly_the_tiles_the_schedule_lists():
         return docs[i] == docs[j]
 
     seen = []
-    scores = flash_lib._scores
+    update = flash_lib.online_softmax_update
 
-    def recording(problem, q, k, q_start, q_stop, k_start, k_stop, **kw):
-        seen.append((q_start, q_stop, k_start, k_stop))
-        return scores(problem, q, k, q_start, q_stop, k_start, k_stop, **kw)
+    def recording(m, l, acc, s, v, matmul):
+        seen.append((s.shape[-2], int(v[0, 0]), int(v[-1, 0]) + 1))
+        return update(m, l, acc, s, v, matmul)
 
     q, k, v = random_qkv(np.random.default_rng(11), n, n, 4)
+    v[:, 0] = np.arange(n)
     kw = dict(causal=True, window=(12, None), mask_mod=same_doc)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(flash_lib, "_scores", recording)
+    with pytest.MonkeyPatch.context() as patch, flash_lib.threads(1):
+        patch.setattr(flash_lib, "online_softmax_update", recording)
         flash_attention(q, k, v, block_q=block, block_k=block, **kw)
     schedule = tile_schedule(n, n, block, block, **kw)
+    assert seen == [(b - a, c, d) for a, b, c, d in schedule]
     allowed = (same_doc(np.arange(n)[:, None], np.arange(n)[None, :])
-               & bottom_right_causal_mask(n, n) & window_mask(n, n, 12, None))
+               & causal_mask(n, n) & window_mask(n, n, 12, None))
     holding = [(a, a + block, c, c + block) for a in range(0, n, block) for c in range(0, n, block)
                if allowed[a:a + block, c:c + block].any()]
-    assert sorted(seen) == schedule == holding
+    assert schedule == holding
 
 
 def test_document_masks_skip_the_tiles_between_documents():

@@ -1,0 +1,470 @@
+"""flash_lib's input checking: every kernel's arguments validated into one :class:`Problem`, so
+that all of them accept and reject exactly the same inputs with the same messages.
+
+Private to flash_lib: imported by ``flash_lib.py`` only (and by the tests of its internals).
+Other code uses flash_lib's public names; ``flash_lib.check_arrays`` is :func:`check_arrays`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+try:  # bfloat16 is not a NumPy dtype; ml_dtypes (a dependency) provides it.
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # flash_lib copied without ml_dtypes: float16, float32, float64 only
+    BFLOAT16 = None
+
+FLOAT_DTYPES = (np.float16, np.float32, np.float64)
+# Computed in float32: float16 has 11 bits of mantissa and overflows at 65504, bfloat16 has 8.
+# (Never compare a dtype with BFLOAT16 when it may be None: NumPy reads None as float64.)
+HALF_DTYPES = (np.dtype(np.float16),) + (() if BFLOAT16 is None else (BFLOAT16,))
+FLOAT_NAMES = "float16, bfloat16, float32 or float64"
+
+
+def is_float(dtype):
+    """One of the dtypes the kernels accept; a bfloat16 that ml_dtypes did not provide is refused."""
+    if dtype.name == "bfloat16" and BFLOAT16 is None:
+        raise TypeError("bfloat16 arrays need the ml_dtypes package, which flash_lib could not "
+                        "import: install ml_dtypes, or pass float16, float32 or float64")
+    return dtype.type in FLOAT_DTYPES or (BFLOAT16 is not None and dtype == BFLOAT16)
+
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    """Validated inputs (``q``, ``k``, ``v``, ``mask`` unbroadcast) and what the kernels derive;
+    built by keyword, by :func:`check_inputs` only.
+
+    With ``enable_gqa`` the head axis of ``q`` (and of the mask, the ALiBi slopes, mask_mod's
+    result) is split into (Hkv, groups) and ``k``, ``v`` get a groups axis of 1, so that NumPy's
+    broadcasting pairs each query head with its kv head; ``merge_heads`` and ``input_shapes``
+    undo the split on the results.
+    """
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    mask: np.ndarray | None
+    band: object  # flash_lib._Band: causal and window
+    scale: float
+    scale_q: float  # r·2^a, see the module docstring
+    scale_k: float  # 2^b
+    softcap: float | None
+    alibi: np.ndarray | None  # the slopes, shaped (..., 1, 1) to broadcast against a tile
+    mask_mod: object  # callable or None
+    batch: tuple
+    out_dtype: np.dtype
+    acc: np.dtype  # the compute dtype
+    groups: int | None = None  # with enable_gqa: query heads per kv head
+    shapes: tuple = ()  # the caller's q, k, v shapes
+    user_batch: tuple = ()  # the broadcast batch as the caller sees it (Hq heads)
+
+    @property
+    def n_q(self):
+        return self.q.shape[-2]
+
+    @property
+    def n_k(self):
+        return self.k.shape[-2]
+
+    @property
+    def dv(self):
+        return self.v.shape[-1]
+
+    @property
+    def n_scores(self):
+        """Entries of the (never stored) score matrix: what decides whether threads pay."""
+        return math.prod(self.batch) * self.n_q * self.n_k
+
+    def q_tile(self, start, stop, dtype=None):
+        dtype = self.acc if dtype is None else dtype
+        return np.multiply(self.q[..., start:stop, :], dtype.type(self.scale_q), dtype=dtype)
+
+    def k_tile(self, start, stop, dtype=None):
+        dtype = self.acc if dtype is None else dtype
+        k = self.k[..., start:stop, :]
+        if self.scale_k == 1:
+            return k.astype(dtype, copy=False)
+        return np.multiply(k, dtype.type(self.scale_k), dtype=dtype)
+
+    def v_tile(self, start, stop, dtype=None):
+        return self.v[..., start:stop, :].astype(self.acc if dtype is None else dtype, copy=False)
+
+    def mask_mod_tile(self, q_start, q_stop, k_start, k_stop):
+        """``mask_mod`` on one tile, checked, with its head axis split for grouped queries."""
+        allowed = call_mask_mod(self.mask_mod, q_start, q_stop, k_start, k_stop)
+        expected = self.user_batch + (q_stop - q_start, k_stop - k_start)
+        if not broadcasts_to(allowed.shape, expected):
+            raise ValueError(
+                f"mask_mod returned an array of shape {allowed.shape}, which does not broadcast "
+                f"to (..., tile_q, tile_k) = {expected}"
+            )
+        return split_heads(allowed, -3, self.groups) if self.groups else allowed
+
+    def merge_heads(self, x):
+        """A result with the grouped-query split (…, Hkv, groups, Nq, …) back to (…, Hq, Nq, …)."""
+        if not self.groups or x is None:
+            return x
+        lead = len(self.batch) - 2
+        return x.reshape(x.shape[:lead] + (-1,) + x.shape[lead + 2:])
+
+    def input_shapes(self, dq, dk, dv):
+        """Gradients in the caller's shapes of q, k, v (undoing the grouped-query split)."""
+        return tuple(g.reshape(shape) for g, shape in zip((dq, dk, dv), self.shapes))
+
+    @functools.cached_property
+    def _nonfinite(self):
+        return {}  # name -> sorted row indices, filled on first use (once per call)
+
+    def nonfinite_rows(self, name, start, stop, x=None):
+        """Positions, within rows ``start:stop`` of ``q``, ``k``, ``v`` (or ``x``, under
+        ``name``), of the rows holding an inf or NaN; or None when there are none."""
+        if name not in self._nonfinite:
+            self._nonfinite[name] = nonfinite_rows(getattr(self, name) if x is None else x)
+        rows = self._nonfinite[name]
+        lo, hi = np.searchsorted(rows, (start, stop))
+        return rows[lo:hi] - start if hi > lo else None
+
+    def bad_values(self, k_start, k_stop):
+        """Positions, within keys ``k_start:k_stop``, of values holding inf or NaN; or None."""
+        return self.nonfinite_rows("v", k_start, k_stop)
+
+
+def nonfinite_rows(x):
+    """Sorted indices (axis -2) of the rows of ``x`` holding an inf or NaN in any batch entry.
+
+    A chunk of rows at a time, so that finding them needs no scratch proportional to N.
+    """
+    batch_axes = tuple(range(x.ndim - 2))
+    found = [
+        start + np.flatnonzero(~np.isfinite(chunk).all(axis=-1).all(axis=batch_axes))
+        for start in range(0, x.shape[-2], 1024)
+        for chunk in [x[..., start : start + 1024, :]]
+    ]
+    return np.concatenate(found) if found else np.zeros(0, dtype=np.intp)
+
+
+def check_saved(problem, out=None, lse=None, dout=None):
+    """The forward's ``out`` and ``lse`` and the incoming ``dout``, checked against q, k, v."""
+    shapes = {"out": problem.user_batch + (problem.n_q, problem.dv),
+              "lse": problem.user_batch + (problem.n_q,)}
+    shapes["dout"] = shapes["out"]
+    checked = []
+    for name, x in (("out", out), ("lse", lse), ("dout", dout)):
+        if x is None:
+            continue
+        x = np.asarray(x)
+        if not is_float(x.dtype):
+            raise TypeError(f"{name} must be a {FLOAT_NAMES} array, got dtype {x.dtype}")
+        if x.shape != shapes[name]:
+            raise ValueError(
+                f"{name} must have shape {shapes[name]}, what the forward returns for these q, k, v "
+                f"(and mask), got {x.shape}"
+            )
+        if problem.groups:
+            x = split_heads(x, -2 if name == "lse" else -3, problem.groups)
+        checked.append(x)
+    return checked[0] if len(checked) == 1 else tuple(checked)
+
+
+def as_float_array(name, x, longdouble=False):
+    return check_float_array(name, np.asarray(x), longdouble)
+
+
+def check_float_array(name, x, longdouble=False):
+    """``x`` itself, checked: a float dtype the kernels accept and at least 2 dimensions."""
+    if not (longdouble and x.dtype == np.longdouble) and not is_float(x.dtype):
+        raise TypeError(f"{name} must be a {FLOAT_NAMES} array, got dtype {x.dtype}")
+    if x.ndim < 2:
+        raise ValueError(
+            f"{name} must have at least 2 dimensions (..., N, features), got shape {x.shape}"
+        )
+    return x
+
+
+def check_merge(out_a, lse_a, out_b, lse_b):
+    """The arguments of ``merge_attention``, checked."""
+    out_a = as_float_array("out_a", out_a, longdouble=True)
+    out_b = as_float_array("out_b", out_b, longdouble=True)
+    lse_a, lse_b = np.asarray(lse_a), np.asarray(lse_b)
+    for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if x.dtype.type not in FLOAT_DTYPES + (np.longdouble,):
+            raise TypeError(f"{name} must be a float array, got dtype {x.dtype}")
+    if out_a.shape != out_b.shape:
+        raise ValueError(
+            f"out_a and out_b must have the same shape, got {out_a.shape} and {out_b.shape}"
+        )
+    for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if x.shape != out_a.shape[:-1]:
+            raise ValueError(
+                f"{name} must have shape out.shape[:-1] = {out_a.shape[:-1]}, got {x.shape}"
+            )
+        if np.any(x == np.inf):
+            raise ValueError(
+                f"{name} is +inf in {np.count_nonzero(x == np.inf)} row(s). FlashAttention "
+                f"writes +inf as the lse of a row with no allowed key (its out is 0); flash_lib "
+                f"writes -inf, which is log(0), the lse such a row has. Convert before merging: "
+                f"np.where({name} == np.inf, -np.inf, {name})"
+            )
+    return out_a, lse_a, out_b, lse_b
+
+
+def int_at_least(name, value, low):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        kind = "positive" if low == 1 else "non-negative"
+        raise ValueError(f"{name} must be a {kind} integer, got {value!r}")
+    return int(value)
+
+
+def check_bool(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def result_dtype(*dtypes):
+    """The output dtype: NumPy's promotion, with float16 and bfloat16 (no common type) → float32."""
+    if len(set(dtypes)) > 1 and set(dtypes) <= set(HALF_DTYPES):
+        return np.dtype(np.float32)
+    rest = [d for d in dtypes if BFLOAT16 is None or d != BFLOAT16] or [BFLOAT16]
+    return np.result_type(*rest)
+
+
+def checked_scale(scale, d, acc):
+    """``scale`` as a float64, refused unless it is a normal number of the compute dtype."""
+    if scale is None:
+        return 1.0 / math.sqrt(d) if d > 0 else 1.0
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, numbers.Real)
+        or scale != scale  # NaN
+        or scale <= 0
+        or (not isinstance(scale, numbers.Integral) and np.isinf(scale))
+    ):
+        raise ValueError(f"scale must be a finite positive number, got {scale!r}")
+    with np.errstate(over="ignore", under="ignore"):  # a longdouble beyond float64's range
+        try:
+            as_float = float(scale)
+        except OverflowError:  # an int such as 10**400
+            as_float = math.inf
+    info = np.finfo(acc)
+    if not float(info.tiny) <= as_float <= float(info.max):
+        raise ValueError(
+            f"scale = {scale!r} is outside the normal range of the compute dtype {acc} "
+            f"[{float(info.tiny):.4g}, {float(info.max):.4g}]: in {acc} it "
+            f"{'overflows' if as_float > 1 else 'vanishes'}"
+        )
+    return as_float
+
+
+def split_scale(scale):
+    """τ = r·2^e (0.5 <= r < 1) → (r·2^a, 2^b) with a + b = e, b = trunc(e/2)."""
+    r, e = math.frexp(scale)
+    b = int(e / 2)
+    return math.ldexp(r, e - b), math.ldexp(1.0, b)
+
+
+def check_inputs(*, q, k, v, mask, causal, scale, window, softcap, alibi_slopes, enable_gqa,
+                 mask_mod, band_of):
+    """Validate and normalise the arguments of every kernel; return a :class:`Problem`.
+
+    ``band_of(n_q, n_k, causal, window)`` builds the band (flash_lib's ``_Band.of``)."""
+    q = as_float_array("q", q)
+    k = as_float_array("k", k)
+    v = as_float_array("v", v)
+    mask = None if mask is None else np.asarray(mask)
+    groups, batch, user_batch = check_arrays(q, k, v, mask, enable_gqa=enable_gqa)
+    shapes = (q.shape, k.shape, v.shape)
+    if groups:
+        q = split_heads(q, -3, groups)
+        k, v = k[..., None, :, :], v[..., None, :, :]
+        if mask is not None:
+            mask = split_heads(mask, -3, groups)
+    n_q, n_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    band = band_of(n_q, n_k, check_bool("causal", causal), checked_window(window))
+    out_dtype = result_dtype(q.dtype, k.dtype, v.dtype)
+    acc = np.dtype(np.float32) if out_dtype in HALF_DTYPES else out_dtype
+    scale = checked_scale(scale, d, acc)
+    scale_q, scale_k = split_scale(scale)
+    return Problem(q=q, k=k, v=v, mask=mask, band=band, scale=scale, scale_q=scale_q,
+                   scale_k=scale_k, softcap=checked_softcap(softcap),
+                   alibi=checked_alibi(alibi_slopes, user_batch, groups),
+                   mask_mod=checked_mask_mod(mask_mod), batch=batch, out_dtype=out_dtype, acc=acc,
+                   groups=groups, shapes=shapes, user_batch=user_batch)
+
+
+def check_arrays(q, k, v, mask=None, *, enable_gqa=False):
+    """The one check of the arrays' dtypes and shapes, for every kernel and for flash_dask.
+
+    ``q``, ``k``, ``v`` and ``mask`` need only ``shape``, ``ndim`` and ``dtype`` (NumPy or Dask
+    arrays). Returns ``(groups, batch, user_batch)``: query heads per kv head (None without
+    enable_gqa), the broadcast batch the kernels compute over (with grouped queries, Hq split
+    into (Hkv, groups)), and the batch of the results as the caller sees it.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_float_array(name, x)
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k must have the same feature size d (last axis), "
+            f"got q.shape={q.shape} and k.shape={k.shape}"
+        )
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"k and v must have the same number of keys Nk (axis -2), "
+            f"got k.shape={k.shape} and v.shape={v.shape}"
+        )
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    groups = gqa_groups(q, k, v) if check_bool("enable_gqa", enable_gqa) else None
+    lead_q, lead_k, lead_v = q.shape[:-2], k.shape[:-2], v.shape[:-2]
+    if groups:
+        lead_q = lead_q[:-1] + (k.shape[-3], groups)
+        lead_k, lead_v = lead_k + (1,), lead_v + (1,)
+    try:
+        batch = np.broadcast_shapes(lead_q, lead_k, lead_v)
+    except ValueError:
+        raise ValueError(
+            f"the leading (batch) dimensions of q, k and v must broadcast together, got "
+            f"q.shape={q.shape}, k.shape={k.shape}, v.shape={v.shape}"
+        ) from None
+    # the batch as the caller sees it: with grouped queries, Hq heads rather than (Hkv, groups)
+    user_batch = batch[:-2] + (batch[-2] * batch[-1],) if groups else batch
+    if mask is not None:
+        if mask.dtype != np.bool_:
+            raise TypeError(
+                f"mask must be a boolean array (True = may attend), got dtype {mask.dtype}"
+            )
+        try:
+            full = np.broadcast_shapes(mask.shape, user_batch + (n_q, n_k))
+        except ValueError:
+            full = None
+        if full is None or full[-2:] != (n_q, n_k):
+            raise ValueError(
+                f"mask of shape {mask.shape} does not broadcast to (..., Nq, Nk) = "
+                f"{user_batch + (n_q, n_k)}"
+            )
+        user_batch = full[:-2]
+        mask_lead = split_shape(mask.shape, -3, groups)[:-2] if groups else mask.shape[:-2]
+        batch = np.broadcast_shapes(batch, mask_lead)
+    return groups, batch, user_batch
+
+
+def gqa_groups(q, k, v):
+    """Query heads per kv head, checked: axis -3 holds the heads, Hkv divides Hq."""
+    if min(q.ndim, k.ndim, v.ndim) < 3:
+        raise ValueError(
+            f"enable_gqa needs a head axis (-3) in q, k and v, got q.shape={q.shape}, "
+            f"k.shape={k.shape}, v.shape={v.shape}"
+        )
+    h_q, h_kv = q.shape[-3], k.shape[-3]
+    if v.shape[-3] != h_kv or h_kv == 0 or h_q % h_kv:
+        raise ValueError(
+            f"enable_gqa needs k and v with the same number of heads Hkv (axis -3) dividing "
+            f"q's Hq, got q.shape={q.shape}, k.shape={k.shape}, v.shape={v.shape}"
+        )
+    return h_q // h_kv
+
+
+def split_heads(x, axis, groups):
+    """Split the head axis ``axis`` of an array aligned with q's leading dims into
+    (Hkv, groups); a head axis of 1, or none, stays broadcastable."""
+    shape = split_shape(x.shape, axis, groups)
+    return x if shape == x.shape else x.reshape(shape)
+
+
+def split_shape(shape, axis, groups):
+    """The shape :func:`split_heads` gives an array of ``shape``."""
+    if len(shape) < -axis:
+        return shape
+    axis = len(shape) + axis
+    heads = shape[axis]
+    split = (heads // groups, groups) if heads != 1 else (1, 1)
+    return shape[:axis] + split + shape[axis + 1:]
+
+
+def checked_window(window):
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(
+            f"window must be None or a pair (left, right) of non-negative integers or None, "
+            f"got {window!r}"
+        )
+    for side, value in zip(("left", "right"), window):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                                  or value < 0):
+            raise ValueError(
+                f"window's {side} must be a non-negative integer or None (unbounded), got "
+                f"{value!r} in window={window!r}"
+            )
+    return tuple(None if value is None else int(value) for value in window)
+
+
+def checked_softcap(softcap):
+    if softcap is None:
+        return None
+    if (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
+            or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(
+            f"softcap must be a finite positive number (None turns it off), got {softcap!r}"
+        )
+    return float(softcap)
+
+
+def broadcasts_to(shape, target):
+    """Whether an array of ``shape`` broadcasts to exactly ``target`` (not to something larger)."""
+    try:
+        return np.broadcast_shapes(shape, target) == target
+    except ValueError:
+        return False
+
+
+def checked_alibi(slopes, batch, groups):
+    if slopes is None:
+        return None
+    slopes = np.asarray(slopes)
+    if slopes.dtype.kind not in "fiu":
+        raise TypeError(f"alibi_slopes must be an array of real numbers, got dtype {slopes.dtype}")
+    if not broadcasts_to(slopes.shape, batch):
+        raise ValueError(
+            f"alibi_slopes of shape {slopes.shape} does not broadcast to the leading (batch, "
+            f"head) dims {batch}: give one slope per head, e.g. shape (H,) or (B, H)"
+        )
+    slopes = slopes.astype(np.float64)
+    if not np.isfinite(slopes).all():
+        raise ValueError(f"alibi_slopes must be finite, got {slopes}")
+    slopes = slopes[..., None, None]  # broadcasts against a tile's (rows, keys)
+    return split_heads(slopes, -3, groups) if groups else slopes
+
+
+def checked_mask_mod(mask_mod):
+    if mask_mod is not None and not callable(mask_mod):
+        raise TypeError(f"mask_mod must be a callable mask_mod(q_idx, k_idx) or None, got "
+                        f"{mask_mod!r}")
+    return mask_mod
+
+
+def call_mask_mod(mask_mod, q_start, q_stop, k_start, k_stop):
+    """``mask_mod(q_idx, k_idx)`` on one tile's global positions, checked to be boolean."""
+    q_idx = np.arange(q_start, q_stop)[:, None]
+    k_idx = np.arange(k_start, k_stop)[None, :]
+    allowed = np.asarray(mask_mod(q_idx, k_idx))
+    if allowed.dtype != np.bool_:
+        raise TypeError(
+            f"mask_mod must return a boolean array (True = may attend), got dtype "
+            f"{allowed.dtype}"
+        )
+    tile = (q_stop - q_start, k_stop - k_start)
+    if not broadcasts_to(allowed.shape[-2:], tile):
+        raise ValueError(
+            f"mask_mod returned an array of shape {allowed.shape}, which does not broadcast "
+            f"to (..., tile_q, tile_k) = (..., {tile[0]}, {tile[1]})"
+        )
+    return allowed

@@ -1,0 +1,165 @@
+"""flash_lib's runtime: the worker threads, BLAS held at one thread, the in-order hand-off of
+dQ's shares, and cancellation. Nothing here knows about attention.
+
+Private to flash_lib: only ``flash_lib.py`` imports it (and ``tests/test_threads.py``, which
+tests its internals). Callers choose the thread count with ``flash_lib.threads(n)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import itertools
+import os
+import threading
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+from threadpoolctl import ThreadpoolController
+
+
+def threads_from_environment():
+    """``FLASH_LIB_THREADS``, or the number of cores, at most 4."""
+    raw = os.environ.get("FLASH_LIB_THREADS")
+    if raw is None:
+        return min(os.cpu_count() or 1, 4)
+    try:
+        threads = int(raw)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise ValueError(f"FLASH_LIB_THREADS must be a positive integer, got {raw!r}")
+    return threads
+
+
+# Threads only pay for themselves on real work (a thread pool costs ~0.1 ms to start).
+PARALLEL_MIN_SCORES = 1 << 20
+# One kernel call at a time holds BLAS at one thread (see _one_blas_thread).
+_KERNEL_LOCK = threading.Lock()
+# True inside a kernel call (and its workers): a nested call runs inline, under the outer's lock.
+_IN_KERNEL = contextvars.ContextVar("flash_lib_in_kernel", default=False)
+# Found once at import (NumPy's BLAS is loaded by then); setting a count then costs ~1 µs.
+BLAS_LIBS = ThreadpoolController().select(user_api="blas").lib_controllers
+
+
+def run_blocks(work_on, blocks, *, n_blocks, n_scores, threads):
+    """Call ``work_on(block, cancelled)`` for every block, on up to ``threads`` threads, BLAS at one.
+
+    Query (or key) blocks are independent, so they run on a small thread pool: NumPy releases
+    the GIL in matmul, exp and the reductions, which the single-threaded elementwise passes need
+    to use all cores. A call of fewer than ``PARALLEL_MIN_SCORES`` scores, or of one block, runs
+    on the calling thread. Workers take the next block from one shared iterator, so the
+    bookkeeping is O(workers) whatever the number of blocks. Each worker runs in a copy of the
+    caller's context, so ``np.errstate`` (a context variable) holds inside the workers as it
+    does for the caller. If a worker raises, or the caller is interrupted (Ctrl-C),
+    ``cancelled`` is set: every worker stops before its next tile, and the exception reaches
+    the caller once they have.
+    """
+    workers = min(threads, n_blocks) if n_scores >= PARALLEL_MIN_SCORES else 1
+    cancelled = threading.Event()
+    if _IN_KERNEL.get():
+        for block in blocks:
+            work_on(block, cancelled)
+        return
+    with _KERNEL_LOCK, _one_blas_thread():
+        token = _IN_KERNEL.set(True)
+        try:
+            if workers == 1:
+                for block in blocks:
+                    work_on(block, cancelled)
+                return
+            blocks, take = iter(blocks), threading.Lock()
+
+            def work():
+                _one_blas_thread_here()
+                while not cancelled.is_set():
+                    with take:
+                        block = next(blocks, None)
+                    if block is None:
+                        return
+                    work_on(block, cancelled)
+
+            pool = ThreadPoolExecutor(workers, thread_name_prefix="flash_lib")
+            try:
+                futures = [pool.submit(contextvars.copy_context().run, work) for _ in range(workers)]
+                done, _ = wait(futures, return_when=FIRST_EXCEPTION)  # Ctrl-C interrupts this
+                for future in done:
+                    future.result()
+            finally:
+                cancelled.set()
+                pool.shutdown(wait=True)
+        finally:
+            _IN_KERNEL.reset(token)
+
+
+class InOrder:
+    """Turns for adding to shared rows in a fixed order, whichever thread is ready first.
+
+    The backward adds the key blocks' shares of ``dQ_i`` in key-block order ``j = 0, 1, ...``
+    (FlashAttention's deterministic mode does the same with a semaphore), so the sum's rounding
+    does not depend on the threads. ``with turns.turn(i, j, cancelled) as mine:`` waits until
+    block ``j`` is next for rows ``i``; ``mine`` is False if the call was cancelled meanwhile.
+    """
+
+    def __init__(self, n_rows):
+        self._next = [0] * n_rows  # _next[i]: the block whose share of rows i is added next
+        self._turns = threading.Condition()
+
+    @contextlib.contextmanager
+    def turn(self, i, j, cancelled):
+        with self._turns:
+            while self._next[i] != j:
+                if cancelled.is_set():
+                    yield False
+                    return
+                self._turns.wait(0.05)
+            yield True
+            self._next[i] = j + 1
+            self._turns.notify_all()
+
+
+@contextlib.contextmanager
+def _one_blas_thread():
+    """Hold each BLAS library at one thread during a kernel call, then restore what was there.
+
+    How many threads a BLAS uses changes how it splits a matmul, and so the rounding (measured
+    with NumPy's OpenBLAS: a 512 × 64 × 512 float32 product differs in 37% of rows between 1
+    and 2 threads), and the kernel's own threads already use the cores. NumPy's OpenBLAS keeps
+    the count in one process-wide variable. threadpoolctl (>= 3.8) lets only one "controlling"
+    Python thread change it and silently ignores the others, which would leave a call from any
+    other thread at the caller's count, so OpenBLAS's own setter is called instead. What is put
+    back is what was found, unless another thread changed it during the call: theirs stands.
+    """
+    found = [(lib, lib.get_num_threads()) for lib in BLAS_LIBS]
+    for lib, _ in found:
+        _set_blas_threads(lib, 1)
+    try:
+        yield
+    finally:
+        for lib, threads in found:
+            if threads is not None and lib.get_num_threads() == 1:
+                _set_blas_threads(lib, threads)
+
+
+def _one_blas_thread_here():
+    """A BLAS threaded by OpenMP keeps its count per thread: each worker sets its own."""
+    for lib in BLAS_LIBS:
+        if lib.threading_layer == "openmp":
+            lib.set_num_threads(1)
+
+
+def _set_blas_threads(lib, threads):
+    if lib.internal_api == "openblas" and lib.threading_layer != "openmp":
+        _openblas_setter(lib)(threads)
+    else:
+        lib.set_num_threads(threads)
+
+
+@functools.cache
+def _openblas_setter(lib):
+    """``openblas_set_num_threads`` of this OpenBLAS, under whichever affixes its build uses."""
+    for prefix, suffix in itertools.product(("", "scipy_"), ("", "64_", "_64")):
+        name = f"{prefix}openblas_set_num_threads{suffix}"
+        if hasattr(lib.dynlib, name) and hasattr(lib.dynlib, name.replace("set", "get")):
+            return getattr(lib.dynlib, name)
+    return lib.set_num_threads  # pragma: no cover - an OpenBLAS without the setter
