@@ -562,6 +562,8 @@ def _known_features():
 
 def _kernel_name(fn):
     module = getattr(fn, "__module__", None)
+    if module == "flash_check.adapters":  # named as flash_check exports them: flash_check.torch_sdpa
+        module = "flash_check"
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
     if isinstance(fn, functools.partial):
         inner = _kernel_name(fn.func)

@@ -12,12 +12,6 @@ import numpy as np
 import flash_lib
 
 
-def _public(fn):
-    """Name ``fn`` as part of flash_check, where it is used (and as the report prints it)."""
-    fn.__module__ = "flash_check"
-    return fn
-
-
 def _flatten_batch(q, k, v, mask, causal, causal_alignment):
     """(B, N, d) views of q, k, v, and the combined boolean mask (B, Nq, Nk) or None."""
     n_q, n_k = q.shape[-2], k.shape[-2]
@@ -40,7 +34,6 @@ def _alignment(causal_alignment):
     return causal_alignment
 
 
-@_public
 def torch_sdpa(backend="math", *, causal_alignment="bottom-right", device="cpu"):
     """PyTorch's ``scaled_dot_product_attention`` as a kernel for :func:`check_kernel`.
 
@@ -79,10 +72,9 @@ def torch_sdpa(backend="math", *, causal_alignment="bottom-right", device="cpu")
         return out[:, 0].cpu().numpy().reshape(batch + out.shape[-2:])
 
     sdpa.__qualname__ = f"torch_sdpa(backend={backend!r}, causal_alignment={causal_alignment!r})"
-    return _public(sdpa)
+    return sdpa
 
 
-@_public
 def torch_flash_for_cpu_with_lse(q, k, v, *, mask=None, causal=False, scale=None):
     """PyTorch's private CPU flash op, which also returns the lse: ``(out, lse)``.
 
@@ -105,7 +97,6 @@ def torch_flash_for_cpu_with_lse(q, k, v, *, mask=None, causal=False, scale=None
             lse[:, 0].numpy().reshape(batch + lse.shape[-1:]))
 
 
-@_public
 def jax_dot_product_attention(*, causal_alignment="bottom-right", implementation="xla"):
     """``jax.nn.dot_product_attention`` as a kernel for :func:`check_kernel`.
 
@@ -137,5 +128,5 @@ def jax_dot_product_attention(*, causal_alignment="bottom-right", implementation
 
     attention.__qualname__ = (f"jax_dot_product_attention(causal_alignment="
                               f"{causal_alignment!r}, implementation={implementation!r})")
-    return _public(attention)
+    return attention
 
