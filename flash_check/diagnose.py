@@ -1,7 +1,8 @@
 """The likely cause of a failure: per check, a table of known mistakes (a condition, a message).
 
 Imported by ``flash_check`` (its runner builds one :class:`Evidence` per accuracy run and calls
-:meth:`Evidence.explain` with the table of the check that failed); nothing else needs it.
+:meth:`Evidence.explain` with the table of the check that failed) and by ``tests/test_check.py``
+(which holds the one softmax written here, :func:`_misplaced`, to precise_attention).
 
 A condition looks at the :class:`Evidence` (the case's inputs and references, the kernel's output,
 the probes below) and the facts of the failure (what the check measured); it returns something
