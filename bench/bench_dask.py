@@ -3,8 +3,8 @@
 Measured side by side in one run, for d = 64, float64 and N queries = N keys (default N = 16384
 and 65536):
 
-* ``flash_lib.flash_attention`` in this process (its own thread pool: ``flash_lib._THREADS``
-  threads, one BLAS thread each);
+* ``flash_lib.flash_attention`` in this process (its own thread pool:
+  ``flash_lib.thread_count()`` threads, one BLAS thread each);
 * ``flash_dask.dask_attention`` on a ``distributed.LocalCluster`` of 1 worker process and of 2,
   one thread each and ``FLASH_LIB_THREADS=1`` in the workers, so a worker is one core. The inputs
   are made on the cluster (``dask.array.random``) and persisted there before the clock starts,
@@ -24,9 +24,10 @@ Usage::
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_dask.py
 
 Method: ``time.perf_counter``, best of ``--rounds`` runs (default: 3 below N = 65536, else 1),
-the three set-ups taking turns within each round. Before timing, each cluster computes a small
-attention (imports, first transfers) and the in-process kernel runs once on a small input. On a
-2-core machine two workers can at best halve one worker's time; the in-process kernel already
+the three set-ups taking turns within each round (``bench/timing.py``, without its untimed
+settling runs: a cluster run is too costly to repeat). Before timing, each cluster computes a
+small attention (imports, first transfers) and the in-process kernel runs once on a small input.
+On a 2-core machine two workers can at best halve one worker's time; the in-process kernel already
 uses both cores, so the cluster's gain over it is the question the numbers answer, not an
 assumption.
 """
@@ -41,11 +42,11 @@ import time
 
 import dask
 import dask.array as da
-import numpy as np
 from distributed import Client, LocalCluster
 
 import flash_dask
 import flash_lib
+from timing import best_times  # bench/timing.py, beside this script
 
 D = 64
 FULL_SIZES = [16384, 65536]
@@ -114,7 +115,7 @@ def main(argv=None):
         p.error("sizes, --shard and --rounds must be positive integers")
     started = time.perf_counter()
     log(f"d = {D}, float64, {'causal' if args.causal else 'full'} attention, shards of "
-        f"{args.shard} rows; flash_lib in this process: {flash_lib._THREADS} threads; "
+        f"{args.shard} rows; flash_lib in this process: {flash_lib.thread_count()} threads; "
         f"{os.cpu_count()} CPUs; OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')}")
 
     clusters = {}
@@ -143,19 +144,20 @@ def main(argv=None):
                    for w in clusters},
             }
             rounds = args.rounds or (3 if n < 65536 else 1)
-            best = dict.fromkeys(runs, np.inf)
             moved = {}
             results = {}
-            for r in range(rounds):
-                names = list(runs)
-                for name in names[r % len(names):] + names[:r % len(names)]:
-                    if name != "flash":
-                        clusters[name][1].run(_clear_transfer_log)
-                    t0 = time.perf_counter()
-                    results[name] = runs[name]()
-                    best[name] = min(best[name], time.perf_counter() - t0)
-                    if name != "flash":
-                        moved[name] = sum(clusters[name][1].run(_received_bytes).values())
+
+            def before(name):
+                if name != "flash":
+                    clusters[name][1].run(_clear_transfer_log)
+
+            def after(name, result):
+                results[name] = result
+                if name != "flash":
+                    moved[name] = sum(clusters[name][1].run(_received_bytes).values())
+
+            best, _ = best_times(runs, min_rounds=rounds, max_rounds=rounds, settle=None,
+                                 before=before, after=after)
             for w in clusters:
                 err = float(flash_lib.rowwise_relative_error(results[w], results["flash"]).max())
                 if not err <= TOLERANCE:

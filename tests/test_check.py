@@ -1,9 +1,8 @@
 """flash_check: a clean kernel passes, each classic bug fails with its cause named, the CLI works,
 and real kernels (PyTorch SDPA, JAX) get the results the README states.
 
-The broken kernels here are one small tiled kernel with a switch per bug, written independently
-of the gallery in chapter 15 (which shows its own, with prose), so that the checker's tests do not
-depend on a notebook.
+The broken kernels are flash_check.bugs' small tiled kernels with a switch per bug (the ones
+chapter 15 prints), written independently of flash_lib.
 """
 
 import functools
@@ -19,6 +18,8 @@ import pytest
 
 import flash_check
 import flash_lib
+from flash_check import bugs
+from flash_check.bugs import tiled_attention, variant_attention
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ALL = ("mask", "causal", "lse", "dv")
@@ -28,56 +29,12 @@ VARIANT_CASES = [name for name, case in flash_check.CASES.items()
                  if set(case.needs) & set(VARIANTS)]
 
 
-def tiled(q, k, v, *, mask=None, causal=False, scale=None, block=16, bug=None):
-    """FlashAttention's forward, one query block at a time; ``bug`` breaks one step of it."""
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
-    acc = q.dtype if bug == "float16_accumulation" or q.dtype != np.float16 else np.float32
-    batch = np.broadcast_shapes(q.shape[:-2], () if mask is None else np.shape(mask)[:-2])
-    mask = None if mask is None else np.broadcast_to(mask, np.shape(mask)[:-2] + (n_q, n_k))
-    out = np.zeros(batch + (n_q, v.shape[-1]), q.dtype)
-    lse = np.full(batch + (n_q,), -np.inf, np.float32 if q.dtype == np.float16 else q.dtype)
-    offset = 0 if bug == "top_left" else n_k - n_q
-    key_end = n_k - n_k % block if bug == "drop_partial_block" else n_k
-    for qs in range(0, n_q, block):
-        qe = min(qs + block, n_q)
-        m = np.full(batch + (qe - qs,), -np.inf, acc)
-        l = np.zeros_like(m)
-        o = np.zeros(batch + (qe - qs, v.shape[-1]), acc)
-        for ks in range(0, key_end, block):
-            ke = min(ks + block, n_k)
-            s = q[..., qs:qe, :].astype(acc) @ np.swapaxes(k[..., ks:ke, :], -1, -2).astype(acc)
-            s = s * np.asarray(scale, acc)
-            ok = np.ones(s.shape[-2:], bool)
-            if mask is not None:
-                ok = ok & mask[..., qs:qe, ks:ke]
-            if causal:
-                ok = ok & (np.arange(ks, ke) <= np.arange(qs, qe)[:, None] + offset)
-            s = np.where(ok, s, np.asarray(-1e9 if bug == "uniform_empty_rows" else -np.inf, acc))
-            m_new = np.maximum(m, s.max(axis=-1))
-            m_ref = m_new if bug == "nan_empty_rows" else np.where(m_new == -np.inf, 0, m_new)
-            stale = np.where(m == -np.inf, 0, m)
-            p = np.exp(s - (stale if bug == "stale_max" else m_ref)[..., None])
-            alpha = np.ones_like(m) if bug == "missing_rescale" else np.exp(m - m_ref)
-            v_blk = np.where(ok.any(axis=-2)[..., None], v[..., ks:ke, :], 0).astype(acc)
-            l = l * alpha + p.sum(axis=-1)
-            o = o * alpha[..., None] + p @ v_blk
-            m = m_new
-        empty = (l == 0) & (bug != "nan_empty_rows")
-        out[..., qs:qe, :] = o / np.where(empty, 1, l)[..., None]
-        lse[..., qs:qe] = np.where(empty, -np.inf, m + np.log(np.where(empty, 1, l)))
-    if bug == "lse_base2":
-        lse = lse * np.log2(np.e)
-    return out, lse
-
-
-def dense(q, k, v, **kwargs):
-    """The tiled kernel with one tile: right, but it holds the whole Nq x Nk score matrix."""
-    return tiled(q, k, v, block=max(q.shape[-2], k.shape[-2], 1), **kwargs)
-
-
 def bugged(bug):
-    return functools.partial(tiled, bug=bug)
+    return functools.partial(tiled_attention, bug=bug)
+
+
+#: The tiled kernel with one tile: right, but it holds the whole Nq x Nk score matrix.
+dense = bugged("quadratic_memory")
 
 
 def diagnoses(report, case=None):
@@ -105,7 +62,7 @@ def test_flash_lib_passes_every_case(blocks):
 
 
 def test_the_clean_tiled_kernel_passes():
-    report = flash_check.check_kernel(tiled, features=ALL)
+    report = flash_check.check_kernel(tiled_attention, features=ALL)
     assert report.ok, str(report)
 
 
@@ -131,6 +88,17 @@ BUGS = {
     "uniform_empty_rows": ("empty_rows", "uniform weights"),
     "stale_max": ("late_max", "stale running max"),
 }
+
+
+def test_every_bug_of_the_zoo_is_tested():
+    """Each bug flash_check.bugs can make has its test here (quadratic_memory: the memory test),
+    and a misspelt bug is refused rather than run as the clean kernel."""
+    assert set(bugs.BUGS) == set(BUGS) | {"quadratic_memory"}
+    assert set(bugs.VARIANT_BUGS) == set(VARIANT_BUGS)
+    q, k, v = flash_check.random_qkv(np.random.default_rng(0), 4, 4)
+    for kernel in (tiled_attention, variant_attention):
+        with pytest.raises(ValueError, match="bug must be None or one of"):
+            kernel(q, k, v, bug="missing rescale")
 
 
 @pytest.mark.parametrize("bug", BUGS)
@@ -200,7 +168,8 @@ def test_masked_garbage_that_leaks_is_named():
                                       cases=["masked_nonfinite"])
     assert report.failed_cases() == ["masked_nonfinite"]
     assert "reached" in diagnoses(report) and "0 · inf = NaN in P·V" in diagnoses(report)
-    assert flash_check.check_kernel(tiled, features=("mask", "lse"), cases=["masked_nonfinite"]).ok
+    assert flash_check.check_kernel(tiled_attention, features=("mask", "lse"),
+                                    cases=["masked_nonfinite"]).ok
 
 
 def _weights_only(q, k, v, *, mask=None, causal=False, scale=None):
@@ -212,7 +181,7 @@ def _weights_only(q, k, v, *, mask=None, causal=False, scale=None):
     if mask is not None:
         ok = ok & mask
     if causal:
-        ok = ok & np.tril(np.ones(s.shape[-2:], bool), k=k.shape[-2] - q.shape[-2])
+        ok = ok & flash_lib.causal_mask(q.shape[-2], k.shape[-2])
     s = np.where(ok, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     p = np.exp(s - np.where(m == -np.inf, 0, m))
@@ -329,98 +298,13 @@ def test_the_bound_rule_is_the_documented_one():
     eps = {name: float(np.finfo(name).eps) for name in flash_check.DTYPES}
     assert flash_check.OUT_FLOOR == {"float64": 8 * eps["float64"], "float32": 8 * eps["float32"],
                                      "float16": eps["float16"]}
-    report = flash_check.check_kernel(tiled, cases=["random"], dtypes=("float32",))
+    report = flash_check.check_kernel(tiled_attention, cases=["random"], dtypes=("float32",))
     (result,) = report.results
     assert result.out_bound == pytest.approx(2 * result.out_naive + 8 * eps["float32"])
     assert 0 < result.out_error <= result.out_bound
 
 
 # --- the variants: window, softcap, ALiBi, GQA, mask_mod ------------------------------------
-
-
-def variant_tiled(q, k, v, *, mask=None, causal=False, scale=None, window=None, softcap=None,
-                  alibi_slopes=None, enable_gqa=False, mask_mod=None, block=16, bug=None):
-    """The variants, tiled like a GPU kernel, written here from FlashAttention's conventions
-    (independently of flash_lib); ``bug`` gets one of them wrong the way real kernels do."""
-    acc = np.float32 if q.dtype == np.float16 else q.dtype.type
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
-    if enable_gqa:  # a gather per query head (a real kernel indexes instead of copying)
-        heads = np.arange(q.shape[-3])
-        groups = q.shape[-3] // k.shape[-3]
-        kv_head = heads % k.shape[-3] if bug == "gqa_h_mod_hkv" else heads // groups
-        k, v = k[..., kv_head, :, :], v[..., kv_head, :, :]
-    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2],
-                                () if mask is None else np.shape(mask)[:-2])
-    slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, acc)[..., None, None]
-    offset = n_k - n_q
-    window_offset = 0 if bug == "window_top_left" else offset
-    out = np.zeros(batch + (n_q, v.shape[-1]), acc)
-    lse = np.full(batch + (n_q,), -np.inf, acc)
-
-    def cap(x):
-        return acc(softcap) * np.tanh(x / acc(softcap))
-
-    for qs in range(0, n_q, block):
-        qe = min(qs + block, n_q)
-        i = np.arange(qs, qe)[:, None]
-        m = np.full(batch + (qe - qs,), -np.inf, acc)
-        l = np.zeros_like(m)
-        o = np.zeros(batch + (qe - qs, v.shape[-1]), acc)
-        for ks in range(0, n_k, block):
-            ke = min(ks + block, n_k)
-            j = np.arange(ks, ke)[None, :]
-            ok = np.ones((qe - qs, ke - ks), bool)
-            if mask_mod is not None:
-                if bug == "mask_mod_corner_skip":  # looks at the tile's corners only
-                    corners = np.asarray(mask_mod(np.array([[qs], [qe - 1]]),
-                                                  np.array([[ks, ke - 1]])))
-                    if not corners.any():
-                        continue
-                a, b = (i - qs, j - ks) if bug == "mask_mod_local_indices" else (i, j)
-                mod = np.asarray(mask_mod(b, a) if bug == "mask_mod_swapped" else mask_mod(a, b))
-                mod = ~mod if bug == "mask_mod_inverted" else mod
-                if not mod.any():  # no pair allowed: the tile is never multiplied
-                    continue
-                ok = ok & mod
-            if mask is not None:
-                ok = ok & np.broadcast_to(mask, np.shape(mask)[:-2] + (n_q, n_k))[..., qs:qe, ks:ke]
-            if causal:
-                ok = ok & (j <= i + offset)
-            if window is not None:
-                left, right = window
-                if left is not None:
-                    first = i + window_offset - left
-                    ok = ok & ((j > first) if bug == "window_left_off_by_one" else (j >= first))
-                if right is not None:
-                    ok = ok & (j <= i + window_offset + right)
-            s = (q[..., qs:qe, :].astype(acc) @ np.swapaxes(k[..., ks:ke, :], -1, -2).astype(acc)
-                 * acc(scale))
-            if softcap is not None and bug not in ("softcap_after_mask", "softcap_after_bias"):
-                s = cap(s)
-            if slopes is not None:
-                if bug == "alibi_gym_form":
-                    s = s + slopes * (j - i)
-                elif bug == "alibi_top_left":
-                    s = s - slopes * np.abs(i - j)
-                else:
-                    s = s - slopes * np.abs(i + offset - j)
-            if softcap is not None and bug == "softcap_after_bias":
-                s = cap(s)
-            s = np.where(ok, s, -np.inf)
-            if softcap is not None and bug == "softcap_after_mask":
-                s = cap(s)
-            m_new = np.maximum(m, s.max(axis=-1))
-            m_ref = np.where(m_new == -np.inf, 0, m_new)
-            p = np.exp(s - m_ref[..., None])
-            alpha = np.exp(m - m_ref)
-            l = alpha * l + p.sum(axis=-1)
-            o = alpha[..., None] * o + p @ v[..., ks:ke, :].astype(acc)
-            m = m_new
-        empty = l == 0
-        out[..., qs:qe, :] = o / np.where(empty, 1, l)[..., None]
-        lse[..., qs:qe] = np.where(empty, -np.inf, m + np.log(np.where(empty, 1, l)))
-    return out.astype(q.dtype), lse.astype(np.float32 if q.dtype == np.float16 else q.dtype)
 
 
 def test_variant_cases_are_skipped_unless_their_feature_is_listed():
@@ -440,20 +324,22 @@ def test_variant_cases_are_skipped_unless_their_feature_is_listed():
 def test_the_variants_written_here_pass_every_variant_case():
     """A second implementation, tiled, passes in every dtype: the cases hold each variant to
     its conventions, not to flash_lib's code."""
-    report = flash_check.check_kernel(variant_tiled, features=ALL + VARIANTS, cases=VARIANT_CASES)
+    report = flash_check.check_kernel(variant_attention, features=ALL + VARIANTS,
+                                      cases=VARIANT_CASES)
     assert report.ok, str(report)
     assert len(report.results) == 3 * len(VARIANT_CASES)
 
 
 def test_the_diagnoses_reference_is_the_truth():
-    """The dense construction the variant diagnoses compare against, without a mistake, is
-    precise_attention on every variant case: so a mistake's output is that mistake's."""
+    """The one dense softmax the diagnoses write themselves (for softcap at the wrong step and
+    ALiBi's wrong forms), set to the right step and form, is precise_attention on every variant
+    case: so a mistake's output differs from the truth by that mistake only."""
     for name in VARIANT_CASES:
         ref = flash_check._reference(flash_check.CASES[name], "float64", 0)
-        ctx = flash_check._Context(variant_tiled, flash_check.CASES[name], "float64",
+        ctx = flash_check._Context(variant_attention, flash_check.CASES[name], "float64",
                                    ALL + VARIANTS, -np.inf, 0, {})
-        why = flash_check._Diagnosis(ctx, ref, ref.out, ref.lse)
-        assert flash_lib.rowwise_relative_error(why._variant(), ref.out).max() < 1e-15, name
+        why = flash_check.diagnose.Evidence(ctx, ref, ref.out, ref.lse)
+        assert flash_lib.rowwise_relative_error(why.misplaced(), ref.out).max() < 1e-15, name
 
 
 VARIANT_BUGS = {
@@ -479,7 +365,7 @@ def test_each_variant_bug_is_caught_with_its_cause(bug):
     """In every dtype, the signature case fails with the diagnosis that names the mistake."""
     case, words = VARIANT_BUGS[bug]
     cases = [case, "alibi_cap_causal"] if bug == "alibi_gym_form" else [case]
-    report = flash_check.check_kernel(functools.partial(variant_tiled, bug=bug),
+    report = flash_check.check_kernel(functools.partial(variant_attention, bug=bug),
                                       features=ALL + VARIANTS, cases=cases)
     failing = [f for f in report.failures if f.case == case]
     assert {f.dtype for f in failing} == set(flash_check.DTYPES), str(report)

@@ -33,13 +33,15 @@ def test_environment_yml_python_agrees_with_requires_python():
 
 def test_the_root_modules_are_the_ones_installed():
     """Flat layout: every flash_*.py and _flash_*.py (flash_lib's private modules) beside
-    flash_lib.py is declared in py-modules, or discovery may fail. A package directory (such as
-    flash_check/) is not a py-module: its packaging is checked where it is declared."""
-    config = _pyproject()
-    declared = config["tool"]["setuptools"]["py-modules"]
+    flash_lib.py is declared in py-modules, and every flash_*/ package directory in packages, or
+    discovery may fail."""
+    config = _pyproject()["tool"]["setuptools"]
+    declared = config["py-modules"]
     assert "flash_lib" in declared
     modules = [p.stem for pattern in ("flash_*.py", "_flash_*.py") for p in ROOT.glob(pattern)]
     assert sorted(declared) == sorted(modules)
+    packages = sorted(p.parent.name for p in ROOT.glob("flash_*/__init__.py"))
+    assert sorted(config.get("packages", [])) == packages, packages
 
 
 def test_ci_runs_the_readme_test_command():
