@@ -43,7 +43,7 @@ from threadpoolctl import threadpool_limits
 
 import flash_lib
 
-assert flash_lib._THREADS == 1, "flash_lib was imported before FLASH_LIB_THREADS was set: restart"
+assert flash_lib.thread_count() == 1, "flash_lib was imported before FLASH_LIB_THREADS was set: restart"
 rng = np.random.default_rng(8)
 
 # %% [markdown]

@@ -54,7 +54,7 @@ from threadpoolctl import threadpool_limits
 import flash_lib
 from flash_lib import rowwise_relative_error
 
-assert flash_lib._THREADS == 1, "flash_lib was imported before FLASH_LIB_THREADS was set: restart"
+assert flash_lib.thread_count() == 1, "flash_lib was imported before FLASH_LIB_THREADS was set: restart"
 rng = np.random.default_rng(12)
 
 
@@ -570,22 +570,17 @@ print(f"dQ's shares added in reverse key-block order: bits differ in some entrie
 # order would differ from run to run. `flash_attention_backward` adds in key-block order
 # whatever the number of worker threads. The cell checks that with 1, 2 and 4 workers on a
 # problem large enough for threads to be used (`flash_lib` uses them from $2^{20}$ scores on);
-# it switches `flash_lib._THREADS`, the count read from `FLASH_LIB_THREADS` at import, as the
-# tests do.
+# it sets the count with `flash_lib.threads(n)`, which holds for the calls made inside it.
 
 # %%
 q, k, v, dout = (rng.standard_normal((1100, c)) for c in (16, 16, 16, 16))
 out, lse = flash_lib.flash_attention(q, k, v, causal=True, return_lse=True)
 by_workers = {}
-saved_threads = flash_lib._THREADS
-try:
-    for workers in (1, 2, 4):
-        flash_lib._THREADS = workers
+for workers in (1, 2, 4):
+    with flash_lib.threads(workers):
         by_workers[workers] = flash_lib.flash_attention_backward(q, k, v, out, lse, dout,
                                                                  causal=True, block_q=128,
                                                                  block_k=96)
-finally:
-    flash_lib._THREADS = saved_threads
 threads_identical = all(np.array_equal(a, b) for w in (2, 4)
                         for a, b in zip(by_workers[1], by_workers[w]))
 print("dq, dk, dv bit-identical on 1, 2 and 4 workers:", threads_identical)
@@ -891,8 +886,13 @@ plt.show()
 assert abs(D_from_p - D_from_o) <= ROUNDING * abs(D_from_o)
 assert jacobian_diff < ROUNDING
 # the dense formulas, naive and flash agree to rounding; dV is naive's own product of the same P
-# split_scale above is flash_lib's rule (checked against its private helper)
-assert all(split_scale(t) == flash_lib._split_scale(t) for t in (0.125, 1 / np.sqrt(48), 0.05, 3.0))
+# split_scale above is flash_lib's rule: flash with scale τ computes exactly what it computes on
+# τ_q·q and τ_k·k with scale 1, which it splits as (1, 1)
+q_s, k_s, v_s = np.random.default_rng(12).standard_normal((3, 40, 48))
+for t in (0.125, 1 / np.sqrt(48), 0.05, 3.0):
+    t_q, t_k = split_scale(t)
+    assert np.array_equal(flash_lib.flash_attention(q_s, k_s, v_s, scale=t),
+                          flash_lib.flash_attention(q_s * t_q, k_s * t_k, v_s, scale=1.0)), t
 assert all(a < ROUNDING and b < ROUNDING for a, b in matrix_diffs.values()), matrix_diffs
 assert matrix_diffs["dv"][0] == 0
 # P from the lse: the textbook softmax to rounding, normalised, no positive exponent
