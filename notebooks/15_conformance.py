@@ -261,11 +261,11 @@ for dtype, (runs, within, ratio, floor) in flash_stats.items():
 # was 2.0 in float64 and 2.3 in float32: there the kernel's rounding and naive's differed by
 # more than a factor of 2, and the floor of 8 eps carried the difference (47 eps against
 # 2 × 20.7 + 8). So neither the factor nor the floor is the bound alone; their sum is, and a
-# kernel must meet it on every case. In
-# float16 every kernel's error is, nearly everywhere, the final rounding to float16 (half an ulp
-# of each output), the same for naive, so a floor of one eps suffices; where it is more
-# (`float16_overflow`, whose scores near $10^5$ carry their float32 rounding into the weights, up
-# to 19 eps with the Haswell kernel), naive's error is just as large.
+# kernel must meet it on every case. In float16 every kernel's error is, nearly everywhere, the
+# final rounding to float16 (half an ulp of each output), the same for naive, so a floor of one
+# eps suffices; where it is more (`float16_overflow`, whose scores near $10^5$ carry their
+# float32 rounding into the weights, up to 19 eps with the Haswell kernel), naive's error is
+# just as large.
 
 # %%
 # One dtype per row: three panels side by side would be drawn at two thirds of their size.
