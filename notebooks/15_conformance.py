@@ -35,6 +35,7 @@
 # %%
 import functools
 import inspect
+import re
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -207,12 +208,15 @@ print("\n".join(str(clean_reports["flash_lib, 16 x 16 tiles"]).splitlines()[:12]
 # %% [markdown]
 # ### Where FACTOR and the floor come from
 #
-# The factor 2 is FlashAttention's. Whether it is right here is a measurement: for every clean
-# kernel we have (flash_lib at three tile shapes, the tiled kernel, and below PyTorch and JAX),
-# the ratio of its error to naive's on every case where naive's error is above a few eps, and the
-# floor each case would need, $\max(\text{err} - 2 \cdot \text{err}_\text{naive})$, in units of the
-# dtype's eps. The tile shape $7 \times 1$ (one key per block, a thousand rescales in a row for
-# the 1000-key cases) is the worst case for rounding that a correct kernel can produce.
+# The factor 2 is FlashAttention's. Whether it is right here is a measurement: for the clean
+# kernels we have (flash_lib at three tile shapes and the tiled kernel; PyTorch and JAX, below,
+# are held to the same bound), the ratio of each one's error to naive's on every case where
+# naive's error is above a few eps, and the floor each case would need,
+# $\max(\text{err} - 2 \cdot \text{err}_\text{naive})$, in units of the dtype's eps. The tile
+# shape $7 \times 1$ (one key per block, a thousand rescales in a row for the 1000-key cases) is
+# the worst case for rounding that a correct kernel can produce. Both numbers are rounding, whose
+# last bits depend on the CPU (chapter 7), so the cell prints whether every case run met the
+# bound, and the plot below shows the measurements themselves.
 
 # %%
 measured_kernels = {
@@ -226,30 +230,42 @@ measured_kernels = {
 
 
 def bound_statistics(reports):
-    """Per dtype: the largest error / naive's error (where naive > 4 eps) and floor needed."""
+    """Per dtype: (case runs, every one within its bound, the largest error / naive's error
+    where naive > 4 eps, None if no run has that, and the floor needed in eps)."""
     stats = {}
     for dtype in flash_check.DTYPES:
         eps = float(np.finfo(dtype).eps)
-        pairs = [(r.out_error, r.out_naive) for report in reports.values()
-                 for r in report.results if r.dtype == dtype and r.out_error is not None]
-        ratios = [e / n for e, n in pairs if n > 4 * eps]
-        stats[dtype] = (max(ratios, default=0.0),
-                        max((e - flash_check.FACTOR * n) / eps for e, n in pairs))
+        runs = [r for report in reports.values() for r in report.results
+                if r.dtype == dtype and r.out_error is not None]
+        ratios = [r.out_error / r.out_naive for r in runs if r.out_naive > 4 * eps]
+        stats[dtype] = (len(runs), all(r.out_error <= r.out_bound for r in runs),
+                        max(ratios, default=None),
+                        max((r.out_error - flash_check.FACTOR * r.out_naive) / eps for r in runs))
     return stats
 
 
 flash_stats = bound_statistics(measured_kernels)
-for dtype, (ratio, floor) in flash_stats.items():
+for dtype, (runs, within, ratio, floor) in flash_stats.items():
     floor_eps = flash_check.OUT_FLOOR[dtype] / float(np.finfo(dtype).eps)
-    print(f"{dtype}: largest error / naive's {ratio:.1f} (FACTOR {flash_check.FACTOR:g}); "
-          f"floor needed {max(floor, 0):.0f} eps (OUT_FLOOR {floor_eps:.0f} eps)")
+    print(f"{dtype}: {runs} case runs of the four kernels, every error within "
+          f"{flash_check.FACTOR:g} x naive's + {floor_eps:.0f} eps: {within}")
 
 # %% [markdown]
-# In float64 and float32 a correct kernel stays within 1.7 times naive's error, and the floor of
-# 8 eps covers the worst rounding of a thousand rescales; in float16 every kernel's error is the
+# Every case run met the bound. How close each came depends on the CPU, and the plot below shows
+# every case run: each kernel's error against naive's, with the bound as a line, and in each
+# panel's title the largest ratio and the floor needed on the machine that built this page. We
+# measured them on one machine with NumPy's AVX-512, AVX2 and baseline loops and with OpenBLAS's
+# SkylakeX and Haswell kernels: in float64 and float32 the largest ratio was 1.2 to 1.4 and the
+# floor needed at most 5.3 eps (float64; 3.8 in float32), the 7 × 1 tiles' thousand rescales.
+# With OpenBLAS forced to its older Sandybridge kernel (no fused multiply-add), the largest ratio
+# was 2.0 in float64 and 2.3 in float32: there the kernel's rounding and naive's differed by
+# more than a factor of 2, and the floor of 8 eps carried the difference (47 eps against
+# 2 × 20.7 + 8). So neither the factor nor the floor is the bound alone; their sum is, and a
+# kernel must meet it on every case. In float16 every kernel's error is, nearly everywhere, the
 # final rounding to float16 (half an ulp of each output), the same for naive, so a floor of one
-# eps suffices. The plot shows every case run: each kernel's error against naive's, with the
-# bound as a line.
+# eps suffices; where it is more (`float16_overflow`, whose scores near $10^5$ carry their
+# float32 rounding into the weights, up to 19 eps with the Haswell kernel), naive's error is
+# just as large.
 
 # %%
 # One dtype per row: three panels side by side would be drawn at two thirds of their size.
@@ -267,7 +283,11 @@ for ax, dtype in zip(axes, flash_check.DTYPES):
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_ylabel("kernel's error (eps of the dtype)")
-    ax.set_title(f"{dtype}: error against precise_attention")
+    runs, within, ratio, floor = flash_stats[dtype]
+    measured = ("no run with naive's error above 4 eps" if ratio is None
+                else f"largest error / naive's {ratio:.2f}")
+    ax.set_title(f"{dtype}: error against precise_attention\n"
+                 f"this build: {measured}, floor needed {max(floor, 0):.1f} eps", fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
 axes[-1].set_xlabel("naive_attention's error (eps of the dtype)")
 axes[0].legend(fontsize=8, loc="upper left")
@@ -282,9 +302,19 @@ plt.show()
 # Every bug from the list above runs through the full check, every case in every dtype ("memory"
 # for the $O(N^2)$ kernel, whose allocations `tracemalloc` sees like any NumPy kernel's). For
 # each, the cell prints how many case runs fail, and one failing case with the diagnosis the
-# report gives for it: the case that exposes that bug most directly.
+# report gives for it: the case that exposes that bug most directly. (One diagnosis, the
+# rescale probe's below, quotes the kernel's rounding error on one row, which the probe found
+# within the bound; its last digits depend on the CPU, so it is printed as what the probe
+# established.)
 
 # %%
+def shown(diagnosis):
+    """A diagnosis as printed here: the rescale probe's rounding error, which the probe reports
+    only when it is within the bound, printed as that rather than as one CPU's digits."""
+    return re.sub(r"error \S+ with its largest score first",
+                  "an error within the bound with its largest score first", diagnosis)
+
+
 signature = {
     # bug: (the case that exposes it, words its diagnosis must contain)
     "missing rescale": ("late_max", "not rescaled by exp(m - m')"),
@@ -307,7 +337,7 @@ for bug, (case, words) in signature.items():
     n_failed = sum(not r.ok for r in report.results)
     print(f"{bug}  ({BUGS[bug]})\n  fails {n_failed} of {len(report.results)} case runs; "
           f"{failure.case} [{failure.dtype}] {failure.check}: {failure.measured}\n"
-          f"  diagnosis: {failure.diagnosis}\n")
+          f"  diagnosis: {shown(failure.diagnosis)}\n")
 
 # %% [markdown]
 # How the diagnoses are found: the report compares the output with what known mistakes would
@@ -322,7 +352,7 @@ for bug, (case, words) in signature.items():
 rescale_report = flash_check.check_kernel(functools.partial(tiled_attention,
                                                             bug="missing rescale"),
                                           cases=["random"], dtypes=("float64",))
-print(rescale_report.failures[0].diagnosis)
+print(shown(rescale_report.failures[0].diagnosis))
 
 # %% [markdown]
 # Two bugs break more than their signature case. Without the guard, a row whose *first* key
@@ -352,25 +382,19 @@ print(inspect.getsource(flash_check.torch_sdpa))
 
 # %% [markdown]
 # PyTorch runs here when it is installed (`pip install -e '.[bench]'`, as `.ci/run` does), and so
-# does JAX (`.[jax]`); whether they are differs from install to install, so the cells below that
-# print their results are not compared by the notebook's test, and the claims about them are
-# asserted only where they ran.
+# does JAX (`.[jax]`); whether they are differs from install to install, so the one cell below
+# that prints their results (and their versions) is not compared by the notebook's test, and the
+# claims about them are asserted only where they ran.
 
-# %% tags=["nbval-ignore-output"]
+# %%
 try:
     import torch
 except ImportError:
-    torch = None
-    print("PyTorch is not installed here: its rows of the table are skipped.")
-else:
-    print(f"PyTorch {torch.__version__}")
+    torch = None  # its rows of the table are skipped
 try:
     import jax
 except ImportError:
     jax = None
-    print("JAX is not installed here: its rows of the table are skipped.")
-else:
-    print(f"JAX {jax.__version__}")
 
 # %% [markdown]
 # The kernels: PyTorch's math and flash backends through the bottom-right wrapper; the math
@@ -411,8 +435,11 @@ if jax is not None:
 # still matches.
 
 # %% tags=["nbval-ignore-output"]
+for library, module in (("PyTorch", torch), ("JAX", jax)):
+    print(f"{library} {module.__version__}" if module is not None else
+          f"{library} is not installed here: its rows of the table are skipped.")
 table = {"flash_lib.flash_attention": clean_reports["flash_lib, 512 x 512 tiles"], **real}
-print(f"{'kernel':<62} {'float64':<22} {'float32':<22} float16")
+print(f"\n{'kernel':<62} {'float64':<22} {'float32':<22} float16")
 for name, report in table.items():
     cells = ["not run" if failed is None else ", ".join(failed) or "pass"
              for failed in report.by_dtype().values()]
@@ -432,13 +459,24 @@ for name, report in real.items():
 #   except one: NaN and infinities in $v$ at padded keys that no row may attend reach the rows
 #   (both backends mask the weights, and $0 \cdot \text{NaN} = \text{NaN}$ in $P V$), the
 #   fully masked row among them. A key-value cache whose unused slots hold garbage must be
-#   zeroed before calling it. The accuracy ratios are within those of flash_lib.
+#   zeroed before calling it. On every other case their errors are within the same bound as
+#   flash_lib's.
 # - **`is_causal=True`**: top-left, flagged on every case with $N_q \ne N_k$ (decoding, the wide
 #   and tall causal cases), and right on the square one, where the conventions agree.
-# - **PyTorch's CPU flash op with its lse**: its lse of an empty row is 0.0; in float16 its lse
-#   is up to a few $10^{-5}$ off (relative), far beyond float32 rounding on the same inputs
-#   (naive's lse, computed in float32, is within $10^{-7}$): harmless for a float16 backward,
-#   whose $P = e^{s - \text{lse}}$ is rounded to $10^{-3}$ anyway, but not float32 arithmetic.
+# - **PyTorch's CPU flash op with its lse**: its lse of an empty row is 0.0, and its outputs
+#   pass. In float16, where PyTorch 2.13 computes in float32 and stores the weights in float16,
+#   its lse can be up to about $5 \cdot 10^{-5}$ off (relative), far beyond float32 rounding on
+#   the same inputs (naive's lse, computed in float32, is within $10^{-7}$): harmless for a
+#   float16 backward, whose $P = e^{s - \text{lse}}$ is rounded to $10^{-3}$ anyway, but not
+#   float32 arithmetic. Which cases fail depends on the CPU. Measured here (with
+#   `ATEN_CPU_CAPABILITY` to choose PyTorch's code path), the error comes from the vector loop
+#   that computes the weights $e^{s - m}$ to within about $10^{-4}$ (enough for the float16
+#   weights it stores, not for their sum), in 8 lanes with AVX2 and 16 with AVX-512; the keys
+#   past the last full vector of a 512-key block are done one at a time, exactly, and PyTorch's
+#   scalar build (`default`) passes every case. So `late_max`, whose weight sits on its last 8
+#   keys (of 1100: 76 in the last block), fails with AVX2, whose exact tail is the last 4 keys,
+#   and passes with AVX-512, whose tail is the last 12; cases whose weight is spread over many
+#   keys fail on both.
 # - **JAX**: a fully masked row gets uniform weights, the mean of all values (its mask value is
 #   `-0.7 * finfo(dtype).max`, not $-\infty$); float64 inputs come out only as exact as float32,
 #   because `jax.nn.dot_product_attention` always computes its softmax in float32 (the comment
@@ -457,8 +495,9 @@ for name, report in real.items():
 # - flash_lib, at 512 × 512 tiles (memory included) and 16 × 16 tiles, and the clean tiled kernel
 #   pass every case in every dtype.
 # - The bound, twice naive's error in the same dtype plus a floor of 8 eps (float64, float32) or
-#   1 eps (float16), holds for every correct kernel measured, with the largest ratio below 1.7
-#   and the largest needed floor below 8 eps.
+#   1 eps (float16), holds on every case run of the four correct kernels measured, on every CPU
+#   configuration we tried; neither part alone would (the largest ratio reached 2.3 with
+#   OpenBLAS's Sandybridge kernel, and errors reach a few tens of eps where naive's does too).
 # - Where installed: PyTorch SDPA (math, flash) passes everything but garbage at padded keys,
 #   its `is_causal=True` is flagged top-left when $N_q \ne N_k$; JAX's empty rows are flagged as
 #   uniform weights and its float64 as float32-accurate.
@@ -477,9 +516,11 @@ assert gallery["O(N²) memory"].failed_cases() == ["memory"]
 assert {f.dtype for f in gallery["float16 accumulation"].failures} == {"float16"}
 assert "depends on the order of the keys" in rescale_report.failures[0].diagnosis
 assert "whose first keys are masked" in left_padded.diagnosis
-for dtype, (ratio, floor) in flash_stats.items():
-    assert 0 < ratio < 1.7 <= flash_check.FACTOR, (dtype, ratio)
-    assert floor * float(np.finfo(dtype).eps) <= flash_check.OUT_FLOOR[dtype], (dtype, floor)
+# The bound on every case run (the 7 x 1 tiles included, the worst rounding a correct kernel
+# makes); how close they come is rounding and is drawn, not asserted (see the plot).
+assert measured_kernels["flash_lib 7x1"].ok
+for dtype, (runs, within, ratio, floor) in flash_stats.items():
+    assert runs > 0 and within, (dtype, runs, floor)
 if torch is not None:
     for name in ("torch SDPA, math, causal_lower_right", "torch SDPA, flash, causal_lower_right"):
         assert real[name].failed_cases() == ["masked_nonfinite"], name
@@ -489,11 +530,11 @@ if torch is not None:
     assert all("top-left" in f.diagnosis for f in top_left.failures
                if f.case in ("decode", "causal_wide", "causal_tall"))
     cpu_op = real["torch _scaled_dot_product_flash_attention_for_cpu, with lse"]
-    assert {(f.dtype, f.check) for f in cpu_op.failures if f.case != "masked_nonfinite"} == {
+    assert "masked_nonfinite" in cpu_op.failed_cases()
+    # Beyond it, only float16 lse errors, on cases that depend on the CPU (none in PyTorch's
+    # scalar build): its outputs pass everywhere.
+    assert {(f.dtype, f.check) for f in cpu_op.failures if f.case != "masked_nonfinite"} <= {
         ("float16", "lse error")}
-    torch_stats = bound_statistics({n: real[n] for n in real if "causal_lower_right" in n})
-    assert all(ratio < 1.7 and floor * float(np.finfo(d).eps) <= flash_check.OUT_FLOOR[d]
-               for d, (ratio, floor) in torch_stats.items()), torch_stats
 if jax is not None:
     jax_report = real["jax.nn.dot_product_attention, bottom-right mask"]
     assert any("uniform weights" in f.diagnosis for f in jax_report.failures
