@@ -87,13 +87,10 @@ DEFAULT_BLOCK_Q = 512
 #: Keys in one tile, by default (chosen with ``DEFAULT_BLOCK_Q``).
 DEFAULT_BLOCK_K = 512
 
-# The process-wide default thread count: FLASH_LIB_THREADS, read at import (default: the number
-# of cores, at most 4). Chapters 8, 9, 12, 14 and bench/ still read it, and chapter 12 sets it,
-# until they use thread_count() and threads(): so it is honoured here, below threads().
+# The default thread count: FLASH_LIB_THREADS, read at import (default: the number of cores, at
+# most 4); threads(n) overrides it for one context.
 _THREADS = _runtime.threads_from_environment()
 _THREADS_HERE = contextvars.ContextVar("flash_lib_threads", default=None)
-# Chapter 12 compares its own split with this name until it imports _flash_inputs.split_scale.
-_split_scale = _inputs.split_scale
 
 
 @contextlib.contextmanager

@@ -43,13 +43,13 @@
 
 # %%
 import os
-import time
 
 import numpy as np
 import matplotlib.pyplot as plt
 from threadpoolctl import threadpool_limits
 
 import flash_lib
+from bench import timing
 
 rng = np.random.default_rng(9)
 
@@ -80,29 +80,12 @@ def attention_flop(n, d=d):
     return 4 * n * n * d
 
 
-def best_times(fns, min_rounds=2, min_seconds=0.25, max_rounds=20, settle=0.15):
-    """Best wall time of each callable in `fns` (a dict), timed in turn, round after round.
-
-    At least `min_rounds` rounds, and more (up to `max_rounds`) until `min_seconds` have passed:
-    quick calls get many tries. Each round starts one callable further on. Before each timed
-    call the callable runs untimed for `settle` seconds (at least once), so that threads left
-    spinning by the previous kernel's library have gone idle.
-    """
-    names = list(fns)
-    best = dict.fromkeys(names, np.inf)
-    start = time.perf_counter()
-    for r in range(max_rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            settle_until = time.perf_counter() + settle
-            fns[name]()
-            while time.perf_counter() < settle_until:
-                fns[name]()
-            t0 = time.perf_counter()
-            fns[name]()
-            best[name] = min(best[name], time.perf_counter() - t0)
-        if r + 1 >= min_rounds and time.perf_counter() - start >= min_seconds:
-            break
-    return best
+def best_times(fns, settle=0.15):
+    """Best wall time of each callable in `fns` (a dict), timed in turn, round after round: at
+    least 2 rounds, more (up to 20) until 0.25 s have passed, each call after `settle` seconds
+    of untimed runs, so that threads left spinning by the previous kernel have gone idle. The
+    project's one timing loop (`bench/timing.py`, which `make bench` uses too)."""
+    return timing.best_times(fns, seconds=0.25, min_rounds=2, max_rounds=20, settle=settle)[0]
 
 
 def random_inputs(n):
@@ -215,7 +198,7 @@ print(f"flash's in float64, N = {n64}: within 1e-12: {error64 < 1e-12}")
 
 # %% tags=["nbval-ignore-output"]
 print(f"on the machine that built this page: GEMM ceiling {gemm_rate:.0f} GFLOP/s (float32, "
-      f"{cores} cores);\nflash_lib runs up to {flash_lib._THREADS} worker threads")
+      f"{cores} cores);\nflash_lib runs up to {flash_lib.thread_count()} worker threads")
 print(f"PyTorch {torch.__version__}: timing its SDPA too, with {torch.get_num_threads()} threads"
       if torch is not None else
       "PyTorch is not installed here: the comparison is flash against naive.")

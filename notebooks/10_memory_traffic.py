@@ -35,7 +35,6 @@
 
 # %%
 import os
-import time
 from collections import Counter
 
 import numpy as np
@@ -43,6 +42,7 @@ import matplotlib.pyplot as plt
 from threadpoolctl import threadpool_limits
 
 import flash_lib
+from bench import timing
 
 rng = np.random.default_rng(10)
 
@@ -426,13 +426,9 @@ def cache_sizes():
 
 
 def best_time(fn, repeats=3):
-    best = np.inf
-    for _ in range(repeats):
-        fn()  # untimed: warm caches, let other threads go idle
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    """The best of `repeats` timed calls, each after one untimed call (warm caches, other threads
+    idle): the project's one timing loop, `bench/timing.py`."""
+    return timing.best_times({"fn": fn}, min_rounds=repeats, max_rounds=repeats, settle=0)[0]["fn"]
 
 
 caches = cache_sizes()

@@ -42,6 +42,7 @@ import numpy as np
 
 import flash_check
 import flash_lib
+from flash_check.bugs import BUGS, tiled_attention
 
 rng = np.random.default_rng(15)
 
@@ -55,73 +56,13 @@ rng = np.random.default_rng(15)
 # zeroed before $P V$, because $0 \cdot \text{NaN} = \text{NaN}$ and padding may hold garbage.
 #
 # Each `bug == ...` marks the one line a classic bug changes. The kernel returns `(out, lse)`.
+# It is `flash_check.bugs.tiled_attention`, the same kernel the project's tests break bug by bug.
 
 # %%
-BUGS = {
-    "missing rescale": "l and acc are not multiplied by alpha = exp(m - m') when the max rises",
-    "NaN on empty rows": "no guard for a running max of -inf: exp(-inf - (-inf)) = NaN",
-    "O(N²) memory": "one tile as large as the whole score matrix",
-    "top-left causal": "key j allowed iff j <= i, whatever Nq and Nk",
-    "lse in log base 2": "the lse of an exp2-based kernel, returned without the factor ln 2",
-    "last partial block dropped": "the key loop stops at the last multiple of the block size",
-    "float16 accumulation": "float16 inputs computed in float16 throughout",
-    "uniform weights for empty rows": "masked scores set to -1e9 instead of -inf",
-    "stale running max": "p = exp(s - m) against the previous block's max",
-}
-
-
-def tiled_attention(q, k, v, *, mask=None, causal=False, scale=None, bug=None, block=16):
-    """FlashAttention's forward pass over block x block tiles; returns (out, lse)."""
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
-    acc = np.float32 if q.dtype == np.float16 else q.dtype
-    if bug == "float16 accumulation":
-        acc = q.dtype
-    if bug == "O(N²) memory":
-        block = max(n_q, n_k, 1)
-    batch = np.broadcast_shapes(q.shape[:-2], () if mask is None else mask.shape[:-2])
-    if mask is not None:
-        mask = np.broadcast_to(mask, mask.shape[:-2] + (n_q, n_k))
-    offset = 0 if bug == "top-left causal" else n_k - n_q  # query i sits at position i + offset
-    key_end = n_k - n_k % block if bug == "last partial block dropped" else n_k
-    out = np.zeros(batch + (n_q, v.shape[-1]), q.dtype)
-    lse = np.full(batch + (n_q,), -np.inf, np.float32 if q.dtype == np.float16 else q.dtype)
-    for qs in range(0, n_q, block):
-        qe = min(qs + block, n_q)
-        m = np.full(batch + (qe - qs,), -np.inf, acc)  # running max
-        l = np.zeros_like(m)  # running sum of exp(s - m)
-        o = np.zeros(batch + (qe - qs, v.shape[-1]), acc)  # running sum of exp(s - m) v
-        for ks in range(0, key_end, block):
-            ke = min(ks + block, n_k)
-            s = q[..., qs:qe, :].astype(acc) @ np.swapaxes(k[..., ks:ke, :], -1, -2).astype(acc)
-            s = s * np.asarray(scale, acc)
-            allowed = np.ones(s.shape[-2:], bool)
-            if mask is not None:
-                allowed = allowed & mask[..., qs:qe, ks:ke]
-            if causal:
-                allowed = allowed & (np.arange(ks, ke) <= np.arange(qs, qe)[:, None] + offset)
-            masked = -1e9 if bug == "uniform weights for empty rows" else -np.inf
-            s = np.where(allowed, s, np.asarray(masked, acc))
-            m_new = np.maximum(m, s.max(axis=-1))
-            m_ref = np.where(m_new == -np.inf, 0, m_new)  # the guard: a finite reference
-            if bug == "NaN on empty rows":
-                m_ref = m_new
-            p = np.exp(s - m_ref[..., None])
-            if bug == "stale running max":
-                p = np.exp(s - np.where(m == -np.inf, 0, m)[..., None])
-            alpha = np.exp(m - m_ref)  # moves l and o from the old max to the new one
-            if bug == "missing rescale":
-                alpha = np.ones_like(m)
-            v_blk = np.where(allowed.any(axis=-2)[..., None], v[..., ks:ke, :], 0).astype(acc)
-            l = l * alpha + p.sum(axis=-1)
-            o = o * alpha[..., None] + p @ v_blk
-            m = m_new
-        empty = (l == 0) & (bug != "NaN on empty rows")
-        out[..., qs:qe, :] = o / np.where(empty, 1, l)[..., None]
-        lse[..., qs:qe] = np.where(empty, -np.inf, m + np.log(np.where(empty, 1, l)))
-    if bug == "lse in log base 2":
-        lse = lse * np.log2(np.e)
-    return out, lse
+for name, what in BUGS.items():
+    print(f"{name:<21} {what}")
+print()
+print(inspect.getsource(tiled_attention))
 
 
 # %% [markdown]
@@ -317,21 +258,21 @@ def shown(diagnosis):
 
 signature = {
     # bug: (the case that exposes it, words its diagnosis must contain)
-    "missing rescale": ("late_max", "not rescaled by exp(m - m')"),
-    "NaN on empty rows": ("empty_rows", "the exp(-inf - (-inf)) guard is missing"),
-    "O(N²) memory": ("memory", "O(N²) memory"),
-    "top-left causal": ("causal_wide", "causal is aligned top-left"),
-    "lse in log base 2": ("random", "lse is in log base 2"),
-    "last partial block dropped": ("size_63x65", "the last partial key block is dropped"),
-    "float16 accumulation": ("float16_overflow", "scores past 65504 overflow float16"),
-    "uniform weights for empty rows": ("empty_rows", "uniform weights"),
-    "stale running max": ("late_max", "stale running max"),
+    "missing_rescale": ("late_max", "not rescaled by exp(m - m')"),
+    "nan_empty_rows": ("empty_rows", "the exp(-inf - (-inf)) guard is missing"),
+    "quadratic_memory": ("memory", "O(N²) memory"),
+    "top_left": ("causal_wide", "causal is aligned top-left"),
+    "lse_base2": ("random", "lse is in log base 2"),
+    "drop_partial_block": ("size_63x65", "the last partial key block is dropped"),
+    "float16_accumulation": ("float16_overflow", "scores past 65504 overflow float16"),
+    "uniform_empty_rows": ("empty_rows", "uniform weights"),
+    "stale_max": ("late_max", "stale running max"),
 }
 gallery = {}
 for bug, (case, words) in signature.items():
     report = flash_check.check_kernel(
         functools.partial(tiled_attention, bug=bug),
-        features=features + (("memory",) if bug == "O(N²) memory" else ()))
+        features=features + (("memory",) if bug == "quadratic_memory" else ()))
     gallery[bug] = report
     failure = next(f for f in report.failures if f.case == case and words in f.diagnosis)
     n_failed = sum(not r.ok for r in report.results)
@@ -350,7 +291,7 @@ for bug, (case, words) in signature.items():
 
 # %%
 rescale_report = flash_check.check_kernel(functools.partial(tiled_attention,
-                                                            bug="missing rescale"),
+                                                            bug="missing_rescale"),
                                           cases=["random"], dtypes=("float64",))
 print(shown(rescale_report.failures[0].diagnosis))
 
@@ -360,9 +301,9 @@ print(shown(rescale_report.failures[0].diagnosis))
 # accumulation fails only in float16, where float32 passed, which the report says:
 
 # %%
-left_padded = next(f for f in gallery["NaN on empty rows"].failures if f.case == "key_padding")
+left_padded = next(f for f in gallery["nan_empty_rows"].failures if f.case == "key_padding")
 print(f"key_padding: {left_padded.measured}\n  {left_padded.diagnosis}")
-half = gallery["float16 accumulation"]
+half = gallery["float16_accumulation"]
 print("float16 accumulation fails in:", sorted({f.dtype for f in half.failures}))
 print(next(f.diagnosis for f in half.failures if f.case == "random_mask"))
 
@@ -505,15 +446,15 @@ for name, report in real.items():
 # %%
 assert allclose_passes[None]
 assert sum(allclose_passes[bug] for bug in BUGS) == 7
-assert not allclose_passes["missing rescale"] and not allclose_passes["stale running max"]
+assert not allclose_passes["missing_rescale"] and not allclose_passes["stale_max"]
 assert all(report.ok for report in clean_reports.values())
 assert not clean_reports["flash_lib, 512 x 512 tiles"].skipped
 for bug, (case, words) in signature.items():
     report = gallery[bug]
     assert not report.ok, bug
     assert any(f.case == case and words in f.diagnosis for f in report.failures), bug
-assert gallery["O(N²) memory"].failed_cases() == ["memory"]
-assert {f.dtype for f in gallery["float16 accumulation"].failures} == {"float16"}
+assert gallery["quadratic_memory"].failed_cases() == ["memory"]
+assert {f.dtype for f in gallery["float16_accumulation"].failures} == {"float16"}
 assert "depends on the order of the keys" in rescale_report.failures[0].diagnosis
 assert "whose first keys are masked" in left_padded.diagnosis
 # The bound on every case run (the 7 x 1 tiles included, the worst rounding a correct kernel
