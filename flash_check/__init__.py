@@ -40,7 +40,7 @@ the very inputs the kernel got, with ``flash_lib.rowwise_relative_error`` (each 
 the rule of FlashAttention's own tests (``FACTOR`` = 2 there): a kernel may be as inexact as the
 textbook computation in its dtype, twice over, not more. The floor covers cases where naive is
 exact (a single key, ties). ``lse`` likewise, with the error ``|lse - truth| / (1 + |truth|)``.
-Chapter 15 of the tutorial measures flash_lib, PyTorch and JAX against this rule and justifies
+Chapter 20 of the tutorial measures flash_lib, PyTorch and JAX against this rule and justifies
 the values of ``FACTOR``, ``OUT_FLOOR`` and ``LSE_FLOOR`` below.
 
 Adding cases
@@ -81,7 +81,7 @@ This module holds the API: the constants, the types, the registry and the runner
 (:func:`check_kernel`). Beside it: ``cases.py`` (the built-in cases, registered on import),
 ``diagnose.py`` (the known mistakes, a table of condition and message per check), ``adapters.py``
 (PyTorch and JAX as kernels), ``bugs.py`` (small tiled kernels with one classic bug each, for the
-tests and chapter 15) and ``__main__.py`` (the command line).
+tests and chapter 20) and ``__main__.py`` (the command line).
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ DEFAULT_FEATURES = ("mask", "causal", "lse")
 #: The dtypes a kernel can be checked in, in the order they are checked.
 DTYPES = ("float64", "float32", "float16")
 
-#: The bound: ``error <= FACTOR * naive's error + floor``. 2 is FlashAttention's factor. Chapter 15
+#: The bound: ``error <= FACTOR * naive's error + floor``. 2 is FlashAttention's factor. Chapter 20
 #: measures the largest ratio of a correct kernel's error to naive's (flash_lib at three tile
 #: shapes, PyTorch SDPA math and flash, JAX), over the cases where naive's error exceeds 4 eps:
 #: 1.2-1.4 with NumPy's AVX-512, AVX2 and baseline loops and OpenBLAS's SkylakeX and Haswell

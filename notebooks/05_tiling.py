@@ -41,7 +41,7 @@
 # streaming multiprocessors (SMs) has a small on-chip **SRAM**, a couple of hundred KB, an order of
 # magnitude faster. A **thread block** is a group of threads that one SM runs together and that
 # share that SM's SRAM. FlashAttention-2 gives each block of queries to one thread block, which
-# loads its $Q_i$ from HBM into SRAM once and then each $K_j, V_j$ in turn; chapter 10 counts the
+# loads its $Q_i$ from HBM into SRAM once and then each $K_j, V_j$ in turn; chapter 9 counts the
 # bytes that cross between the two memories, and the re-use.
 #
 # For the query block $Q_i$ (rows `q_start:q_stop`) and the key block $K_j$, $V_j$ (rows
@@ -348,7 +348,7 @@ plt.show()
 # are all rounding, a few machine epsilons, so the picture shows what does change with the block
 # sizes: the number of tiles, from one tile to $N_q N_k$ of them, with each square's error printed
 # in units of float64's machine epsilon ($2.2 \times 10^{-16}$). `block_q` grows upward, as in
-# chapter 9.
+# chapter 10.
 
 # %%
 sizes_q = [1, 2, 3, 5, 8, 13, 21, 34, 37, 38, 64]

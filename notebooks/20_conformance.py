@@ -13,7 +13,7 @@
 # ---
 
 # %% [markdown]
-# # 15. Checking someone else's kernel
+# # 20. Conformance: checking someone else's kernel
 #
 # You have written an attention kernel, in CUDA, Triton, C++ or JAX, and it agrees with a
 # reference to `allclose(atol=1e-2)` on random inputs. Is it right? Not necessarily: the classic
@@ -94,7 +94,7 @@ for bug in [None, *BUGS]:
 # `fn(q, k, v, mask=..., causal=..., scale=...)` (only the keywords a case uses) and returns a
 # `Report`. `features` says what the kernel supports ("mask", "causal", "lse", "dv" for
 # $d_v \ne d$, "memory" for kernels whose allocations `tracemalloc` can see, and the variants of
-# chapter 13, `flash_check.VARIANTS`: "window", "softcap", "alibi", "gqa", "mask_mod"); a case that
+# chapter 14, `flash_check.VARIANTS`: "window", "softcap", "alibi", "gqa", "mask_mod"); a case that
 # needs another feature is skipped and listed as skipped. Each registered case says why it is there:
 
 # %%

@@ -13,7 +13,7 @@
 # ---
 
 # %% [markdown]
-# # 10. Memory traffic: why FlashAttention is fast
+# # 9. Memory traffic: why FlashAttention is fast
 #
 # Chapter 8 measured how much memory the kernels *hold*. On a GPU what decides the time is how
 # many bytes they *move* between the large slow memory and the small fast one. In this chapter:
@@ -336,7 +336,7 @@ print(f"bytes x M, smallest and largest M: {flash_vs_m[0] * sram_sizes[0]:.3e}, 
 # ## Arithmetic intensity and a roofline
 #
 # The **arithmetic intensity** of a kernel is its flops per byte moved. With the two matrix
-# products' $4N^2 d$ flops (chapter 9's convention) the textbook pipeline has
+# products' $4N^2 d$ flops (chapter 10's convention) the textbook pipeline has
 # $4N^2 d / (2 \cdot 4N^2) = d/2$ flop/byte for large $N$ in float16, whatever $N$; the tiled
 # kernel has $4N^2 d / (2 \cdot 2 N^2 d / b_q) = b_q$ flop/byte. A **roofline** plots the rate a
 # kernel can reach against its intensity: $\min(\text{peak},\ \text{intensity} \times

@@ -13,7 +13,7 @@
 # ---
 
 # %% [markdown]
-# # 9. Speed: time and GFLOP/s against N and tile size
+# # 10. Speed: time and GFLOP/s against N and tile size
 #
 # FlashAttention on a GPU is fast because it never writes the score matrix to slow memory. A
 # NumPy kernel has other costs: every NumPy call pays a fixed Python overhead, and `exp` runs on

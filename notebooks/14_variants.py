@@ -13,7 +13,7 @@
 # ---
 
 # %% [markdown]
-# # 13. Attention variants in one kernel
+# # 14. Attention variants in one kernel
 #
 # Production attention kernels take more than a boolean mask: a sliding window, a soft cap on
 # the scores, ALiBi's distance penalty, grouped-query heads, and lately any mask written as a

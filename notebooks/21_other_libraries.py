@@ -13,7 +13,7 @@
 # ---
 
 # %% [markdown]
-# # 16. Appendix: what other libraries do
+# # 21. Appendix: what other libraries do
 #
 # `flash_lib` fixes three conventions that real libraries do not share: what a row with no
 # allowed key returns (its output, and its lse), and where the causal diagonal sits when
@@ -32,7 +32,7 @@
 # **How the statements are checked.** FlashAttention needs a CUDA GPU, so its behaviour is quoted
 # from its source (Dao-AILab/flash-attention, read at commit `0251105a`, August 2026). PyTorch and
 # JAX are tested here, against the real libraries, whenever they are importable: those cells
-# follow chapter 9's pattern (their output is exempt from the notebook's test because it depends
+# follow chapter 10's pattern (their output is exempt from the notebook's test because it depends
 # on what is installed), and their `assert`s fail if the library disagrees with what this page
 # says. `pip install -e '.[bench]'` installs the CPU build of PyTorch that the project pins.
 

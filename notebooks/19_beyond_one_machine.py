@@ -13,7 +13,7 @@
 # ---
 
 # %% [markdown]
-# # 14. Beyond one machine: attention over a Dask cluster
+# # 19. Beyond one machine: attention over a Dask cluster
 #
 # `flash_attention` keeps one tile of scores at a time, so its memory no longer limits the
 # sequence length; its time still grows as $N_q N_k$, and one machine's inputs must still fit on
