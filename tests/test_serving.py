@@ -435,3 +435,117 @@ def test_greedy_decoding_on_the_cache_matches_recomputation():
     full = flash_lib.flash_attention(xs, xs @ wk, xs @ wv, causal=True)
     recomputed = [int(t) for t in np.argmax(logits_of(full), axis=-1)[len(prompt) - 1:-1]]
     assert tokens[len(prompt):] == recomputed
+
+
+# --------------------------------------------------------------------------------------------
+# flash_check's serving cases
+# --------------------------------------------------------------------------------------------
+
+SERVING_CASES = ["varlen", "varlen_causal", "kvcache_decode", "kvcache_prefill", "kvcache_paged"]
+SERVING_FEATURES = ("varlen", "kvcache", "paged", "causal", "lse")
+
+
+def _serving_kernel(varlen, kvcache):
+    """One kernel for both kinds of case: varlen calls carry cu_seqlens_q, cache calls do not."""
+    def kernel(q, k, v, **kw):
+        if "cu_seqlens_q" in kw:
+            return varlen(q, k, v, **kw)
+        return kvcache(q, k, v, **kw)
+    return kernel
+
+
+def _check(kernel, dtypes=("float64", "float32")):
+    import flash_check
+
+    return flash_check.check_kernel(kernel, features=SERVING_FEATURES, dtypes=dtypes,
+                                    cases=SERVING_CASES)
+
+
+def test_flash_check_serving_cases_pass_flash_serving():
+    report = _check(_serving_kernel(
+        lambda q, k, v, **kw: fs.flash_attention_varlen(q, k, v, return_lse=True, **kw),
+        lambda q, kc, vc, **kw: fs.flash_attention_with_kvcache(q, kc, vc, return_lse=True, **kw)),
+        dtypes=("float64", "float32", "float16"))
+    assert report.ok, report
+    assert len(report.results) == 15 and not report.skipped
+
+
+def test_flash_check_serving_cases_are_skipped_unless_listed():
+    import flash_check
+
+    report = flash_check.check_kernel(flash_lib.flash_attention, dtypes=("float64",),
+                                      cases=SERVING_CASES)
+    assert [s.case for s in report.skipped] == SERVING_CASES and not report.results
+
+
+def test_flash_check_layout_wrappers():
+    """Kernels written in FlashAttention's layouts, (total, heads, d) and (batch, seqlen, heads,
+    d), checked through the one-line wrappers of flash_check.adapters."""
+    from flash_check import adapters
+
+    def thd_varlen(q, k, v, **kw):  # a kernel in FlashAttention's varlen layout
+        assert q.shape[1] == 2 and q.ndim == 3  # (total, H, d)
+        out, lse = fs.flash_attention_varlen(*(np.swapaxes(x, 0, 1) for x in (q, k, v)),
+                                             return_lse=True, **kw)
+        return np.swapaxes(out, 0, 1), lse  # out (total, H, dv), lse (H, total)
+
+    def bshd_cache(q, k_cache, v_cache, *, k_new, v_new, **kw):  # (B, S, H, d) throughout
+        assert q.shape[2] == 2 and k_cache.shape[2] == 2
+        out, lse = fs.flash_attention_with_kvcache(
+            np.swapaxes(q, 1, 2), np.swapaxes(k_cache, 1, 2), np.swapaxes(v_cache, 1, 2),
+            k_new=np.swapaxes(k_new, 1, 2), v_new=np.swapaxes(v_new, 1, 2), return_lse=True, **kw)
+        return np.swapaxes(out, 1, 2), lse
+
+    report = _check(_serving_kernel(adapters.varlen_from_thd(thd_varlen),
+                                    adapters.from_bshd(bshd_cache)))
+    assert report.ok, report
+
+
+def _mutant(name):
+    """flash_serving's kernels with one of the issue's mistakes."""
+    def varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, causal=False):
+        outs, lses = [], []
+        for b in range(len(cu_seqlens_q) - 1):
+            q0, q1, k0, k1 = (int(x) for x in (cu_seqlens_q[b], cu_seqlens_q[b + 1],
+                                               cu_seqlens_k[b], cu_seqlens_k[b + 1]))
+            if name == "next_key":
+                k1 = min(k1 + 1, k.shape[-2])
+            kw = {"causal": causal}
+            if name == "top_left" and causal:
+                kw = {"mask": np.tril(np.ones((q1 - q0, k1 - k0), bool))}
+            o, s = flash_lib.flash_attention(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1],
+                                             return_lse=True, **kw)
+            outs.append(o)
+            lses.append(s)
+        return np.concatenate(outs, 1), np.concatenate(lses, 1)
+
+    def cache(q, kc, vc, *, cache_seqlens, k_new, v_new, block_table=None, causal=False):
+        seqlens = np.array(cache_seqlens)
+        if name == "k_new_offset":
+            seqlens = seqlens + 1
+        out, lse = fs.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, k_new=k_new,
+                                                   v_new=v_new, block_table=block_table,
+                                                   causal=causal, return_lse=True)
+        if name == "past_seqlens":  # one slot past the valid keys
+            return fs.flash_attention_with_kvcache(q, kc, vc,
+                                                   cache_seqlens=seqlens + k_new.shape[2] + 1,
+                                                   block_table=block_table, causal=causal,
+                                                   return_lse=True)
+        if name == "page_off_by_one" and block_table is not None:
+            return fs.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
+                                                   block_table=np.roll(block_table, -1, axis=1),
+                                                   causal=causal, return_lse=True)
+        return out, lse
+    return _serving_kernel(varlen, cache)
+
+
+@pytest.mark.parametrize("name, failing", [
+    ("next_key", {"varlen", "varlen_causal"}),
+    ("top_left", {"varlen_causal"}),
+    ("past_seqlens", {"kvcache_decode", "kvcache_prefill", "kvcache_paged"}),
+    ("page_off_by_one", {"kvcache_paged"}),
+    ("k_new_offset", {"kvcache_decode", "kvcache_prefill", "kvcache_paged"}),
+])
+def test_flash_check_serving_cases_catch_the_issues_mistakes(name, failing):
+    report = _check(_mutant(name), dtypes=("float64",))
+    assert set(report.failed_cases()) == failing, report
