@@ -315,6 +315,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=No
     and merged, in float32, rounded once at the end.
     """
     q = np.asarray(q)
+    flash_lib.tile_schedule(0, 0, 1, 1, causal, window=window)  # checks causal and window
     if q.ndim != 4:
         raise ValueError(f"q must be (B, H, Nq, d), got shape {q.shape}")
     batch, heads, n_q, _ = q.shape

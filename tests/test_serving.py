@@ -369,6 +369,21 @@ def test_garbage_in_unused_slots_changes_nothing():
         np.testing.assert_array_equal(s, outs[0][1])
 
 
+def test_cache_alibi_per_sequence_and_head():
+    """ALiBi slopes of shape (B, H): each sequence's own, over a cache longer than a chunk."""
+    rng = np.random.default_rng(9)
+    seqlens = np.array([700, 1100])
+    slopes = np.array([[0.01, 0.02, 0.04, 0.08], [0.5, 0.25, 0.125, 0.0625]])
+    q, kc, vc, kn, vn = _cache_problem(rng, seqlens, 3, 1, 1200, {})
+    out = fs.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, k_new=kn, v_new=vn,
+                                          alibi_slopes=slopes)
+    for b, n in enumerate(seqlens):
+        k = np.concatenate([kc[b, :, :n], kn[b]], axis=1)
+        v = np.concatenate([vc[b, :, :n], vn[b]], axis=1)
+        ref = flash_lib.naive_attention(q[b], k, v, alibi_slopes=slopes[b])
+        assert flash_lib.rowwise_relative_error(out[b], ref).max() <= BOUND
+
+
 def test_cache_errors():
     rng = np.random.default_rng(0)
     q, kc, vc, kn, vn = _cache_problem(rng, [3, 4], 1, 2, 5, {})
@@ -378,6 +393,8 @@ def test_cache_errors():
     assert np.isnan(kc[0, :, 3:]).all()  # nothing written
     with pytest.raises(ValueError, match="cache_seqlens must hold integers"):
         fs.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=np.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match="window"):
+        fs.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=np.array([1, 2]), window=(-1, 0))
     with pytest.raises(ValueError, match="given together"):
         fs.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=np.array([1, 2]), k_new=kn)
     with pytest.raises(ValueError, match=r"block_table\[0, 0\] = 9"):
