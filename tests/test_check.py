@@ -27,6 +27,9 @@ VARIANTS = flash_check.VARIANTS
 #: The cases that need a variant feature.
 VARIANT_CASES = [name for name, case in flash_check.CASES.items()
                  if set(case.needs) & set(VARIANTS)]
+#: The serving cases (flash_check/serving.py): their kernels take cu_seqlens or a cache.
+SERVING_CASES = [name for name, case in flash_check.CASES.items()
+                 if set(case.needs) & {"varlen", "kvcache", "paged"}]
 
 
 def bugged(bug):
@@ -56,7 +59,7 @@ def test_flash_lib_passes_every_case(blocks):
     report = flash_check.check_kernel(kernel, features=features)
     assert report.ok, str(report)
     skipped = (set() if "memory" in features else {"memory"}) | (
-        set() if variants else set(VARIANT_CASES))
+        set() if variants else set(VARIANT_CASES)) | set(SERVING_CASES)
     assert {s.case for s in report.skipped} == skipped
     assert {r.case for r in report.results} == set(flash_check.CASES) - skipped
 
