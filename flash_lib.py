@@ -436,21 +436,20 @@ def _scores(problem, q, k, q_start, q_stop, k_start, k_stop, out=None, grad=Fals
     ``q``, ``k``: the tile's scaled queries and keys. With ``grad=True`` also returns
     ``dS_capped / dS = 1 - tanh²(S / softcap)`` (None without softcap), which the backward needs.
     """
+    if out is None:  # the whole batch, as the forward's buffer: v, mask may add batch dims
+        out = np.empty(problem.batch + (q_stop - q_start, k_stop - k_start), np.result_type(q, k))
     s = np.matmul(q, np.swapaxes(k, -1, -2), out=out)
     slope = None
     if problem.softcap is not None:
         cap = s.dtype.type(problem.softcap)
-        t = np.tanh(np.divide(s, cap, out=s), out=s)  # t = tanh(s / c)
+        with np.errstate(over="ignore"):  # |s / c| beyond the dtype is ±inf, and tanh(±inf) = ±1
+            t = np.tanh(np.divide(s, cap, out=s), out=s)  # t = tanh(s / c)
         slope = 1 - t * t if grad else None
         np.multiply(t, cap, out=s)  # s ← c·tanh(s / c)
     if problem.alibi is not None:
         i = np.arange(q_start, q_stop)[:, None] + (problem.n_k - problem.n_q)
         distance = np.abs(i - np.arange(k_start, k_stop)[None, :]).astype(s.dtype)
-        bias = -problem.alibi.astype(s.dtype) * distance  # -slope·|i + (Nk - Nq) - j|
-        if np.broadcast_shapes(s.shape, bias.shape) == s.shape:
-            s += bias
-        else:
-            s = s + bias
+        s -= problem.alibi.astype(s.dtype) * distance  # -slope·|i + (Nk - Nq) - j|
     return (s, slope) if grad else s
 
 
@@ -489,16 +488,23 @@ def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=
     dp = dout @ np.swapaxes(v, -1, -2)
     # dS_ij = P_ij ∘ (dP_ij - D_i)
     ds = np.multiply(p, np.subtract(dp, D[..., None], out=dp), out=dp)
-    if allowed is not None:
-        # inf or NaN in V_j made dP NaN at masked pairs too: their dS is 0
-        np.copyto(ds, 0, where=~allowed)
     if slope is not None:
         # through softcap: dS_raw = dS ∘ (1 - tanh²(S_raw / c))
         ds *= slope
+    # inf or NaN in V_j (dP) or K_j, Q_i (the slope) reached masked pairs too: their dS is 0
+    _masked_pairs_zero(ds, allowed)
     # dK_j += dS_ijᵀ Q_i
     dk += matmul(np.swapaxes(ds, -1, -2), q, "q")
     # dQ_i += dS_ij K_j
     return matmul(ds, k, "k")
+
+
+def _masked_pairs_zero(ds, allowed):
+    """The one rule for masked pairs in every backward (flash's tiles, naive's and precise's
+    dense chain): their ``dS`` is exactly 0, set last, after every factor of the chain rule
+    (``dP - D``, softcap's ``1 - tanh²``), whatever inf or NaN those factors held there."""
+    if allowed is not None:
+        np.copyto(ds, 0, where=~allowed)
 
 
 def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False, scale=None,
@@ -553,8 +559,11 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
     D = np.empty(batch + (n_q,), acc)
     for q_start, q_stop in _blocks(n_q, block_q):
         rows = slice(q_start, q_stop)
-        D[..., rows] = np.einsum("...c,...c->...", dout[..., rows, :].astype(acc, copy=False),
-                                 out[..., rows, :].astype(acc, copy=False))
+        dout_rows = dout[..., rows, :].astype(acc, copy=False)
+        D[..., rows] = np.einsum("...c,...c->...", dout_rows, out[..., rows, :].astype(acc, copy=False))
+        # An inf in dO_i makes every allowed dS_ij NaN in the dense chain (dP_ij - rowsum(P ∘ dP)
+        # is inf - inf or NaN there); dO_i·O_i is ±inf instead, and dP_ij - D_i could be ±inf.
+        D[..., rows] = np.where(np.isfinite(dout_rows).all(axis=-1), D[..., rows], np.nan)
     lse = np.where(lse == -np.inf, np.inf, lse).astype(acc, copy=False)
     dq = np.zeros(problem.q.shape, acc)  # the shares Σ_j dS_ij K_j, times τ_q at the end
     dk = np.zeros(problem.k.shape, problem.k.dtype)
@@ -662,8 +671,6 @@ def _dense_softmax(problem, dtype, grad=False):
     allowed = _dense_allowed(problem)
     if allowed is not None:
         s = np.where(allowed, s, -np.inf)
-    if not grad:  # v or mask may carry more batch dims (the backward's dout broadcasts p)
-        s = np.broadcast_to(s, problem.batch + s.shape[-2:])
     m = s.max(axis=-1, initial=-np.inf)
     p = np.exp(s - _reference(m)[..., None])
     return (s, p, m, allowed, slope) if grad else (p, m, allowed)
@@ -728,10 +735,9 @@ def _dense_backward(problem, dout, dtype):
     if allowed is not None:  # what a masked pair's dP holds must not reach rowsum(P ∘ dP)
         dp = np.where(allowed, dp, 0)
     ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
-    if allowed is not None:
-        ds = np.where(allowed, ds, 0)
     if slope is not None:  # the chain rule through softcap
         ds = ds * slope
+    _masked_pairs_zero(ds, allowed)
 
     def matmul(a, b, allowed_for_a, name, x):
         bad = None if allowed is None else problem.nonfinite_rows(name, 0, x.shape[-2], x)
