@@ -271,7 +271,7 @@ def as_float64(name, value, what):
             return math.inf if value > 0 else -math.inf
 
 
-def checked_real(name, value, acc, *, what, limit=None):
+def checked_real(name, value, acc, *, what, limit=None, limit_why=""):
     """The one check of a scalar parameter (``scale``, ``softcap``, each ALiBi slope) against
     the compute dtype ``acc``: a positive number that ``acc`` holds as a normal number, at most
     ``limit`` (default ``finfo(acc).max``); returned as a float64. Any ``numbers.Real`` (int,
@@ -284,9 +284,10 @@ def checked_real(name, value, acc, *, what, limit=None):
     low, high = float(info.tiny), float(info.max) if limit is None else limit
     if not low <= as_float <= high:
         shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:12]}... (huge)"
+        where = (f"the normal range of the compute dtype {acc}" if limit is None else
+                 f"the range where the compute dtype {acc} holds it{limit_why}")
         raise ValueError(
-            f"{name} = {shown} is outside the normal range of the compute dtype {acc} "
-            f"[{low:.4g}, {high:.4g}]: in {acc} it "
+            f"{name} = {shown} is outside {where} [{low:.4g}, {high:.4g}]: in {acc} it "
             f"{'overflows' if as_float > 1 else 'vanishes'}"
         )
     return as_float
@@ -470,10 +471,11 @@ def checked_alibi(slopes, batch, groups, acc, n_q, n_k):
     # A slope of 0 is no bias; any other must be normal in acc, and its largest bias finite
     # (an infinite one gives inf - inf or 0 · inf, NaN, where a distance is 0).
     limit = float(np.finfo(acc).max) / max(1, n_q - 1, n_k - 1)
-    nonzero = np.abs(slopes[slopes != 0])
-    for slope in (nonzero.min(), nonzero.max()) if nonzero.size else ():
-        checked_real(f"each of alibi_slopes (with Nq = {n_q}, Nk = {n_k})", float(slope), acc,
-                     what="finite", limit=limit)
+    nonzero = slopes[slopes != 0]
+    extremes = (nonzero[np.abs(nonzero).argmin()], nonzero[np.abs(nonzero).argmax()])
+    for slope in extremes if nonzero.size else ():  # the smallest and the largest in size
+        checked_real("each of alibi_slopes", abs(float(slope)), acc, what="finite", limit=limit,
+                     limit_why=f" as slope · distance, distance up to {max(1, n_q - 1, n_k - 1)}")
     slopes = slopes[..., None, None]  # broadcasts against a tile's (rows, keys)
     return split_heads(slopes, -3, groups) if groups else slopes
 
