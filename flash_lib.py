@@ -35,6 +35,8 @@ Contracts, the same in every kernel here (README.md and the chapters say why and
 * The scale ``τ = r·2^e`` is applied as ``q · r·2^a`` and ``k · 2^b``, ``a + b = e``, ``b = trunc(e/2)``.
 * Threads (:func:`threads`, ``FLASH_LIB_THREADS``) and BLAS held at one thread: the same bits
   on any number of threads, from any calling thread; Ctrl-C stops a call within about a tile.
+* The same bits in any memory layout: an input not in C order is copied to it once per call
+  (axes broadcast with stride 0 stay views), since BLAS and NumPy pick kernels by strides.
 * float16 and bfloat16 (``ml_dtypes``) compute in float32; without ml_dtypes bfloat16 is refused.
 
 Beside this file, private to it (copy them with it): ``_flash_inputs.py`` (the checks),
@@ -207,8 +209,9 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
     causal : bool
         Also forbid key ``j`` for query ``i`` unless ``j <= i + (Nk - Nq)`` (bottom-right).
     scale : float, optional
-        τ, multiplies the scores; default ``1 / sqrt(d)``. Must be a normal number of the
-        compute dtype (float32 for half-precision inputs).
+        τ, multiplies the scores; default ``1 / sqrt(d)``. Any real number (int, Fraction,
+        NumPy scalar) that is a positive normal number of the compute dtype (float32 for
+        half-precision inputs); ``softcap`` and the ALiBi slopes are checked the same way.
     block_q, block_k : int
         Tile size: queries per block and keys per block. The last blocks may be partial.
     return_lse : bool
@@ -220,10 +223,12 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
         masks. Tiles outside the band are never computed: the cost grows as N·(left + right).
     softcap : float > 0, optional
         ``s ← softcap · tanh(s / softcap)`` on the scaled scores, before the bias and the masks
-        (FlashAttention, Gemma 2).
+        (FlashAttention, Gemma 2). A normal number of the compute dtype.
     alibi_slopes : array, optional
         Broadcastable to the leading (batch, head) dims, e.g. ``(H,)`` or ``(B, H)``: adds
-        ``-slope · |i + (Nk - Nq) - j|`` to the (capped) scores, FlashAttention's ALiBi.
+        ``-slope · |i + (Nk - Nq) - j|`` to the (capped) scores, FlashAttention's ALiBi. Each
+        nonzero slope normal in the compute dtype, and its bias at distance
+        ``max(Nq, Nk) - 1`` finite there.
     enable_gqa : bool
         Grouped-query attention, as PyTorch SDPA's ``enable_gqa``: axis -3 of ``q`` holds ``Hq``
         heads, of ``k`` and ``v`` ``Hkv`` heads dividing ``Hq``; query head ``h`` attends kv
@@ -547,8 +552,11 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
     so ``P = 0`` exactly: their ``dq`` row is exactly 0 and they add nothing to ``dk``, ``dv``.
     A key no row attends gets ``dk = dv = 0`` exactly. Non-finite values follow the forward's
     rule: an inf or NaN in ``q``, ``k``, ``v`` or ``dout`` reaches only the pairs allowed to
-    meet it; a NaN in row ``i`` of ``q`` makes row ``i`` of ``dq`` NaN, and, through ``P_ij``,
-    the ``dk``, ``dv`` rows of the keys row ``i`` attends (what IEEE arithmetic gives).
+    meet it (softcap's ``1 - tanh²`` included: a masked pair's ``dS`` is 0, set last); a NaN in
+    row ``i`` of ``q`` makes row ``i`` of ``dq`` NaN, and, through ``P_ij``, the ``dk``, ``dv``
+    rows of the keys row ``i`` attends (what IEEE arithmetic gives). An inf in row ``i`` of
+    ``dout`` does the same to ``dq`` and ``dk`` (``D_i`` is NaN, as the dense chain's
+    ``dP_ij - rowsum(P ∘ dP)`` is at every allowed pair), and gives ``dv`` IEEE's ``Pᵀ dO``.
     """
     problem = _problem(locals())
     block_q = _inputs.int_at_least("block_q", block_q, 1)
