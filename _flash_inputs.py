@@ -278,16 +278,16 @@ def checked_real(name, value, acc, *, what, limit=None, limit_why=""):
     Fraction, NumPy scalar, longdouble) is accepted; the error names the argument, its value
     and the range, so that nothing the kernels compute from it overflows or vanishes."""
     as_float = as_float64(name, value, what)
-    if not as_float > 0 or value == math.inf:  # NaN, <= 0, inf (not a huge finite number)
+    # the value itself, not its float64 (a longdouble 1e-4000 is positive, and too small)
+    if not value > 0 or value == math.inf:  # NaN, <= 0, inf (not a huge finite number)
         raise ValueError(f"{name} must be {what}, got {value!r}")
     info = np.finfo(acc)
     low, high = float(info.tiny), float(info.max) if limit is None else limit
     if not low <= as_float <= high:
-        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:12]}... (huge)"
         where = (f"the normal range of the compute dtype {acc}" if limit is None else
                  f"the range where the compute dtype {acc} holds it{limit_why}")
         raise ValueError(
-            f"{name} = {shown} is outside {where} [{low:.4g}, {high:.4g}]: in {acc} it "
+            f"{name} = {value!r} is outside {where} [{low:.4g}, {high:.4g}]: in {acc} it "
             f"{'overflows' if as_float > 1 else 'vanishes'}"
         )
     return as_float
