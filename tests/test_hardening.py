@@ -424,7 +424,7 @@ TOLERANCE = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5,
 
 
 @given(**FUZZ)
-@settings(max_examples=250)
+@settings(max_examples=600)
 def test_fuzz_flash_agrees_with_naive_and_with_itself_in_every_layout(
         n_q, n_k, block_q, block_k, causal, window, softcap, alibi, gqa, masking, dv, extra,
         dtype, layout, inject, poison, data):
