@@ -428,12 +428,39 @@ def _split(result, want_lse):
         if not isinstance(result, (tuple, list)) or len(result) != 2:
             return None, None, (f"returned {type(result).__name__}, expected (out, lse) because "
                                 f"'lse' is among the features")
-        out, lse = result
-        return np.asarray(out), np.asarray(lse), None
-    if isinstance(result, (tuple, list)):
+        arrays = dict(out=result[0], lse=result[1])
+    elif isinstance(result, (tuple, list)):
         return None, None, (f"returned a {type(result).__name__} of {len(result)}, expected out "
                             f"alone ('lse' is not among the features)")
-    return np.asarray(result), None, None
+    else:
+        arrays = dict(out=result)
+    for name, x in arrays.items():
+        try:  # a torch tensor that requires grad, a foreign object: a finding, not a crash
+            arrays[name] = x = np.asarray(x)
+        except Exception as exc:
+            return None, None, (f"{name} is a {type(x).__name__} that NumPy cannot read "
+                                f"({type(exc).__name__}: {' '.join(str(exc).split())[:100]}); "
+                                f"return a NumPy array (a torch tensor: .detach().numpy())")
+        if not _real_float(x.dtype):
+            return None, None, (f"{name} has dtype {x.dtype}, expected a real floating-point "
+                                f"dtype (float16, bfloat16, float32, float64 or wider)")
+    return arrays["out"], arrays.get("lse"), None
+
+
+def _real_float(dtype):
+    """float16 to longdouble, or ml_dtypes' bfloat16 (whose kind NumPy reports as 'V')."""
+    return dtype.kind == "f" or dtype.name == "bfloat16"
+
+
+def _crashed(ctx, exc, during):
+    """A Result holding one Failure for an exception raised while checking the kernel."""
+    result = Result(ctx.case.name, ctx.dtype)
+    message = " ".join(str(exc).split())
+    ctx.fail(result, "crashed", f"{type(exc).__name__}: {message[:160]}", "a result to check",
+             f"{during} raised: the kernel returned or did something the checks cannot read "
+             f"(an array of objects, a tensor that requires grad, an exception inside the "
+             f"case's own run)")
+    return result
 
 
 def _accuracy(ctx):
@@ -463,6 +490,9 @@ def _accuracy(ctx):
         ctx.fail(result, "inputs", "q, k or v changed during the call", "inputs untouched",
                  "the kernel writes into its inputs (an in-place scale or mask?)")
     out, lse, problem = _split(returned, want_lse)
+    if problem is not None and problem.startswith(("out has dtype", "lse has dtype")):
+        ctx.fail(result, "dtype", problem, "a real float dtype", problem)
+        return result
     if problem is None and out.shape != ref.out.shape:
         problem = f"out has shape {out.shape}, expected {ref.out.shape}"
     if problem is None and want_lse and lse.shape != ref.lse.shape:
@@ -641,8 +671,11 @@ def check_kernel(fn, *, features=DEFAULT_FEATURES, dtypes=DTYPES, lse_empty=-np.
             run_dtypes = ["float32" if "float32" in run_dtypes else run_dtypes[0]]
         for dtype in run_dtypes:
             ctx = _Context(fn, case, dtype, features, lse_empty, int(seed), done)
-            with np.errstate(all="ignore"):  # the diagnoses handle non-finite output on purpose
-                result = (case.run or _accuracy)(ctx)
+            try:
+                with np.errstate(all="ignore"):  # the diagnoses handle non-finite output
+                    result = (case.run or _accuracy)(ctx)
+            except Exception as exc:  # every kernel call and check: a Failure, never a crash
+                result = _crashed(ctx, exc, f"case {case.name!r} ({dtype})")
             done[case.name, dtype] = result
             results.append(result)
     return Report(_kernel_name(fn), features, dtypes, lse_empty, results, skipped)
