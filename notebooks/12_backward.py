@@ -19,20 +19,10 @@
 # of the algorithm, and it is where the memory saving matters most: the textbook backward needs
 # the softmax matrix $P$, $N_q \times N_k$ numbers per head per layer, kept from the forward
 # pass until the backward pass uses it. FlashAttention keeps only the output $O$ and one number
-# per row, the lse, and recomputes $P$ tile by tile. In this chapter:
-#
-# - for one row we derive the softmax's Jacobian-vector product
-#   $dS_j = P_j\,(dP_j - \sum_k P_k\, dP_k)$ and show that $\sum_k P_k\, dP_k = dO \cdot O$: the
-#   backward's $D$ needs only the output, never $P$; then $dV$, $dQ$, $dK$, with the scale;
-# - why the forward saves the lse: $P_{ij} = e^{S_{ij} - \text{lse}_i}$ in one exp, with no max
-#   and no sum, and a tile can do it without seeing the rest of its row;
-# - FlashAttention-2's tile loop, from `flash_lib` itself: key blocks outside, $dK_j$ and $dV_j$
-#   resident, $dQ$'s shares added in key-block order so that the bits do not depend on threads;
-# - the empty row: $e^{-\infty - (-\infty)}$ is NaN, and the guard (FlashAttention 2's $+\infty$
-#   lse) that makes its gradient exactly 0.
-#
-# Chapter 13 then writes the backward from scratch and counts what it costs: its flops, its bytes,
-# its memory; it checks the gradient by finite differences and trains with it.
+# per row, the lse, and recomputes $P$ tile by tile. This chapter derives the gradients and the
+# backward's $D$ from the output alone, rebuilds $P$ from the lse, reads FlashAttention-2's tile
+# loop in `flash_lib`, and handles the empty row. Chapter 13 writes the backward from scratch and
+# counts its cost.
 
 # %%
 import inspect
@@ -291,23 +281,18 @@ plt.show()
 print(inspect.getsource(flash_lib.attention_backward_tile))
 
 # %% [markdown]
-# `q` and `k` arrive already scaled, $\tau$ split between them (appendix 22), so `q @ kᵀ` is
-# the forward's $S_{ij}$ bit for bit; the factors are applied once per block afterwards: `dk`
-# lacks $k$'s share of $\tau$ until its key block is done, and the returned share of $dQ_i$ lacks
-# $q$'s share until all of $dQ$ is summed. The `matmul` argument and the `np.copyto` lines keep an inf or NaN at a masked
-# pair out of the sums (the module docstring's "masked keys never leak" contract, chapter 6).
-# `scores` is for the score variants (soft-capping, ALiBi: `flash_lib`'s docstring); without
-# them $S_{ij}$ is `q @ kᵀ` and softcap's extra factor `slope` is None.
+# `q` and `k` arrive already scaled (appendix 22), so `q @ kᵀ` is the forward's $S_{ij}$ bit for
+# bit; what is left of $\tau$ is applied once per block afterwards. The `matmul` argument and the
+# `np.copyto` lines keep an inf or NaN at a masked pair out of the sums (chapter 6); `scores` is
+# for the score variants (chapter 14).
 #
 # Around it, `flash_attention_backward` runs key blocks on workers. Each worker keeps its
 # $dK_j$, $dV_j$ and walks the query blocks in order; the shares of $dQ_i$ are added in
 # key-block order, each worker waiting for its turn on $dQ_i$. Floating-point addition is not
 # associative, so atomic adds in finishing order would make $dQ$'s last bits depend on timing;
 # in key-block order they do not depend on how many threads ran or which finished first.
-# FlashAttention's deterministic mode does the same on a GPU: in FlashAttention 3's
-# `hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp` (`store_dq`, commit `0105a8f`), key block
-# `n_block` waits on a per-query-block semaphore until it reads `n_block`
-# (`Barrier::wait_eq`), adds its share, then increments it (`Barrier::arrive_inc`).
+# FlashAttention 3's deterministic mode does the same on a GPU, with a semaphore per query block
+# (`store_dq` in `hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp`, commit `0105a8f`).
 #
 # The picture shows one worker's traffic, for key block $j = 1$ of a causal problem with
 # $N = 16$ and 4 × 4 tiles: what it reads, what it writes, and the tiles it computes. Which
@@ -391,13 +376,12 @@ plt.show()
 print("query blocks key block 1 visits:", visited_rows)
 
 # %% [markdown]
-# The query block above the diagonal is skipped: no row of it may see key block 1. The backward
-# computes exactly the forward's tiles, each once. With no mask, that loop is short enough to write out around the
-# real tile function. The cell does so, single-threaded (BLAS on one thread too, as
-# `flash_lib` holds it: a matmul split over more threads rounds differently), with $D$ from
-# $O$ per query block, the shares of each $dQ_i$ added in key-block order, and $\tau = 1/8$ on
-# the queries (a power of two: the same bits as flash_lib's split), and compares it bit for bit with `flash_attention_backward`. Then it
-# adds the same shares in the reverse order, to see whether the order matters to the bits.
+# The query block above the diagonal is skipped; the backward computes exactly the forward's
+# tiles, each once. With no mask, that loop is short enough to write out around the real tile
+# function: one worker, BLAS on one thread (as `flash_lib` holds it), $D$ from $O$, $dQ_i$'s
+# shares added in key-block order, $\tau = 1/8$ on the queries (a power of two: flash_lib's
+# bits). It is compared bit for bit with `flash_attention_backward`, then run with the shares
+# added in reverse order.
 
 # %%
 def backward_loop(q, k, v, out, lse, dout, block_q, block_k, D=None, reverse_dq=False):
@@ -467,19 +451,16 @@ print("dq, dk, dv bit-identical on 1, 2 and 4 workers:", threads_identical)
 # $$P_{ij} = e^{S_{ij} - \text{lse}_i} = e^{-\infty - (-\infty)} = e^{\text{NaN}} = \text{NaN},$$
 #
 # and the NaN spreads through $dV_j \mathrel{+}= P_{ij}^\top dO_i$ into every key's $dv$, and
-# through $dS_{ij} = P_{ij} \circ (dP_{ij} - D_i)$ into $dQ_i$ and every $dK_j$ (unless, as
-# `attention_backward_tile` does for masked garbage, $dS$ is zeroed at masked pairs: then it is
-# $dv$ that shows it). NaN gradients from fully masked rows are a long-standing bug report
-# against textbook attention (pytorch/pytorch#41508, `nn.MultiheadAttention`, open since 2020). The guard in `flash_attention_backward`: replace an lse of $-\infty$ by $+\infty$ before
-# the tile loop. Then $e^{S_{ij} - \infty} = 0$ for every score the row could hold, finite or
-# $-\infty$: the row's weights are exactly 0, its $dS$ is 0, its $dq$ row is exactly 0, and it
-# adds nothing to $dk$, $dv$. $+\infty$ is exactly what FlashAttention 2 stores as such a row's
-# lse (`normalize_softmax_lse` in `csrc/flash_attn/src/softmax.h`: `Split ? -INFINITY :
-# INFINITY`, $-\infty$ only for split-KV partials), so its backward needs no guard. FlashAttention
-# 3 stores $-\infty$ (`finalize` in `hopper/softmax.h`, commit `2291ed1`) and maps it to 0 before
-# its backward (`lse == -INFINITY ? 0.f : lse * float(M_LOG2E)` in
-# `hopper/flash_bwd_preprocess_kernel.h`, commit `13a724d`): any finite value works there too,
-# because every score of an empty row is $-\infty$.
+# through $dS_{ij}$ into $dQ_i$ and every $dK_j$ (`attention_backward_tile` zeroes $dS$ at masked
+# pairs, so there only $dv$ shows it; pytorch/pytorch#41508 reports such NaN gradients). The guard in `flash_attention_backward`: replace an lse
+# of $-\infty$ by $+\infty$ before the tile loop. Then $e^{S_{ij} - \infty} = 0$ for every score
+# the row could hold: its weights, its $dS$ and its $dq$ row are exactly 0, and it adds nothing
+# to $dk$, $dv$. $+\infty$ is what FlashAttention 2 stores as such a row's lse
+# (`normalize_softmax_lse` in `csrc/flash_attn/src/softmax.h`: `Split ? -INFINITY :
+# INFINITY`, $-\infty$ only for split-KV partials), so its backward needs no guard; FlashAttention
+# 3 stores $-\infty$ and maps it to 0 before its backward
+# (`hopper/flash_bwd_preprocess_kernel.h`, commit `13a724d`), which works too, since every score
+# of an empty row is $-\infty$.
 #
 # The cell shows the NaN (NumPy's "invalid value" warning silenced for these lines), then runs
 # the real tile function on one tile covering a masked problem whose row 3 is empty, with the raw
@@ -531,20 +512,13 @@ print("flash_attention_backward: dq row 3 exactly 0:", empty_row_zero,
 # %% [markdown]
 # ## What we showed
 #
-# - For one row, the softmax's Jacobian-vector product is $dS_j = P_j(dP_j - D)$ with
-#   $D = \sum_k P_k\, dP_k = dO \cdot o$: computed from the output alone, it matches the explicit
-#   Jacobian to rounding. With $dV = P^\top dO$, $dP = dO\, V^\top$, $dQ = \tau\, dS\, K$ and
-#   $dK = \tau\, dS^\top Q$, the dense formulas agree with `naive_attention_backward` and
-#   `flash_attention_backward` to rounding, below $10^{-14}$ ($dV$ with naive's bit for bit).
-# - $P_{ij} = e^{S_{ij} - \text{lse}_i}$, one exp with no max and no sum, reproduces the textbook
-#   softmax to rounding; no exponent is positive.
-# - `attention_backward_tile` is the tile math; a loop of key blocks outside, query blocks inside,
-#   around it reproduces `flash_attention_backward` bit for bit, visiting the forward's tiles each
-#   once. Adding $dQ$'s shares in another order changes the last bits, which is why flash adds
-#   them in key-block order; its gradients are bit-identical on 1, 2 and 4 workers.
-# - An empty row's raw lse of $-\infty$ makes the tile's weights NaN; the guard ($+\infty$, as
-#   FlashAttention 2 stores it) makes its $dq$ row exactly 0, adds nothing to $dk$, $dv$, and
-#   raises no floating-point warning.
+# - $dS = P \circ (dP - D)$ with $D = \operatorname{rowsum}(dO \circ O)$, from the output alone;
+#   with $dV = P^\top dO$, $dQ = \tau\, dS\, K$, $dK = \tau\, dS^\top Q$ the dense formulas
+#   agree with naive and flash to below $10^{-14}$.
+# - $P_{ij} = e^{S_{ij} - \text{lse}_i}$ rebuilds the softmax in one exp per score.
+# - A key-blocks-outside loop around `attention_backward_tile` is `flash_attention_backward` bit
+#   for bit; $dQ$'s shares are added in key-block order, so threads do not change the bits.
+# - The $+\infty$ lse guard makes an empty row's gradient exactly 0, with no warning.
 
 # %%
 # one row: D from O equals D from P; P ∘ (dP - D) equals the explicit Jacobian's product

@@ -16,22 +16,9 @@
 # # 13. The backward's cost, and writing it yourself
 #
 # Chapter 12 derived the backward and read it in `flash_lib`. This chapter writes it from
-# scratch and counts what it costs. In this chapter:
-#
-# - FlashAttention-2's backward as a NumPy tile loop of about twenty lines, using nothing from
-#   `flash_lib`, checked against `flash_lib.flash_attention_backward`; and the same loop with $D$
-#   omitted, which the check catches;
-# - its flops, counted in the loop: five matrix products per tile against the forward's two,
-#   2.5 times the forward's flops, and what causal masking saves;
-# - why the backward recomputes $P$ instead of reading it back (FlashAttention's
-#   recompute-versus-IO argument), and its bytes, counted from the loop's tiles in chapter 9's
-#   model: $\Theta(N^2 d^2 / M)$, Theorem 5 of arXiv 2205.14135;
-# - what training keeps for the backward, $P$ against $O$ and lse, and what each backward holds
-#   while it runs, measured against $N$;
-# - the gradient checked by finite differences: the error against the step $\varepsilon$ is a V
-#   whose sides have the slopes the theory predicts, and the analytic gradient sits at its bottom;
-# - a small training loop that learns, through `flash_attention_backward`, which key each query
-#   should retrieve, its gradients checked against the dense ones at every step.
+# scratch, checks it (and that the check catches a forgotten $D$), counts its flops and bytes
+# against the forward's, measures its memory, checks the gradient by finite differences, and
+# trains with it.
 
 # %%
 import os
@@ -200,10 +187,9 @@ print(f"causal / full: {cost[True][0] / cost[False][0]:.4f} = (n+1)/2n for n = {
 #   $dV = P^\top dO$ reads $P$; $dP = dO V^\top$ writes $dP$; $dS = P \circ (dP - D)$ reads $P$,
 #   $dP$ and writes $dS$; $dQ = \tau dS K$ and $dK = \tau dS^\top Q$ each read $dS$: $7N^2$
 #   elements, plus $8Nd$ for the $N \times d$ inputs and outputs (and $D$);
-# - flash, the loop above: per key block, $K_j, V_j$ loaded and $dK_j, dV_j$ stored once; per
-#   tile, $Q_i$ and $dO_i$ loaded, $dQ_i$ loaded and stored, and $\text{lse}_i$, $D_i$ (float32);
-#   plus the pass for $D$ (read $O$, $dO$; write $D$). That is about $4 N^2 d / b_k$ elements:
-#   twice the forward's $2N^2 d / b_q$, and $\Theta(N^2 d^2 / M)$ for an SRAM of $M$ bytes, since
+# - flash, the loop above: per key block, $K_j, V_j$ in and $dK_j, dV_j$ out once; per tile,
+#   $Q_i$, $dO_i$, $\text{lse}_i$, $D_i$ in and $dQ_i$ in and out; plus the pass for $D$. About
+#   $4 N^2 d / b_k$ elements, twice the forward's $2N^2 d / b_q$: $\Theta(N^2 d^2 / M)$, since
 #   $b_k$ can grow as $M/d$.
 #
 # Theorem 5 of arXiv 2205.14135: for $d \le M \le Nd$, the standard backward requires
@@ -544,28 +530,14 @@ plt.show()
 #
 # ## What we showed
 #
-# - FlashAttention-2's backward fits in a twenty-line NumPy loop of key blocks outside and query
-#   blocks inside, with nothing from `flash_lib`; it matches `flash_attention_backward` to
-#   rounding, with and without the causal mask. Omit $D$ and the same check fails by orders of
-#   magnitude.
-# - Counted in the loop, the backward does five matrix products per tile to the forward's two:
-#   $2 b_q b_k (3d + 2d_v)$ flops against $2 b_q b_k (d + d_v)$, 2.5 times the forward at
-#   $d_v = d$; causal masking computes $n(n+1)/2$ of $n^2$ tiles, $(n+1)/2n$ of the flops.
-# - Recomputing $P$ costs $2d$ flops per score, reading it back 2 bytes: in chapter 9's A100
-#   model, reading $P$ once takes 2.4 times as long as recomputing it at $d = 64$. Counted from
-#   the loop's tiles, flash's backward moves $4N^2 d/b_k$ elements to the textbook's $7N^2$
-#   (about 3.5 times fewer at 128-wide tiles), about twice the forward's bytes: $\Theta(N^2 d^2 / M)$,
-#   Theorem 5 of arXiv 2205.14135.
-# - Training keeps $O$ and the lse for flash, $N(d_v + 1)$ numbers, against $P$'s $N^2$ for the
-#   textbook backward; measured during the backward, naive holds about four $N \times N$ arrays
-#   (slope 2), flash one set of tiles, flat in $N$, plus 8 bytes per row.
-# - Central differences: the error against $\varepsilon$ is a V with fitted slopes $-1$
-#   (rounding) and 2 (truncation), bottoming out near the step the two fitted sides predict, at
-#   $\varepsilon \approx u^{1/3}$; the analytic gradient agrees there to $10^{-9}$ or better,
-#   while the backward without $D$ never gets below order 1.
-# - Gradient descent through `flash_attention_backward` learns the retrieval task, every query
-#   on its target key, with gradients equal to the dense oracle's to below $10^{-13}$ at every
-#   step.
+# - The backward from scratch matches `flash_attention_backward` to rounding; with $D$ omitted
+#   the same check fails by order 1.
+# - It does 2.5 times the forward's flops (five matrix products per tile to two); causal computes
+#   $(n+1)/2n$ of them.
+# - Recomputing $P$ beats reading it back; the backward moves about $4N^2 d/b_k$ elements, twice
+#   the forward's, against the textbook's $7N^2$: $\Theta(N^2 d^2/M)$, Theorem 5.
+# - Flash keeps $N(d_v + 1)$ numbers for the backward against $N^2$, and its scratch is flat in
+#   $N$; central differences confirm the gradient; training with it learns the task.
 
 # %%
 # the loop from scratch: flash_lib's gradients to rounding (ROUNDING = 1e-14: at most 2e-15
