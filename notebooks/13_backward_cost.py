@@ -100,8 +100,9 @@ def backward_from_scratch(q, k, v, out, lse, dout, *, causal=False, block_q=16, 
 
 # %% [markdown]
 # The check: against `flash_lib.flash_attention_backward` on a problem the blocks do not divide
-# ($N_q = 100$, $N_k = 150$, $d = 24$, 32 × 48 tiles, so $\tau$ is not a power of two and
-# flash_lib places it differently, appendix 22), with and without the causal mask. They agree to
+# ($N_q = 150$, $N_k = 100$, $d = 24$, 32 × 48 tiles; $\tau$ is not a power of two, and
+# flash_lib places it differently, appendix 22), without and with the causal mask, which leaves
+# the first 50 rows empty (bottom-right alignment), so that the guard is tested too. They agree to
 # rounding, not bit for bit: the operations differ in order. Then the same check on the loop
 # with $D$ omitted, the classic slip of a backward written from the Jacobian's first term alone:
 # the check must fail, and it does, by a margin no rounding could close.
@@ -112,15 +113,15 @@ def check_backward(backward, q, k, v, dout, causal):
     out, lse = flash_lib.flash_attention(q, k, v, causal=causal, return_lse=True)
     ref = flash_lib.flash_attention_backward(q, k, v, out, lse, dout, causal=causal)
     mine = backward(q, k, v, out, lse, dout, causal=causal, block_q=32, block_k=48)
-    return max(rel_diff(a, b) for a, b in zip(mine, ref))
+    return float(np.max([rel_diff(a, b) for a, b in zip(mine, ref)]))  # np.max keeps a NaN
 
 
 def backward_without_D(*args, **kwargs):
     return backward_from_scratch(*args, omit_D=True, **kwargs)
 
 
-q, k, v, dout = (rng.standard_normal(shape) for shape in ((100, 24), (150, 24), (150, 16),
-                                                          (100, 16)))
+q, k, v, dout = (rng.standard_normal(shape) for shape in ((150, 24), (100, 24), (100, 16),
+                                                          (150, 16)))
 scratch_check, no_D_check = {}, {}
 for causal in (False, True):
     scratch_check[causal] = check_backward(backward_from_scratch, q, k, v, dout, causal)
