@@ -13,28 +13,18 @@
 # ---
 
 # %% [markdown]
-# # 14. Attention variants in one kernel
+# # 14. Attention variants: window, softcap, ALiBi
 #
 # Production attention kernels take more than a boolean mask: a sliding window, a soft cap on
 # the scores, ALiBi's distance penalty, grouped-query heads, and lately any mask written as a
 # function. Each of them is one line in the score or in the mask, plus, for the masks, a rule
-# for which tiles need not be computed at all. In this chapter:
-#
-# - where each variant sits in the computation of a score, in FlashAttention's order;
-# - every mask as a tile map, causal, sliding window, document, prefix-LM and dilated, drawn from
-#   `flash_lib.tile_schedule`, the list of tiles the kernel multiplies; and the cost of a
-#   sliding window, which grows as $N \cdot$ `left`, not $N^2$;
-# - softcap, $s \leftarrow c \tanh(s / c)$: its derivative, why it must come before the mask,
-#   what it does to the scores and to their gradient;
-# - ALiBi's bias as a picture, and why attention-gym's form of it is the same under causal
-#   masking;
-# - grouped-query attention: which kv head a query head reads, and the memory it saves;
-# - how all this maps onto FlexAttention's `score_mod`, `mask_mod` and `BlockMask`, tested
-#   against PyTorch when it is installed.
+# for which tiles need not be computed at all. This chapter places each variant in the
+# computation of a score, then takes the window (and its cost), softcap (and its gradient) and
+# ALiBi; chapter 15 adds grouped-query heads and masks written as functions.
 #
 # Every variant is checked twice: `flash_attention` against `naive_attention` with the same
 # keywords, and `naive_attention` against a dense construction written out in this chapter from
-# the formulas, so that the oracle itself is pinned.
+# the formulas, in its own order of operations, so that the oracle itself is pinned.
 #
 # **Sources.** FlashAttention's conventions are quoted from Dao-AILab/flash-attention, read at
 # commit `0251105a`: the docstrings of `flash_attn_func` in `flash_attn/flash_attn_interface.py`,
@@ -98,7 +88,8 @@ rng = np.random.default_rng(13)
 
 def dense_attention(q, k, v, *, scale, allowed=None, bias=None, softcap=None):
     """The four steps for the whole score matrix: scale, cap, add the bias, mask; a softmax
-    whose empty rows are 0. Written from the formulas, independently of flash_lib."""
+    whose empty rows are 0. Written from the formulas, independently of flash_lib, and in
+    another order: P is normalised before it meets V (naive divides P V by the row sums)."""
     s = scale * (q @ np.swapaxes(k, -1, -2))
     if softcap is not None:
         s = softcap * np.tanh(s / softcap)
@@ -109,7 +100,7 @@ def dense_attention(q, k, v, *, scale, allowed=None, bias=None, softcap=None):
     m = s.max(axis=-1, keepdims=True)
     p = np.exp(s - np.where(np.isfinite(m), m, 0))
     l = p.sum(axis=-1, keepdims=True)
-    return (p @ v) / np.where(l == 0, 1, l)
+    return (p / np.where(l == 0, 1, l)) @ v
 
 
 def worst(a, b):
@@ -125,10 +116,9 @@ ROUNDING = 1e-14
 
 
 def magnitude(x, limit=ROUNDING):
-    """A stable way to print an error: exactly 0, or the stated limit it is under (its last
-    digits are the CPU's rounding, so they are not printed), or, for a real error, the number."""
-    if x == 0:
-        return "0 (bit for bit)"
+    """A stable way to print an error: the stated limit it is under (its last digits, and
+    whether it is exactly 0, are the CPU's rounding, so they are not printed), or, for a real
+    error, the number."""
     return f"< {limit:.0e}" if x < limit else f"{x:.1e} (not < {limit:.0e})"
 
 
@@ -147,9 +137,9 @@ def check(name, q, k, v, dense_out, block_q=16, block_k=16, **keywords):
 # %% [markdown]
 # ## The masks, as tile maps
 #
-# Four ways to say which keys a query may see, ANDed together: the boolean `mask` array,
-# `causal`, `window=(left, right)` and `mask_mod`. The window is FlashAttention's
-# `window_size`: "Query at position i will only attend to keys between
+# Three ways to say which keys a query may see, ANDed together: the boolean `mask` array,
+# `causal` and `window=(left, right)` (chapter 15 adds a fourth, `mask_mod`). The window is
+# FlashAttention's `window_size`: "Query at position i will only attend to keys between
 # [i + seqlen_k - seqlen_q - window_size[0], i + seqlen_k - seqlen_q + window_size[1]]
 # inclusive" (the docstring of `flash_attn_func`), with $-1$ for an unbounded side, which
 # flash_lib writes `None`. Causal is the window $(\infty, 0)$; FlashAttention's own reference
@@ -157,44 +147,25 @@ def check(name, q, k, v, dense_out, block_q=16, block_k=16, **keywords):
 #
 # The band that `causal` and `window` cut out is a diagonal strip, so a tile's two extreme
 # corners decide whether it holds an allowed pair (chapter 6's argument, with a second edge): the
-# kernel skips the tiles outside the strip without looking at them. `mask_mod(q_idx, k_idx)` is
-# FlexAttention's `mask_mod` in NumPy form: it gets a tile's global positions as integer arrays
-# of shapes `(tile_q, 1)` and `(1, tile_k)` and returns which pairs are allowed; a tile where it
-# allows nothing is never multiplied. It can say what a band cannot, and OR what `causal` would
-# AND. Five masks over $N = 64$ tokens with 8 × 8 tiles:
+# kernel skips the tiles outside the strip without looking at them. Two masks over $N = 64$
+# tokens with 8 × 8 tiles:
 #
 # - **causal**: $j \le i$;
 # - **sliding window**, `window=(12, 0)`: $i - 12 \le j \le i$, attention-gym's
-#   `generate_sliding_window(12)` (`q_idx - kv_idx <= 12` ANDed with causal);
-# - **document** masking, causal within each of four packed documents: `mask_mod` is
-#   `doc[q_idx] == doc[k_idx]` (attention-gym's `generate_doc_mask_mod`), with `causal=True`;
-# - **prefix-LM**: the first 20 tokens see each other, the rest is causal, attention-gym's
-#   `or_masks(kv_idx < prefix_length, causal_mask)`. An OR, so all of it is in `mask_mod`;
-# - **dilated** window: $|i - j| \le 16$ and $|i - j|$ divisible by 4 (attention-gym's
-#   `generate_dilated_sliding_window(16, 4)`): `window=(16, 16)` for the band and `mask_mod` for
-#   the dilation.
+#   `generate_sliding_window(12)` (`q_idx - kv_idx <= 12` ANDed with causal).
 #
-# Each mask is also written out as a dense boolean matrix from its definition. The drawing
-# shows that matrix (shaded pairs) under the tiles `tile_schedule` returns (outlined, numbered in
-# visiting order); the tiles it leaves out are hatched. The cell checks, for each mask, that
-# those tiles are exactly the ones holding an allowed pair, and that flash, naive and a dense
-# softmax over the written-out mask agree.
+# Each mask is also written out as a dense boolean matrix from its definition. The cell checks
+# that the tiles `tile_schedule` returns are exactly the ones holding an allowed pair, and that
+# flash, naive and a dense softmax over the written-out mask agree; chapter 15 draws the
+# window's tile map beside the masks written as functions.
 
 # %%
 N, BLOCK = 64, 8
 i_idx, j_idx = np.arange(N)[:, None], np.arange(N)[None, :]
-doc = np.repeat([0, 1, 2, 3], [10, 23, 6, 25])  # four packed documents
-PREFIX = 20
 
 masks = {
     "causal": (dict(causal=True), j_idx <= i_idx),
     "sliding window (12, 0)": (dict(window=(12, 0)), (i_idx - 12 <= j_idx) & (j_idx <= i_idx)),
-    "document, causal": (dict(causal=True, mask_mod=lambda qi, ki: doc[qi] == doc[ki]),
-                         (doc[i_idx] == doc[j_idx]) & (j_idx <= i_idx)),
-    "prefix-LM (prefix 20)": (dict(mask_mod=lambda qi, ki: (ki < PREFIX) | (ki <= qi)),
-                              (j_idx < PREFIX) | (j_idx <= i_idx)),
-    "dilated (16, dilation 4)": (dict(window=(16, 16), mask_mod=lambda qi, ki: (qi - ki) % 4 == 0),
-                                 (np.abs(i_idx - j_idx) <= 16) & ((i_idx - j_idx) % 4 == 0)),
 }
 
 every_tile = tile_schedule(N, N, BLOCK, BLOCK)
@@ -207,69 +178,9 @@ for name, (keywords, allowed) in masks.items():
           block_k=BLOCK, **keywords)
 
 
-def draw_tile_map(ax, allowed, visited, title):
-    ax.imshow(allowed, cmap=plt.matplotlib.colors.ListedColormap(["white", "#9ecae1"]),
-              extent=(0, N, N, 0), interpolation="nearest", vmin=0, vmax=1)
-    for t in every_tile:
-        if t not in visited:
-            ax.add_patch(plt.Rectangle((t[2], t[0]), t[3] - t[2], t[1] - t[0], facecolor="none",
-                                       edgecolor="grey", hatch="xx", linewidth=0.4))
-    for order, t in enumerate(visited):
-        ax.add_patch(plt.Rectangle((t[2], t[0]), t[3] - t[2], t[1] - t[0], facecolor="none",
-                                   edgecolor="black", linewidth=1.2))
-        ax.text((t[2] + t[3]) / 2, (t[0] + t[1]) / 2, str(order), ha="center", va="center",
-                fontsize=6)
-    ax.set_xticks(range(0, N + 1, 16))
-    ax.set_yticks(range(0, N + 1, 16))
-    ax.set_xlabel("key index $j$")
-    ax.set_title(f"{title}\n{len(visited)} of {len(every_tile)} tiles", fontsize=10)
-
-
-# Two rows of three, the legend in the sixth place: five panels in one row would be drawn at
-# half size in the page's column.
-fig, axes = plt.subplots(2, 3, figsize=(11, 8.4))
-for ax, (name, (keywords, allowed)) in zip(axes.flat, masks.items()):
-    draw_tile_map(ax, allowed, schedules[name], name)
-for ax in axes[:, 0]:
-    ax.set_ylabel("query index $i$")
-axes[1, 2].axis("off")
-handles = [plt.Rectangle((0, 0), 1, 1, facecolor="#9ecae1"),
-           plt.Rectangle((0, 0), 1, 1, facecolor="none", edgecolor="black"),
-           plt.Rectangle((0, 0), 1, 1, facecolor="none", edgecolor="grey", hatch="xx")]
-axes[1, 2].legend(handles, ["allowed pair", "tile multiplied\n(tile_schedule, in order)",
-                            "tile skipped"], loc="center")
-fig.suptitle(f"Five masks over N = {N}, {BLOCK} x {BLOCK} tiles: what flash_lib computes")
-fig.tight_layout()
-plt.show()
-
 for name in masks:
     print(f"{name:<26} {len(schedules[name]):>2} of {len(every_tile)} tiles; tiles listed == "
           f"tiles holding an allowed pair: {schedules[name] == holding[name]}")
-
-# %% [markdown]
-# The dilated window skips no tile inside its band: every 8 × 8 tile there holds some pair at a
-# distance divisible by 4. Skipping works on whole tiles, so a mask that is sparse *within*
-# tiles saves nothing (FlexAttention's `BlockMask` says the same of its blocks, below).
-#
-# `mask_mod` is called per tile, and only inside the band: the kernel asks the band first and
-# calls `mask_mod` only for the tiles the band lets through. Recording the calls of the document
-# mask shows it: called on the tiles of the causal band, of which the kernel then multiplies the
-# ones where some pair is in one document.
-
-# %%
-calls = []
-
-
-def recorded_document_mask(q_idx, k_idx):
-    calls.append((int(q_idx[0, 0]), int(q_idx[-1, 0]) + 1, int(k_idx[0, 0]), int(k_idx[0, -1]) + 1))
-    return doc[q_idx] == doc[k_idx]
-
-
-flash_attention(q, k, v, causal=True, mask_mod=recorded_document_mask, block_q=BLOCK,
-                block_k=BLOCK)
-causal_band = tile_schedule(N, N, BLOCK, BLOCK, causal=True)
-print(f"mask_mod called on {len(calls)} tiles, the {len(causal_band)} of the causal band: "
-      f"{sorted(calls) == causal_band}; multiplied: {len(schedules['document, causal'])}")
 
 # %% [markdown]
 # ### What a sliding window costs
@@ -284,10 +195,12 @@ print(f"mask_mod called on {len(calls)} tiles, the {len(causal_band)} of the cau
 # $$
 #
 # linear in $N$, against $n(n+1)/2$ for causal attention and $n^2$ for none. Each tile costs
-# $b^2$ score pairs, so the window computes about $N (\text{left} + b)$ pairs where it needs
-# $N (\text{left} + 1)$: the cost grows as $N \cdot \text{left}$, plus a tile's worth of slack
-# per row, which is why narrow windows want narrow key blocks. The counts below are
-# `tile_schedule`'s, for flash_lib's default 512 × 512 tiles.
+# $b^2$ score pairs, so away from the start the window computes $b^2 (w + 1)$ pairs per query
+# block, $N b\,(\lceil \text{left}/b \rceil + 1)$ in all, where it needs about
+# $N (\text{left} + 1)$. The cost grows as $N \cdot \text{left}$, but rounded up to whole key
+# blocks and with one more block of slack: at left = 256 and $b = 512$ that is $2Nb = 1024N$
+# pairs for $257N$ needed, which is why narrow windows want narrow key blocks. The counts below
+# are `tile_schedule`'s, for flash_lib's default 512 × 512 tiles.
 
 # %%
 def window_tiles(n_blocks, left, block):
@@ -315,8 +228,11 @@ n_window, left = 16384, 256
 needed = sum(min(i, left) + 1 for i in range(n_window))
 slack = {b: len(tile_schedule(n_window, n_window, b, b, window=(left, 0))) * b * b / needed
          for b in (512, 128)}
-print(f"\nwindow ({left}, 0) at N = {n_window}: pairs computed / pairs allowed = {slack[512]:.2f} with "
-      f"512 x 512 tiles, {slack[128]:.2f} with 128 x 128")
+# the estimate N·b·(ceil(left/b) + 1) / (N·(left + 1)), start-of-sequence edges aside
+estimate = {b: b * (-(-left // b) + 1) / (left + 1) for b in (512, 128)}
+print(f"\nwindow ({left}, 0) at N = {n_window}, pairs computed / pairs allowed:")
+for b in (512, 128):
+    print(f"  {b} x {b} tiles: {slack[b]:.2f}; b(ceil(left/b) + 1) / (left + 1) = {estimate[b]:.2f}")
 
 lefts = [0, 256, 512, 1024, 2048, 4096, 8192]
 by_left = [len(tile_schedule(n_window, n_window, 512, 512, window=(w, 0))) for w in lefts]
@@ -362,16 +278,12 @@ plt.show()
 #
 # so the backward pass multiplies $dS$ by $1 - \tanh^2(s/c)$ after the softmax's Jacobian and
 # before $dQ = \tau\, dS\, K$ and $dK = \tau\, dS^\top Q$. The kernel keeps $\tanh(s/c)$ from the
-# recomputed tile (one more elementwise pass) rather than storing anything new. FlashAttention
-# does the same: `calculate_dtanh` in `csrc/flash_attn/src/utils.h` computes
-# `(1 - tanh²) * softcap` (the derivative, in its scaling of the scores), and its
-# forward applies the cap to the *scaled* score (`flash_api.cpp` sets
-# `params.softcap = softmax_scale / softcap` and then `scale_softmax = softcap`, so the kernel
-# computes $c \tanh(\tau\, q \cdot k / c)$).
+# recomputed tile (one more elementwise pass) rather than storing anything new, as FlashAttention
+# does (`calculate_dtanh` in `csrc/flash_attn/src/utils.h`); its forward too caps the *scaled*
+# score, $c \tanh(\tau\, q \cdot k / c)$ (`flash_api.cpp`).
 #
 # The example: 64 queries over 256 keys with scores of spread about 4 (the queries are scaled up
-# so that the cap $c = 5$ bites). The figure shows the map for three caps, the distribution of
-# this example's scores before and after the cap $c = 5$, and the derivative.
+# so that the cap $c = 5$ bites). The figure shows the map and its derivative for three caps.
 
 # %%
 n_q, n_k, d = 64, 256, 16
@@ -406,7 +318,7 @@ print(f"median over rows of the largest weight: {peak_raw:.2f} without the cap, 
 print(f"scores whose gradient the cap damps below half (1 - tanh² < 0.5): {damped:.0%}")
 
 s_axis = np.linspace(-25, 25, 501)
-fig, (ax_map, ax_hist, ax_grad) = plt.subplots(3, 1, figsize=(8, 11))
+fig, (ax_map, ax_grad) = plt.subplots(1, 2, figsize=(11, 4))
 ax_map.plot(s_axis, s_axis, color="grey", linestyle=":", label="no cap")
 for c in (5, 10, 20):
     ax_map.plot(s_axis, c * np.tanh(s_axis / c), label=f"c = {c}")
@@ -415,13 +327,6 @@ ax_map.set_xlabel("scaled score s (before the cap)")
 ax_map.set_ylabel("c·tanh(s / c) (after the cap)")
 ax_map.set_title("The cap: identity near 0, bounded by ±c")
 ax_map.legend()
-bins = np.linspace(-16, 16, 65)
-ax_hist.hist(raw.ravel(), bins=bins, alpha=0.6, label="before the cap")
-ax_hist.hist(capped.ravel(), bins=bins, alpha=0.6, label=f"after, c = {CAP:g}")
-ax_hist.set_xlabel("scaled score (a logit: no unit)")
-ax_hist.set_ylabel(f"count (of {raw.size} scores)")
-ax_hist.set_title("This example's scores, squeezed into (−c, c)")
-ax_hist.legend()
 ax_grad.set_xlabel("scaled score s (before the cap)")
 ax_grad.set_ylabel("d(c·tanh(s/c)) / ds = 1 − tanh²(s/c)")
 ax_grad.set_title("The factor the cap puts on the gradient")
@@ -464,8 +369,10 @@ check("softcap 5, causal, Nq = Nk", q_sc, k_sc[:n_q], v_sc[:n_q],
 # on the capped, masked scores $S_c$, $dP = dO\, V^\top$,
 # $dS_c = P \circ (dP - \operatorname{rowsum}(P \circ dP))$, then the cap's factor
 # $dS = dS_c \circ (1 - \tanh^2(S / c))$ and $dQ = \tau\, dS\, K$, $dK = \tau\, dS^\top Q$,
-# $dV = P^\top dO$. `flash_attention_backward` must give the same, and both must match central
-# differences of the forward along a random direction.
+# $dV = P^\top dO$, written with $D = \operatorname{rowsum}(dO \circ O)$ (chapter 12's identity)
+# where naive uses $\operatorname{rowsum}(P \circ dP)$, so the two are computed differently.
+# `flash_attention_backward` must give the same, and both must match central differences of the
+# forward along a random direction.
 
 # %%
 def dense_softcap_backward(q, k, v, dout, scale, cap, allowed):
@@ -475,7 +382,8 @@ def dense_softcap_backward(q, k, v, dout, scale, cap, allowed):
     p = np.exp(s_c - s_c.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
     dp = dout @ v.T
-    ds_c = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    D = (dout * (p @ v)).sum(axis=-1, keepdims=True)  # rowsum(dO ∘ O), not rowsum(P ∘ dP)
+    ds_c = p * (dp - D)
     ds = ds_c * (1 - t * t)  # the cap's derivative
     return scale * ds @ k, scale * ds.T @ q, p.T @ dout
 
@@ -531,20 +439,15 @@ print(f"directional derivative: analytic {analytic:.6f}, central difference {num
 # $$
 #
 # which differ only by terms that do not depend on $j$: a constant per row (for attention-gym's
-# form the same constant $\text{slope}\cdot o$ in every row, 0 when $N_q = N_k$).
-# FlashAttention's test reference uses a third such form under causal,
-# `torch.arange(-seqlen_k + 1, 1) * slopes` ($\text{slope}\,(j - N_k + 1)$,
-# `attn_bias_from_alibi_slopes` in `tests/test_flash_attn.py`). A softmax does not see a constant
-# added to a whole row, $e^{s_j + c} / \sum_{j'} e^{s_{j'} + c} = e^{s_j} / \sum_{j'} e^{s_{j'}}$,
-# and masked keys stay at $-\infty$, so the outputs agree. The lse does not: it moves by the
-# constant, $\log \sum_j e^{s_j + c} = \text{lse} + c$. A kernel that adds $\text{slope}\cdot j$
-# returns the right output and an lse that is $\text{slope}\,(i + o)$ above the lse of the
-# documented bias; flash_lib's lse is that of $-\text{slope}\,|i + o - j|$. Without the causal
-# mask, keys right of $i + o$ are allowed and $|\cdot|$ folds there: the forms then differ by more
-# than a row constant and give different attention.
+# form $\text{slope}\cdot o$ in every row). A softmax does not see a constant added to a whole
+# row, and masked keys stay at $-\infty$, so the outputs agree; the lse moves by the constant,
+# so a kernel that adds $\text{slope}\cdot j$ returns an lse $\text{slope}\,(i + o)$ above that
+# of the documented bias, which is flash_lib's. Without the causal mask, $|\cdot|$ folds at
+# $j = i + o$ and the forms give different attention.
 #
 # The picture: the bias of head 0 of 8 (slope $2^{-1} = 1/2$) for $N_q = 12$ queries over
-# $N_k = 20$ keys, so $o = 8$, in the three forms, and the differences on the causal pairs.
+# $N_k = 20$ keys, so $o = 8$, in the three forms, and their differences along three rows'
+# causal pairs.
 
 # %%
 HEADS = 8
@@ -561,20 +464,32 @@ print("slopes of 8 heads:", ", ".join(f"1/{1 / s:g}" for s in slopes))
 
 fig, axes = plt.subplots(2, 2, figsize=(11, 8))
 axes = axes.ravel()
-panels = [(ours, "ours / FlashAttention's docstring\n−slope·|i + o − j|"),
+panels = [(ours, "ours / FlashAttention's docstring: −slope·|i + o − j|"),
           (gym, "attention-gym: slope·(j − i)"),
-          (np.where(causal_a, gym - ours, np.nan), "attention-gym − ours, causal pairs"),
-          (np.where(causal_a, fa_causal - ours, np.nan),
-           "FlashAttention causal kernel (slope·j)\n− ours, causal pairs")]
+          (fa_causal, "FlashAttention's causal kernel: slope·j")]
 for ax, (values, title) in zip(axes, panels):
-    image = ax.imshow(values, cmap="viridis", interpolation="nearest", aspect="auto")
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel("key index $j$")
-    fig.colorbar(image, ax=ax, label="bias added to the score")
-for ax in axes[::2]:
-    ax.set_ylabel("query index $i$")
-for ax in axes:
+    image = ax.imshow(values, cmap="viridis", interpolation="nearest")
     ax.axline((offset - 0.5, -0.5), slope=1, color="w", linewidth=0.8, linestyle="--")
+    ax.set_title(title, fontsize=10)
+    ax.set_xticks(range(0, n_ka, 4))
+    ax.set_yticks(range(0, n_qa, 4))
+    ax.set_xlabel("key index $j$")
+    ax.set_ylabel("query index $i$")
+    fig.colorbar(image, ax=ax, label="bias added to the score", shrink=0.8)
+# The lesson is in the differences: constant along every row on the causal pairs (j <= i + o).
+ax = axes[3]
+for r, color in zip((0, 5, 11), ("C0", "C1", "C2")):
+    keys = np.flatnonzero(causal_a[r])
+    ax.plot(keys, (fa_causal - ours)[r, keys], "o-", ms=3, color=color,
+            label=f"FlashAttention's causal form − ours, row i = {r}")
+    ax.plot(keys, (gym - ours)[r, keys], "s:", ms=3, color=color,
+            label=f"attention-gym − ours, row i = {r}")
+ax.set_xticks(range(0, n_ka, 4))
+ax.set_xlabel("key index $j$ (the causal pairs of the row)")
+ax.set_ylabel("difference of the biases")
+ax.set_title("The forms differ by a constant per row", fontsize=10)
+ax.legend(fontsize=7, loc="lower right", bbox_to_anchor=(1, 0.08))
+ax.grid(True, alpha=0.3)
 fig.suptitle(f"ALiBi, slope {slope}, Nq = {n_qa}, Nk = {n_ka} (offset o = {offset}; dashed: j = i + o)")
 fig.tight_layout()
 plt.show()
@@ -632,225 +547,18 @@ print(f"lse of attention-gym's form minus ours, by head: "
       f"{', '.join(f'{x:.4g}' for x in slopes * offset)})")
 
 # %% [markdown]
-# ## Grouped-query attention
-#
-# Multi-query attention gives all query heads one key head and one value head; grouped-query
-# attention, $H_{kv}$ of them, each shared by $H_q / H_{kv}$ consecutive query heads. Which heads
-# share is a convention, and both FlashAttention and PyTorch fix it the same way:
-# `flash_attn_func`'s docstring says "if Q has 6 heads and K, V have 2 heads, head 0, 1, 2 of Q
-# will attention to head 0 of K, V, and head 3, 4, 5 of Q will attention to head 1 of K, V";
-# PyTorch SDPA's `enable_gqa` (the reference code of `scaled_dot_product_attention` in
-# `torch/nn/functional.py`) repeats with `key.repeat_interleave(query.size(-3)//key.size(-3), -3)`;
-# FlashAttention's tests repeat with einops' `"b s h d -> b s (h g) d"`. Query head $h$ reads kv
-# head $\lfloor h / (H_q/H_{kv}) \rfloor$. The other grouping, $h \bmod H_{kv}$ (`np.tile`,
-# `Tensor.repeat`), is a real bug: ONNX's reference used `Tile` until onnx/onnx#7274 ("which gave
-# us [head0, head1, head0, head1] combinations. However, in torch, it uses repeat interleave").
-#
-# flash_lib's `enable_gqa=True` splits q's head axis into $(H_{kv}, \text{groups})$ and gives k
-# and v a groups axis of length 1, so NumPy broadcasting pairs each query head with its kv head;
-# the gradients of k and v are summed over each group. The cell checks against k and v repeated
-# per query head with `np.repeat` (the explicit construction), and that `np.tile`'s grouping gives
-# something else.
-
-# %%
-h_q, h_kv = 6, 2
-qg = rng.standard_normal((2, h_q, 24, 16))
-kg, vg = rng.standard_normal((2, h_kv, 40, 16)), rng.standard_normal((2, h_kv, 40, 16))
-k_rep, v_rep = np.repeat(kg, h_q // h_kv, axis=1), np.repeat(vg, h_q // h_kv, axis=1)
-check("gqa 6 / 2, causal", qg, kg, vg, dense_attention(qg, k_rep, v_rep, scale=0.25,
-                                                       allowed=np.tril(np.ones((24, 40), bool), 16)),
-      enable_gqa=True, causal=True)
-check("mqa 6 / 1", qg, kg[:, :1], vg[:, :1],
-      dense_attention(qg, np.repeat(kg[:, :1], 6, axis=1), np.repeat(vg[:, :1], 6, axis=1),
-                      scale=0.25), enable_gqa=True)
-tiled_grouping = worst(flash_attention(qg, kg, vg, enable_gqa=True),
-                       naive_attention(qg, np.tile(kg, (1, 3, 1, 1)), np.tile(vg, (1, 3, 1, 1))))
-print(f"against the h mod Hkv grouping (np.tile): error {tiled_grouping:.1f}, a different answer")
-
-dout_g = rng.standard_normal((2, h_q, 24, 16))
-out_g, lse_g = flash_attention(qg, kg, vg, enable_gqa=True, causal=True, return_lse=True)
-dq_g, dk_g, dv_g = flash_attention_backward(qg, kg, vg, out_g, lse_g, dout_g, enable_gqa=True,
-                                            causal=True)
-dq_r, dk_r, dv_r = naive_attention_backward(qg, k_rep, v_rep, dout_g, causal=True)
-gqa_grad_error = max(worst(dq_g, dq_r), worst(dk_g, dk_r.reshape(2, h_kv, 3, 40, 16).sum(axis=2)),
-                     worst(dv_g, dv_r.reshape(2, h_kv, 3, 40, 16).sum(axis=2)))
-print(f"gradients: dk, dv of shape {dk_g.shape} (Hkv heads), against the repeated heads' gradients "
-      f"summed over each group: {magnitude(gqa_grad_error)}")
-
-# %% [markdown]
-# ### What it saves
-#
-# The keys and values are what a decoder keeps for every past token (its KV cache) and what an
-# attention kernel streams through its memory: $2 \cdot H_{kv} \cdot N \cdot d$ numbers per layer and
-# sequence. For $H_q = 32$ query heads of $d = 128$ over $N = 8192$ tokens in bfloat16
-# (2 bytes each), they take:
-
-# %%
-H_Q, D_HEAD, TOKENS, BYTES = 32, 128, 8192, 2
-kv_heads = [32, 16, 8, 4, 2, 1]
-kv_bytes = {h: 2 * h * TOKENS * D_HEAD * BYTES for h in kv_heads}
-print("  Hkv   query heads per kv head   K and V per layer")
-for h in kv_heads:
-    kind = "  (multi-head)" if h == H_Q else "  (multi-query)" if h == 1 else ""
-    print(f"{h:>5}   {H_Q // h:>23}   {kv_bytes[h] / 2**20:>10.0f} MiB{kind}")
-
-fig, ax = plt.subplots(figsize=(6, 3.6))
-ax.bar([str(h) for h in kv_heads], [kv_bytes[h] / 2**20 for h in kv_heads])
-ax.set_xlabel("kv heads $H_{kv}$ (query heads $H_q$ = 32)")
-ax.set_ylabel("K and V bytes per layer (MiB)")
-ax.set_title(f"K/V memory, N = {TOKENS}, d = {D_HEAD}, bfloat16")
-fig.tight_layout()
-plt.show()
-
-# %% [markdown]
-# The saving is only real if the kernel never expands k and v to $H_q$ heads. Measured with
-# `measure_peak_bytes` (tracemalloc): 16 query heads over one kv head, one block of 128 queries
-# (so one worker thread and a reproducible peak) against 2048 and 8192 keys, float32. The
-# kernel's scratch (its peak minus the returned output) stays flat as the keys grow; the copy
-# that `np.repeat` would make grows with them.
-
-# %%
-scratch, copies, repeat_scratch = {}, {}, {}
-for n_keys in (2048, 8192):
-    qm = rng.standard_normal((16, 128, 64)).astype(np.float32)
-    km, vm = (rng.standard_normal((1, n_keys, 64)).astype(np.float32) for _ in range(2))
-    out, peak = measure_peak_bytes(flash_attention, qm, km, vm, enable_gqa=True, block_q=128,
-                                   block_k=128)
-    scratch[n_keys] = peak - out.nbytes
-    copies[n_keys] = 16 * (km.nbytes + vm.nbytes)  # k and v repeated per query head
-    out, peak = measure_peak_bytes(lambda: flash_attention(qm, np.repeat(km, 16, 0),
-                                                           np.repeat(vm, 16, 0), block_q=128,
-                                                           block_k=128))
-    repeat_scratch[n_keys] = peak - out.nbytes
-for n_keys in scratch:
-    print(f"Nk = {n_keys}: scratch with enable_gqa {scratch[n_keys] / 2**20:.0f} MiB; "
-          f"with k, v repeated first {repeat_scratch[n_keys] / 2**20:.0f} MiB "
-          f"(the copy alone: {copies[n_keys] / 2**20:.0f} MiB)")
-
-# %% [markdown]
-# ## FlexAttention
-#
-# PyTorch's FlexAttention expresses variants as two functions and a block map
-# (`torch/nn/attention/flex_attention.py`):
-#
-# | FlexAttention | flash_lib |
-# |---|---|
-# | `score_mod(score, b, h, q_idx, kv_idx)`, on the scaled score | two fixed score mods: `softcap=` (attention-gym's `generate_tanh_softcap`: `soft_cap * tanh(score / soft_cap)`) and `alibi_slopes=` (`generate_alibi_bias`) |
-# | `mask_mod(b, h, q_idx, kv_idx)`, True = participates | `mask_mod(q_idx, k_idx)`, one call per tile with index arrays; batch and head enter as leading dims of its result |
-# | `create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE=128)` → `BlockMask` | `tile_schedule(..., window=, mask_mod=)`; the band from its corners, `mask_mod` evaluated tile by tile as the kernel runs |
-# | `BlockMask`'s `kv_num_blocks`/`kv_indices` (partial) and `full_kv_*` (full blocks) | a tile is skipped, masked (`_allowed` returns an array) or full (`_allowed` returns None) |
-# | sliding window, causal: mask mods (`and_masks`, attention-gym) | `window=(left, right)` and `causal=` keywords |
-# | `enable_gqa=True` | `enable_gqa=True` |
-#
-# `create_block_mask` evaluates `mask_mod` on every pair (`create_mask` builds the dense
-# `B × H × Q_LEN × KV_LEN` boolean tensor), pads it to multiples of the block size and sums each
-# block (`_convert_mask_to_block_mask`): sum 0 is an empty block, skipped; the full
-# `Q_BLOCK_SIZE * KV_BLOCK_SIZE` a full block, computed without calling `mask_mod`; anything in
-# between a partial block. Its default block is `_DEFAULT_SPARSE_BLOCK_SIZE = 128`. flash_lib
-# never builds that dense mask: it calls `mask_mod` on one tile at a time, inside the kernel.
-#
-# When PyTorch is installed, the next cell tests the correspondence: for three masks over 1024
-# tokens, the blocks of `create_block_mask(..., BLOCK_SIZE=128)` against `tile_schedule` with
-# 128 × 128 tiles, and its full blocks against the tiles whose pairs are all allowed; then
-# `flex_attention` (eager, which runs PyTorch's reference implementation) with a softcap and
-# attention-gym's ALiBi as `score_mod` and a causal document `BlockMask`, against
-# `flash_attention` with `softcap=`, `alibi_slopes=`, `causal=True` and the document
-# `mask_mod`. Its output depends on what is installed, so the notebook's test does not compare
-# it; the asserts at the end run where PyTorch is.
-
-# %% tags=["nbval-ignore-output"]
-try:
-    import torch
-    import torch.nn.attention.flex_attention as flex_module
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-except ImportError:
-    torch = None
-    print("PyTorch is not installed: the FlexAttention comparison is skipped.")
-
-if torch is not None:
-    NF, FB = 1024, 128
-    docs_f = np.repeat(np.arange(5), [300, 124, 200, 257, 143])
-    docs_t = torch.from_numpy(docs_f)
-    flex_masks = {  # name: (FlexAttention mask_mod, flash_lib keywords, the dense mask)
-        "document, causal": (lambda b, h, qi, ki: (docs_t[qi] == docs_t[ki]) & (qi >= ki),
-                             dict(causal=True, mask_mod=lambda qi, ki: docs_f[qi] == docs_f[ki])),
-        "prefix-LM (prefix 300)": (lambda b, h, qi, ki: (ki < 300) | (qi >= ki),
-                                   dict(mask_mod=lambda qi, ki: (ki < 300) | (ki <= qi))),
-        "sliding window (200, 0)": (lambda b, h, qi, ki: (qi - ki <= 200) & (qi >= ki),
-                                    dict(window=(200, 0))),
-    }
-    qf, kf = np.arange(NF)[:, None], np.arange(NF)[None, :]
-    dense_f = {"document, causal": (docs_f[qf] == docs_f[kf]) & (kf <= qf),
-               "prefix-LM (prefix 300)": (kf < 300) | (kf <= qf),
-               "sliding window (200, 0)": (qf - kf <= 200) & (kf <= qf)}
-    block_agreement = {}
-    for name, (mod, keywords) in flex_masks.items():
-        block_mask = create_block_mask(mod, 1, 1, NF, NF, device="cpu", BLOCK_SIZE=FB)
-        flex_blocks = block_mask.to_dense()[0, 0].numpy().astype(bool)
-        full = torch.zeros(NF // FB, NF // FB, dtype=torch.int32)
-        counts = block_mask.full_kv_num_blocks[0, 0]
-        for r in range(NF // FB):
-            full[r, block_mask.full_kv_indices[0, 0, r, : counts[r]]] = 1
-        our_blocks = np.zeros_like(flex_blocks)
-        for q0, _, k0, _ in tile_schedule(NF, NF, FB, FB, **keywords):
-            our_blocks[q0 // FB, k0 // FB] = True
-        tiles_all = dense_f[name].reshape(NF // FB, FB, NF // FB, FB).all(axis=(1, 3))
-        block_agreement[name] = (np.array_equal(flex_blocks, our_blocks),
-                                 np.array_equal(full.numpy().astype(bool), tiles_all))
-        print(f"{name:<24} BlockMask's blocks == tile_schedule's tiles: "
-              f"{block_agreement[name][0]} ({int(our_blocks.sum())} of {our_blocks.size}); "
-              f"full blocks == all-allowed tiles: {block_agreement[name][1]} "
-              f"({int(tiles_all.sum())})")
-
-    NS, HF, SOFTCAP = 256, 4, 20.0
-    docs_s = np.repeat([0, 1, 2], [100, 60, 96])
-    docs_st = torch.from_numpy(docs_s)
-    slopes_f = 2.0 ** (-8 * (np.arange(HF) + 1) / HF)
-    slopes_t = torch.from_numpy(slopes_f)
-
-    def score_mod(score, b, h, q_idx, kv_idx):  # attention-gym's softcap, then its ALiBi
-        return SOFTCAP * torch.tanh(score / SOFTCAP) + (kv_idx - q_idx) * slopes_t[h]
-
-    qs, ks, vs = (rng.standard_normal((1, HF, NS, 16)) for _ in range(3))
-    doc_block_mask = create_block_mask(
-        lambda b, h, qi, ki: (docs_st[qi] == docs_st[ki]) & (qi >= ki), None, None, NS, NS,
-        device="cpu")
-    with warnings.catch_warnings():  # eager FlexAttention warns that it is not compiled
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        flex_out = flex_attention(*(torch.from_numpy(x) for x in (qs, ks, vs)),
-                                  score_mod=score_mod, block_mask=doc_block_mask).numpy()
-    ours_out = flash_attention(qs, ks, vs, softcap=SOFTCAP, alibi_slopes=slopes_f, causal=True,
-                               mask_mod=lambda qi, ki: docs_s[qi] == docs_s[ki], block_q=64,
-                               block_k=64)
-    flex_error = worst(ours_out, flex_out)
-    default_block = (flex_module._DEFAULT_SPARSE_BLOCK_SIZE,
-                     inspect.signature(create_block_mask).parameters["BLOCK_SIZE"].default)
-    print(f"create_block_mask's default BLOCK_SIZE: {default_block[1]} "
-          f"(_DEFAULT_SPARSE_BLOCK_SIZE = {default_block[0]})")
-    print(f"flex_attention (softcap + attention-gym ALiBi, document BlockMask) against "
-          f"flash_attention: {flex_error:.1e}")
-
-# %% [markdown]
 # ## All the checks
 #
-# Every variant's two comparisons from the sections above: flash_lib's tiled kernel against
-# `naive_attention`, and `naive_attention` against the dense construction of this chapter. The
-# table gives the limit each difference is under, the same on every machine; the figure, the
-# differences this machine measured, backward ones included.
+# What each comparison of flash_lib's kernel against `naive_attention` measured on this machine.
 
 # %%
-print(f"{'variant':<34} {'flash vs naive':<16} naive vs dense")
-for name, (e_flash, e_dense) in checks.items():
-    print(f"{name:<34} {magnitude(e_flash):<16} {magnitude(e_dense)}")
-
-# The table prints the limit each difference is under; the figure shows the differences measured
-# on the machine that built this page, in machine epsilons (their last digits are its rounding).
+# The figure shows the differences measured on the machine that built this page, in machine
+# epsilons (their last digits are its rounding); each section printed the limit they are under.
 eps64 = np.finfo(np.float64).eps
 measured = {name: e_flash for name, (e_flash, _) in checks.items()}
 for name, (e_flash, _) in grad_errors.items():
     measured[f"softcap 5, causal: {name}"] = e_flash
-measured["gqa 6 / 2, causal: dq, dk, dv"] = gqa_grad_error
-fig, ax = plt.subplots(figsize=(8, 5.2))
+fig, ax = plt.subplots(figsize=(8, 4.2))
 rows = np.arange(len(measured))[::-1]
 ax.plot(np.array(list(measured.values())) / eps64, rows, "o", color="C0",
         label="flash vs naive, this machine")
@@ -868,48 +576,27 @@ plt.show()
 # %% [markdown]
 # ## What we showed
 #
-# - Each variant is a step in the computation of one score, in FlashAttention's order: scale,
-#   cap, ALiBi bias, then every mask ANDed; GQA only chooses which k and v a head reads.
-#   flash_attention equals naive_attention to rounding (below $10^{-14}$), and naive_attention
-#   equals the dense construction written here from the formulas bit for bit, for every variant
-#   and combination tried (table above), forward, and backward for softcap and GQA.
-# - The tiles `tile_schedule` lists are exactly those holding an allowed pair, for causal,
-#   sliding-window, document, prefix-LM and dilated masks; `mask_mod` is called only on the
-#   tiles of the band. A dilated window saves no tile inside its band.
-# - A (left, 0) window with 512 × 512 tiles visits $n(w+1) - w(w+1)/2$ tiles,
-#   $w = \lceil \text{left}/512 \rceil$: $2n - 1$ for left = 256, linear in $N$ (15 tiles at
-#   $N = 4096$, 255 at 65536, where causal needs 8256); its cost is about
-#   $N(\text{left} + b)$ score pairs.
-# - Softcap bounds the scores in $(-c, c)$, flattens the softmax and multiplies the gradient by
-#   $1 - \tanh^2(s/c)$; flash_lib's backward equals the dense chain rule and central
-#   differences. Capping after the mask would give masked keys real weight.
-# - ALiBi's $-\text{slope}\,|i + o - j|$, attention-gym's $\text{slope}\,(j - i)$ and
-#   FlashAttention's causal-kernel $\text{slope}\cdot j$ differ by a constant per row on the
-#   causal pairs, so they give the same output under causal masking (not the same lse: it
-#   moves by the constant), and not without it.
-# - GQA pairs query head $h$ with kv head $\lfloor h / (H_q/H_{kv}) \rfloor$ (`np.repeat`, not
-#   `np.tile`); K/V memory falls with $H_{kv}$ (128 MiB per layer for 32 heads at $N = 8192$,
-#   4 MiB for one), and flash_lib's scratch stays flat in $N_k$ where a per-head copy grows.
-# - FlexAttention's `BlockMask` at `BLOCK_SIZE = 128` marks the same blocks non-empty and full
-#   as flash_lib's tiles, and `flex_attention` with a softcap-and-ALiBi `score_mod` gives
-#   flash_lib's output (asserted where PyTorch is installed).
+# - Each variant is one step of a score, in FlashAttention's order: scale, cap, ALiBi, masks.
+#   flash equals naive, and naive the dense construction, to below $10^{-14}$ (table above).
+# - The tiles `tile_schedule` lists are exactly those holding an allowed pair. A (left, 0) window
+#   computes about $N b\,(\lceil \text{left}/b \rceil + 1)$ pairs: 3.95 times the pairs needed
+#   at left = 256 with 512-wide tiles, 1.49 with 128-wide.
+# - Softcap bounds the scores and multiplies the gradient by $1 - \tanh^2(s/c)$; it must come
+#   before the mask.
+# - The three ALiBi forms differ by a constant per row on the causal pairs: the same output under
+#   causal masking, a shifted lse, different attention without it.
 
 # %%
 # ROUNDING = 1e-14 is 45 float64 epsilons: rounding over at most 256 keys stayed below 3e-15
-# at every NPY_DISABLE_CPU_FEATURES level; any error of a variant (a window off by one, a wrong
-# head, a missing cap) is far above. naive and the dense construction do the same operations
-# in the same order (the scale 1/4 is a power of two, so where flash_lib applies it changes no
-# bit): they agree exactly.
+# at every NPY_DISABLE_CPU_FEATURES level; any error of a variant (a window off by one, a
+# missing cap) is far above. naive and the dense construction normalise in different orders,
+# so they agree to rounding, not bit for bit.
 for name, (e_flash, e_dense) in checks.items():
-    assert e_flash < ROUNDING and e_dense == 0, (name, e_flash, e_dense)
+    assert e_flash < ROUNDING and e_dense < ROUNDING, (name, e_flash, e_dense)
 for name in masks:
     assert schedules[name] == holding[name], name
 assert len(schedules["causal"]) == 8 * 9 // 2
 assert len(schedules["sliding window (12, 0)"]) == window_tiles(N // BLOCK, 12, BLOCK) == 21
-assert len(schedules["dilated (16, dilation 4)"]) == len(tile_schedule(N, N, BLOCK, BLOCK,
-                                                                       window=(16, 16)))
-assert len(schedules["document, causal"]) < len(schedules["causal"])
-assert sorted(calls) == causal_band
 for row, n in enumerate(lengths):
     blocks = n // 512
     assert tile_counts["full"][row] == blocks**2
@@ -919,12 +606,18 @@ for row, n in enumerate(lengths):
 assert tile_counts["window (256, 0)"][0] == 15 and tile_counts["window (256, 0)"][-1] == 255
 assert tile_counts["causal"][-1] == 8256
 assert by_left == [window_tiles(n_window // 512, w, 512) for w in lefts]
-assert 3.5 < slack[512] < 4.5 and 1.3 < slack[128] < 1.7  # about (left + b) / (left + 1)
+# pairs computed / needed against N·b·(ceil(left/b) + 1) / (N·(left + 1)): the estimate drops
+# the start-of-sequence edges, w·b/2N of the computed pairs (1.6% at b = 512, N = 16384) and
+# left/2N of the needed ones (0.8%), so it is within 3%; (left + b)/(left + 1), 2.99 at b = 512,
+# is not
+for b in (512, 128):
+    assert abs(slack[b] - estimate[b]) < 0.03 * estimate[b], (b, slack[b], estimate[b])
+assert abs(slack[512] - (left + 512) / (left + 1)) > 0.5
 assert np.abs(capped).max() < CAP and 0.2 < beyond < 0.5
 assert peak_capped < peak_raw and capped.std() < raw.std()
 assert leaked > 0.1 and wrong[~square].max() == -CAP
 for e_flash, e_naive in grad_errors.values():
-    assert e_flash < ROUNDING and e_naive == 0
+    assert e_flash < ROUNDING and e_naive < ROUNDING
 assert fd_error < 1e-8  # central differences at eps = 1e-6: truncation and rounding near 1e-10
 assert max(row_spread) == 0 and np.array_equal(row_value, slope * (np.arange(n_qa) + offset))
 assert np.array_equal(np.unique((gym - ours)[causal_a]), [slope * offset])
@@ -932,12 +625,3 @@ assert same_forms["attention-gym's form, causal"] < ROUNDING
 assert same_forms["FlashAttention's causal kernel form"] < ROUNDING
 assert same_forms["attention-gym's form, not causal"] > 1e-2
 assert np.allclose(lse_shift, slopes[:, None] * offset, rtol=0, atol=ROUNDING)  # measured: 9e-16
-assert tiled_grouping > 0.1 and gqa_grad_error < ROUNDING
-assert kv_bytes[32] == 128 * 2**20 and kv_bytes[1] == 4 * 2**20
-assert scratch[8192] < 1.25 * scratch[2048]  # flat in Nk
-assert scratch[8192] < copies[8192] / 4  # no per-head copy of k and v
-assert repeat_scratch[8192] >= copies[8192]  # the copy, measured
-if torch is not None:
-    assert all(blocks_ok and full_ok for blocks_ok, full_ok in block_agreement.values())
-    assert flex_error < 1e-12
-    assert default_block == (128, 128)
