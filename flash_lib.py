@@ -730,7 +730,7 @@ def _dense_backward(problem, dout, dtype):
     n_q, n_k = problem.n_q, problem.n_k
     q, k, v = problem.q_tile(0, n_q, dtype), problem.k_tile(0, n_k, dtype), problem.v_tile(0, n_k, dtype)
     dout = dout.astype(dtype)
-    # s stays alive as in a textbook backward: chapter 12 counts S, P, dP, dS at the peak
+    # s stays alive as in a textbook backward: chapter 13 counts S, P, dP, dS at the peak
     s, p, m, allowed, slope = _dense_softmax(problem, dtype, grad=True)
     l = p.sum(axis=-1)
     p /= np.where(l == 0, 1, l)[..., None]  # P = softmax(S); an empty row stays 0
