@@ -61,6 +61,17 @@ try:
 except ImportError as exc:  # pragma: no cover - the gpu extra is missing
     raise ImportError("flash_triton needs PyTorch and Triton: pip install '.[gpu]'") from exc
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton.runtime.interpreter import InterpretedFunction
+
+    # Triton's own helpers (tl.zeros, tl.max, ...) are @triton.jit functions too, made into
+    # interpreted ones only if the variable was set when triton was first imported.
+    if not isinstance(tl.zeros, InterpretedFunction):
+        raise ImportError(
+            "flash_triton: triton was imported before flash_triton without TRITON_INTERPRET=1, "
+            "so its interpreter cannot run the kernels here. Set TRITON_INTERPRET=1 in the "
+            "environment, or import flash_triton before anything imports triton.")
+
 __all__ = ["attention", "attention_with_lse", "attention_backward", "with_bug", "BUGS", "INTERPRETED", "DEVICE",
            "BLOCK_M", "BLOCK_N", "LOG2E"]
 
