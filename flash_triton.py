@@ -72,8 +72,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":
             "so its interpreter cannot run the kernels here. Set TRITON_INTERPRET=1 in the "
             "environment, or import flash_triton before anything imports triton.")
 
-__all__ = ["attention", "attention_with_lse", "attention_backward", "with_bug", "BUGS", "INTERPRETED", "DEVICE",
-           "BLOCK_M", "BLOCK_N", "LOG2E"]
+__all__ = ["attention", "attention_with_lse", "attention_backward", "with_bug", "BUGS",
+           "INTERPRETED", "DEVICE", "BLOCK_M", "BLOCK_N", "LOG2E",
+           # the kernels themselves, public so that chapter 16 can print and read them
+           "forward_kernel", "where_allowed", "backward_preprocess_kernel", "load_row_stats",
+           "backward_dkdv_kernel", "backward_dq_kernel"]
 
 #: True when the kernels run under Triton's interpreter (on the CPU), False when compiled.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -93,7 +96,7 @@ BUGS = {"missing_rescale": "l and acc are not multiplied by alpha = exp2(m - m')
 
 
 @triton.jit
-def _where_allowed(s, offs_m, offs_n, n_k, shift, CAUSAL: tl.constexpr):
+def where_allowed(s, offs_m, offs_n, n_k, shift, CAUSAL: tl.constexpr):
     # Keys past Nk were loaded as zeros (their score 0 is not "masked"), and under causal a key
     # beyond the bottom-right diagonal i + (Nk - Nq) is not allowed: both become -inf, so
     # exp2 gives exactly 0 for them.
@@ -104,7 +107,7 @@ def _where_allowed(s, offs_m, offs_n, n_k, shift, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _forward_kernel(
+def forward_kernel(
     Q, K, V, Mask, Out, Lse2,
     stride_qb, stride_qm, stride_kb, stride_kn, stride_vb, stride_vn,
     stride_mb, stride_mm, stride_ob, stride_om,
@@ -154,7 +157,7 @@ def _forward_kernel(
         # "ieee": fp32 inputs would otherwise be rounded to TF32 on NVIDIA GPUs.
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         if start_n + BLOCK_N > full:
-            s = _where_allowed(s, offs_m, offs_k, n_k, shift, CAUSAL)
+            s = where_allowed(s, offs_m, offs_k, n_k, shift, CAUSAL)
         if HAS_MASK:
             keep = tl.load(Mask + bh * stride_mb + offs_m[:, None] * stride_mm + offs_k[None, :],
                            mask=row_ok[:, None] & (offs_k[None, :] < n_k), other=0)
@@ -189,7 +192,7 @@ def _forward_kernel(
 
 
 @triton.jit
-def _backward_preprocess(Out, DOut, Delta, stride_ob, stride_om, n_q, dv,
+def backward_preprocess_kernel(Out, DOut, Delta, stride_ob, stride_om, n_q, dv,
                          BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
     # D_i = rowsum(dO_i ∘ O_i) = Σ_j P_ij dP_ij, once per row, so that no backward program ever
     # needs a whole row of P: dS = P ∘ (dP - D).
@@ -204,7 +207,7 @@ def _backward_preprocess(Out, DOut, Delta, stride_ob, stride_om, n_q, dv,
 
 
 @triton.jit
-def _load_row_stats(Lse2, Delta, bh, offs_m, n_q):
+def load_row_stats(Lse2, Delta, bh, offs_m, n_q):
     # FlashAttention's convention, here where it serves: an empty row's lse -inf becomes +inf,
     # so p = exp2(s - lse) is exactly 0 on it whatever s is. Rows past Nq read +inf too.
     lse2 = tl.load(Lse2 + bh * n_q + offs_m, mask=offs_m < n_q, other=float("inf"))
@@ -214,7 +217,7 @@ def _load_row_stats(Lse2, Delta, bh, offs_m, n_q):
 
 
 @triton.jit
-def _backward_dkdv_kernel(
+def backward_dkdv_kernel(
     Q, K, V, Mask, DOut, Lse2, Delta, DK, DV,
     stride_qb, stride_qm, stride_kb, stride_kn, stride_vb, stride_vn,
     stride_mb, stride_mm, stride_ob, stride_om,
@@ -250,10 +253,10 @@ def _backward_dkdv_kernel(
                     mask=row_ok[:, None] & (offs_d[None, :] < d), other=0.0)
         do = tl.load(DOut + bh * stride_ob + offs_m[:, None] * stride_om + offs_dv[None, :],
                      mask=row_ok[:, None] & (offs_dv[None, :] < dv), other=0.0)
-        lse2, delta = _load_row_stats(Lse2, Delta, bh, offs_m, n_q)
+        lse2, delta = load_row_stats(Lse2, Delta, bh, offs_m, n_q)
         # Recompute S and P from the saved lse: one exp2 per score, no max, no sum.
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        s = _where_allowed(s, offs_m, offs_k, n_k, shift, CAUSAL)
+        s = where_allowed(s, offs_m, offs_k, n_k, shift, CAUSAL)
         if HAS_MASK:
             keep = tl.load(Mask + bh * stride_mb + offs_m[:, None] * stride_mm + offs_k[None, :],
                            mask=row_ok[:, None] & key_ok[None, :], other=0)
@@ -272,7 +275,7 @@ def _backward_dkdv_kernel(
 
 
 @triton.jit
-def _backward_dq_kernel(
+def backward_dq_kernel(
     Q, K, V, Mask, DOut, Lse2, Delta, DQ,
     stride_qb, stride_qm, stride_kb, stride_kn, stride_vb, stride_vn,
     stride_mb, stride_mm, stride_ob, stride_om,
@@ -295,7 +298,7 @@ def _backward_dq_kernel(
                 mask=row_ok[:, None] & (offs_d[None, :] < d), other=0.0)
     do = tl.load(DOut + bh * stride_ob + offs_m[:, None] * stride_om + offs_dv[None, :],
                  mask=row_ok[:, None] & (offs_dv[None, :] < dv), other=0.0)
-    lse2, delta = _load_row_stats(Lse2, Delta, bh, offs_m, n_q)
+    lse2, delta = load_row_stats(Lse2, Delta, bh, offs_m, n_q)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     shift = n_k - n_q
@@ -309,7 +312,7 @@ def _backward_dq_kernel(
         v = tl.load(V + bh * stride_vb + offs_k[:, None] * stride_vn + offs_dv[None, :],
                     mask=(offs_k[:, None] < n_k) & (offs_dv[None, :] < dv), other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        s = _where_allowed(s, offs_m, offs_k, n_k, shift, CAUSAL)
+        s = where_allowed(s, offs_m, offs_k, n_k, shift, CAUSAL)
         if HAS_MASK:
             keep = tl.load(Mask + bh * stride_mb + offs_m[:, None] * stride_mm + offs_k[None, :],
                            mask=row_ok[:, None] & (offs_k[None, :] < n_k), other=0)
@@ -388,7 +391,7 @@ def _forward(q, k, v, mask, causal, scale, rescale=True):
     lse2 = torch.empty((n_bh, n_q), dtype=torch.float32, device=DEVICE)
     if n_bh and n_q:
         grid = (triton.cdiv(n_q, BLOCK_M), n_bh)
-        _forward_kernel[grid](tq, tk, tv, tm, out, lse2, *strides, out.stride(0), out.stride(1),
+        forward_kernel[grid](tq, tk, tv, tm, out, lse2, *strides, out.stride(0), out.stride(1),
                               *sizes, RESCALE=rescale, **meta)
     return out, lse2
 
@@ -505,12 +508,12 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=False, mask=None, scal
     dq, dk, dvv = torch.empty_like(tq), torch.empty_like(tk), torch.empty_like(tv)
     if n_bh and n_q and k.shape[-2]:
         o_strides = (tout.stride(0), tout.stride(1))
-        _backward_preprocess[(triton.cdiv(n_q, BLOCK_M), n_bh)](
+        backward_preprocess_kernel[(triton.cdiv(n_q, BLOCK_M), n_bh)](
             tout, tdout, delta, *o_strides, n_q, dv, BLOCK_M=BLOCK_M, BLOCK_DV=meta["BLOCK_DV"])
         tensors = (tq, tk, tv, tm, tdout, lse2, delta)
-        _backward_dkdv_kernel[(triton.cdiv(k.shape[-2], BLOCK_N), n_bh)](
+        backward_dkdv_kernel[(triton.cdiv(k.shape[-2], BLOCK_N), n_bh)](
             *tensors, dk, dvv, *strides, *o_strides, *sizes, scale, **meta)
-        _backward_dq_kernel[(triton.cdiv(n_q, BLOCK_M), n_bh)](
+        backward_dq_kernel[(triton.cdiv(n_q, BLOCK_M), n_bh)](
             *tensors, dq, *strides, *o_strides, *sizes, scale, **meta)
     else:  # nothing to attend, or no one attending: every gradient is 0
         dq.zero_(), dk.zero_(), dvv.zero_()
