@@ -51,7 +51,8 @@ if not HAS_CUDA:
         raise RuntimeError(
             "flash_triton: no CUDA GPU, and TRITON_INTERPRET is set to "
             f"{os.environ['TRITON_INTERPRET']!r}: there is nothing to run the kernels on. "
-            "Unset it (or set TRITON_INTERPRET=1) to run them on the CPU under Triton's interpreter.")
+            "Unset it (or set TRITON_INTERPRET=1) to run them on the CPU under Triton's "
+            "interpreter.")
     # Must precede `import triton`'s first @triton.jit: the decorator reads it.
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -87,7 +88,8 @@ BLOCK_M, BLOCK_N = 32, 32
 #: log2(e): the factor that turns a natural exponent into a base-2 one, exp(x) = exp2(x·log2 e).
 LOG2E = 1.4426950408889634
 #: The bugs :func:`with_bug` can plant: name -> what the kernel then does.
-BUGS = {"missing_rescale": "l and acc are not multiplied by alpha = exp2(m - m') when the max rises"}
+BUGS = {"missing_rescale":
+        "l and acc are not multiplied by alpha = exp2(m - m') when the max rises"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,7 +363,7 @@ def _check(q, k, v, mask, causal, scale):
 
 
 def _flat(x):
-    """A contiguous (batch·heads, rows, cols) torch tensor on DEVICE, sharing x's memory on the CPU."""
+    """A contiguous (batch·heads, rows, cols) tensor on DEVICE (on the CPU, x's own memory)."""
     x = x.reshape((-1,) + x.shape[-2:])
     # torch refuses to wrap a read-only array (a broadcast view) without a warning: copy it.
     return torch.from_numpy(x if x.flags.writeable else x.copy()).to(DEVICE)

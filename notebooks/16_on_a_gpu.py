@@ -204,7 +204,8 @@ BM, BN = flash_triton.BLOCK_M, flash_triton.BLOCK_N
 n = 4096
 scores = n * n
 print(f"tile {BM} x {BN}: {BM * BN} scores, so {BM * BN} multiplies by log2(e) saved per tile")
-print(f"one head, N = {n}: {scores:,} multiplies saved; the lse conversion costs {n:,} (one per row)")
+print(f"one head, N = {n}: {scores:,} multiplies saved; the lse conversion costs {n:,} "
+      "(one per row)")
 assert math.isclose(flash_triton.LOG2E * math.log(2), 1.0, rel_tol=1e-15)
 
 # %% [markdown]
@@ -282,7 +283,8 @@ for gpu in (A100, H100):
 bq = bk = 128  # FlashAttention-2's usual tile
 extra = bq * d + bq
 print(f"FlashAttention-1's per-tile output rescale, tile {bq} x {bk}, d = {d}: {extra:,} more "
-      f"non-matmul flops per tile, {extra / (bq * bk * other_per_score):.0%} more than the softmax's")
+      f"non-matmul flops per tile, {extra / (bq * bk * other_per_score):.0%} more than the "
+      "softmax's")
 
 # %% [markdown]
 # Two percent of the flops, a third of the time: on a GPU the softmax is not free, and every
