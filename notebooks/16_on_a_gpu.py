@@ -444,7 +444,8 @@ for dtype in (np.float32, np.float16):
 # from $1/\sqrt d$) and bounds its error by twice the textbook computation's in the same dtype.
 # Its `lse` feature calls the kernel without `return_lse` and wants `(out, lse)` back, so it is
 # given `flash_triton.attention_with_lse`; from a shell this is
-# `python -m flash_check flash_triton:attention_with_lse --features causal lse --dtypes float32 float16`.
+# `python -m flash_check flash_triton:attention --features causal lse --dtypes float32 float16`
+# (the command line passes `return_lse=True` to a kernel that takes it).
 
 # %%
 report = flash_check.check_kernel(flash_triton.attention_with_lse, features=("causal", "lse"),

@@ -152,9 +152,9 @@ def test_backward_sums_over_broadcast_inputs():
 
 
 def test_flash_check_cli_passes():
-    """The issue's command, with attention_with_lse: flash_check's lse feature calls the kernel
-    without return_lse and wants (out, lse) back."""
-    cmd = [sys.executable, "-m", "flash_check", "flash_triton:attention_with_lse",
+    """The issue's command: with the lse feature, the command line calls a kernel that takes
+    return_lse with return_lse=True."""
+    cmd = [sys.executable, "-m", "flash_check", "flash_triton:attention",
            "--features", "causal", "lse", "--dtypes", "float32", "float16"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
