@@ -238,7 +238,7 @@ def tile_census(n_q, n_k, block_q, block_k):
 def draw_causal(ax, n_q, n_k, block_q, block_k):
     allowed, visited, every, needs_mask = tile_census(n_q, n_k, block_q, block_k)
     ax.imshow(allowed, cmap=plt.matplotlib.colors.ListedColormap(["white", "#9ecae1"]),
-              extent=(0, n_k, n_q, 0), aspect="auto", interpolation="nearest", vmin=0, vmax=1)
+              extent=(0, n_k, n_q, 0), aspect="equal", interpolation="nearest", vmin=0, vmax=1)
     for q_start, q_stop, k_start, k_stop in every:
         if (q_start, q_stop, k_start, k_stop) not in visited:
             ax.add_patch(plt.Rectangle((k_start, q_start), k_stop - k_start, q_stop - q_start,
@@ -260,7 +260,11 @@ def draw_causal(ax, n_q, n_k, block_q, block_k):
     return len(visited), len(every), len(needs_mask)
 
 
-fig, axes = plt.subplots(1, 3, figsize=(11, 4.5), gridspec_kw={"width_ratios": [1.2, 1, 1]})
+# Equal scales on both axes, so a query row is as tall as a key column is wide; the one-query
+# case is a strip of its own along the bottom, wide enough to read its tiles.
+fig, axd = plt.subplot_mosaic([["full", "chunk"], ["decode", "decode"]], figsize=(10, 7.2),
+                              gridspec_kw={"height_ratios": [40, 9]})
+axes = [axd["full"], axd["chunk"], axd["decode"]]
 census = {}
 for ax, (n_qc, n_kc) in zip(axes, ((40, 40), (24, 40), (1, 40))):
     census[(n_qc, n_kc)] = draw_causal(ax, n_qc, n_kc, block_q=8, block_k=8)
@@ -270,7 +274,7 @@ handles = [plt.Rectangle((0, 0), 1, 1, facecolor="#9ecae1"),
 fig.legend(handles, ["allowed pair", "visited tile (visiting order)", "skipped tile"],
            loc="lower center", ncol=3)
 fig.suptitle("Causal attention, bottom-right aligned, 8 x 8 tiles")
-fig.tight_layout(rect=(0, 0.07, 1, 1))
+fig.tight_layout(rect=(0, 0.05, 1, 1))
 plt.show()
 
 for shape, (n_visited, n_all, n_masked) in census.items():
