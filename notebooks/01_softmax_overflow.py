@@ -275,8 +275,7 @@ for dt, r in results.items():
 # the share of the true weight on wrong entries. The shaded bands are where the unsafe
 # version's output holds NaN, right of each format's threshold $\log(\text{max})$ (dotted
 # lines); the row goes wrong 0.4 (float64) and 1.6 (float32) nats left of the dotted line, too
-# close to it to see on this axis. The textbook softmax is as accurate as the safe one right up
-# to there and then falls off a cliff. The safe one stays within a few units of its format's
+# close to it to see on this axis. The safe softmax stays within a few units of its format's
 # machine epsilon (grey dotted lines, one per format) at every $m$.
 #
 # What fails is the offset of the scores, not their spread: the same rows shifted to $[-m, 0]$
@@ -339,14 +338,11 @@ plt.show()
 #   bit, and where the textbook formula does not overflow the two versions agree within 8 machine
 #   epsilons ($1.8 \times 10^{-15}$).
 # - The textbook version fails once the row's $\mathrm{lse} = \log\sum_j e^{x_j}$ passes
-#   $\log(\text{max})$, up to $\log n$ nats before its largest score does: it fails on how large
-#   the scores are, not on how widely they spread. For largest scores from
-#   $10^{-1}$ to $10^4$ nats it is as accurate as the safe one (within 4 machine epsilons) on
-#   every row whose lse is below that, and puts more than 99.99% of the true weight on wrong
-#   entries on every row whose lse is above: a cliff 0.1 nats wide, not a gradual loss. First it
-#   returns a row of exact zeros with no NaN; once the largest score passes $\log(\text{max})$,
-#   NaN. The safe version is within 4 machine epsilons of the truth at every $m$, with no wrong
-#   entry.
+#   $\log(\text{max})$, up to $\log n$ nats before its largest score does: on how large the
+#   scores are, not how widely they spread. Below that it is as accurate as the safe one (within 4
+#   machine epsilons); above, more than 99.99% of the true weight sits on wrong entries, a cliff
+#   0.1 nats wide: first exact zeros with no NaN, then, once the largest score passes
+#   $\log(\text{max})$, NaN. The safe version is within 4 machine epsilons at every $m$.
 
 # %%
 # exp overflows just above log(max) and not just below, in each format
