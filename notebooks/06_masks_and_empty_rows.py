@@ -26,9 +26,9 @@
 # - causal attention aligned bottom-right, key $j$ allowed for query $i$ iff
 #   $j \le i + (N_k - N_q)$, why that alignment, and which tiles `flash_attention` then skips, for
 #   $N_q = N_k$ and $N_q \ne N_k$;
-# - the row with no allowed key: $e^{-\infty - (-\infty)}$ is NaN, where that NaN enters a naive
-#   streaming loop (also in rows that do have allowed keys), the guard that keeps it out, and the
-#   result, an output of 0 with lse $= -\infty$, in both `flash_attention` and `naive_attention`.
+# - the row with no allowed key: where its NaN, $e^{-\infty - (-\infty)}$, enters a streaming
+#   loop (also in rows that do have allowed keys), the guard that keeps it out, and the result,
+#   output 0 with lse $= -\infty$.
 #
 # Other libraries make other choices for empty rows and for the causal diagonal; the appendix
 # (chapter 21) compares them, tested against PyTorch and JAX where they are installed.
@@ -48,11 +48,10 @@
 # masked output against the one computed after overwriting every masked-out key and value with
 # huge numbers wherever no row may see them.
 #
-# Two kernels that compute the same thing in different orders differ by rounding, and how they
-# round depends on the CPU (NumPy and BLAS pick their loops by CPU). So each such comparison in
-# this chapter is printed against one bound, $10^{-13}$ (about 450 float64 epsilons): rounding on
-# rows of at most 50 keys stays far below it, any error of the algorithm (a wrong weight, a
-# missing key) far above. The measured differences are plotted at the end of the chapter.
+# Each such comparison in this chapter is printed against one bound, $10^{-13}$ (about 450
+# float64 epsilons): rounding on rows of at most 50 keys, whose last bits are the CPU's, stays far
+# below it, any error of the algorithm (a wrong weight, a missing key) far above. The measured
+# differences are plotted at the end of the chapter.
 
 # %%
 import numpy as np
