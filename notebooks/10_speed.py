@@ -56,13 +56,11 @@ rng = np.random.default_rng(9)
 # %% [markdown]
 # ## How we time
 #
-# Wall-clock time with `time.perf_counter`, the best of several runs: the minimum is the run
-# least disturbed by other work on the machine. The kernels being compared run in turn, round
-# after round, so that a busy moment slows them alike. One trap: after a call, OpenBLAS (and
-# PyTorch's OpenMP) keep their threads spinning for a tenth of a second or so, stealing a core
-# from whatever runs next. So before each timed call, the kernel runs untimed for a moment and is
-# timed in its own steady state, as when a model calls it layer after layer. Rates count the two
-# matrix products only:
+# Wall-clock time with `time.perf_counter`, the best of several runs (the run least disturbed by
+# other work), the kernels timed in turn, round after round, so that a busy moment slows them
+# alike. After a call, OpenBLAS (and PyTorch's OpenMP) keep their threads spinning for about
+# 0.1 s, stealing a core from whatever runs next, so each kernel first runs untimed for a moment
+# and is timed in its own steady state. Rates count the two matrix products only:
 #
 # $$\text{FLOP} = \underbrace{2 N_q N_k d}_{q k^\top} + \underbrace{2 N_q N_k d_v}_{P v}
 #   = 4 N^2 d \quad (N_q = N_k = N,\ d_v = d) ,$$
