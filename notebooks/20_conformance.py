@@ -195,15 +195,13 @@ for dtype, (runs, within, ratio, floor) in flash_stats.items():
 # %% [markdown]
 # Every case run met the bound. How close each came depends on the CPU, and the plot below shows
 # every case run: each kernel's error against naive's, with the bound as a line, and in each
-# panel's title the largest ratio and the floor needed on the machine that built this page. We
-# measured them on one machine with NumPy's AVX-512, AVX2 and baseline loops and with OpenBLAS's
-# SkylakeX and Haswell kernels: in float64 and float32 the largest ratio was 1.2 to 1.4 and the
-# floor needed at most 5.3 eps (float64; 3.8 in float32), the 7 × 1 tiles' thousand rescales.
-# With OpenBLAS forced to its older Sandybridge kernel (no fused multiply-add), the largest ratio
-# was 2.0 in float64 and 2.3 in float32: there the kernel's rounding and naive's differed by
-# more than a factor of 2, and the floor of 8 eps carried the difference (47 eps against
-# 2 × 20.7 + 8). So neither the factor nor the floor is the bound alone; their sum is, and a
-# kernel must meet it on every case. In float16 every kernel's error is, nearly everywhere, the
+# panel's title the largest ratio and the floor needed on the machine that built this page.
+# Over NumPy's AVX-512, AVX2 and baseline loops and OpenBLAS's SkylakeX and Haswell kernels, the
+# largest ratio was 1.2 to 1.4 and the floor needed at most 5.3 eps (float64; 3.8 in float32),
+# the 7 × 1 tiles' thousand rescales. With OpenBLAS's older Sandybridge kernel (no fused
+# multiply-add) the ratio reached 2.0 (float64) and 2.3 (float32), and the floor of 8 eps carried
+# the difference (47 eps against 2 × 20.7 + 8): neither the factor nor the floor is the bound
+# alone; their sum is. In float16 every kernel's error is, nearly everywhere, the
 # final rounding to float16 (half an ulp of each output), the same for naive, so a floor of one
 # eps suffices; where it is more (`float16_overflow`, whose scores near $10^5$ carry their
 # float32 rounding into the weights, up to 19 eps with the Haswell kernel), naive's error is
@@ -212,6 +210,9 @@ for dtype, (runs, within, ratio, floor) in flash_stats.items():
 # %%
 # One dtype per row: three panels side by side would be drawn at two thirds of their size.
 fig, axes = plt.subplots(3, 1, figsize=(8, 12), sharex=True)
+# the x axis ends just past the largest naive error of any panel, not at an arbitrary 10^3
+x_hi = 2 * max(r.out_naive / float(np.finfo(r.dtype).eps) for report in measured_kernels.values()
+               for r in report.results if r.out_error is not None)
 for ax, dtype in zip(axes, flash_check.DTYPES):
     eps = float(np.finfo(dtype).eps)
     for i, (name, report) in enumerate(measured_kernels.items()):
@@ -219,7 +220,8 @@ for ax, dtype in zip(axes, flash_check.DTYPES):
                         if r.dtype == dtype and r.out_error is not None])
         ax.scatter(np.maximum(pts[:, 0], eps / 10) / eps, np.maximum(pts[:, 1], eps / 10) / eps,
                    s=14, color=f"C{i}", label=name, alpha=0.8)
-    x = np.logspace(-1, 3, 50)
+    x = np.logspace(-1, np.log10(x_hi), 50)
+    ax.set_xlim(0.07, x_hi)
     ax.plot(x, flash_check.FACTOR * x + flash_check.OUT_FLOOR[dtype] / eps, "k--", lw=1,
             label="bound: 2 x naive + floor")
     ax.set_xscale("log")
