@@ -35,7 +35,7 @@ __all__ = [
     "flash_attention_with_kvcache",
 ]
 
-#: Keys per split of the KV cache (one default key block of flash_lib): a decoding step's scratch
+#: Keys per split of the KV cache, one default key block of flash_lib. A decoding step's scratch
 #: is a few chunks' worth, whatever the cache's length.
 KV_CHUNK = flash_lib.DEFAULT_BLOCK_K
 
