@@ -146,25 +146,13 @@ def dask_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=F
     pair_name, merge_name, empty_name = _PAIR + token, _MERGE + token, _EMPTY + token
     layer = {}
     finals = []
-    q_starts, k_starts = np.cumsum((0,) + q_chunks), np.cumsum((0,) + k_chunks)
-    # The shard pairs with a pair causality allows: the kernel's own schedule, shards for tiles.
-    pairs = set(flash_lib.tile_schedule(n_q, n_k, q_chunks, k_chunks, causal))
+    pairs = _shard_pairs(n_q, n_k, q_chunks, k_chunks, causal, numpy_mask)
     for i, n_qi in enumerate(q_chunks):
         parts = []
-        for j, n_kj in enumerate(k_chunks):
-            if (q_starts[i], q_starts[i + 1], k_starts[j], k_starts[j + 1]) not in pairs:
-                continue  # empty, or wholly above the diagonal
-            # In the pair's own coordinates, query r may see key c iff c <= r + delta.
-            delta = int(q_starts[i] - k_starts[j] + (n_k - n_q))
-            crossing = causal and delta < n_kj - 1  # else its first query sees every key
-            if numpy_mask is not None and not _any_allowed(
-                    numpy_mask[..., q_starts[i]:q_starts[i + 1], k_starts[j]:k_starts[j + 1]],
-                    delta if crossing else None):
-                continue
+        for j, delta in pairs.get(i, {}).items():
             key = (pair_name, i, j)
             # scale=None lets every shard's flash_attention pick the default, 1/sqrt(d)
-            task = functools.partial(_attend_pair, scale=scale,
-                                     delta=delta if crossing else None, work=work)
+            task = functools.partial(_attend_pair, scale=scale, delta=delta, work=work)
             shards = (_block_key(q, i), _block_key(k, j), _block_key(v, j))
             layer[key] = (task, *shards) + (() if mask is None else (_mask_key(mask, i, j),))
             parts.append(key)
@@ -172,20 +160,7 @@ def dask_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=F
             key = (empty_name, i)
             layer[key] = (functools.partial(_no_keys, batch + (n_qi,), dv, work),)
             parts = [key]
-        level = 0
-        while len(parts) > 1:  # the merge tree, split_every parts per task
-            level += 1
-            merged = []
-            for g in range(0, len(parts), split_every):
-                group = parts[g:g + split_every]
-                if len(group) == 1:
-                    merged.append(group[0])  # nothing to merge: passed up a level unchanged
-                    continue
-                key = (merge_name, i, level, g // split_every)
-                layer[key] = (_merge_parts, *group)
-                merged.append(key)
-            parts = merged
-        finals.append(parts[0])
+        finals.append(_tree(layer, (merge_name, i), parts, split_every, _merge_parts))
 
     inputs = [x for x in (q, k, v, mask) if x is not None]
     graph = HighLevelGraph.from_collections(pair_name, layer, dependencies=inputs)
@@ -348,6 +323,54 @@ def _any_allowed(mask_block, delta):
     shift = delta - (n_k - n_q)
     causal = flash_lib.causal_mask(n_q + max(-shift, 0), n_k + max(shift, 0))[:n_q, :n_k]
     return bool((mask_block & causal).any())
+
+
+def _shard_pairs(n_q, n_k, q_chunks, k_chunks, causal, numpy_mask):
+    """The shard pairs that get a task, forward and backward: ``{i: {j: delta}}`` in order.
+
+    A pair is left out when causality forbids all of it (the kernel's own schedule, shards for
+    tiles) or when a NumPy ``mask`` allows none of its pairs within causality. ``delta`` is None
+    when causality allows every pair of the two shards (or causal is off); else the pair crosses
+    the diagonal and query ``r`` of the shard may see key ``c`` iff ``c <= r + delta``.
+    """
+    q_starts, k_starts = np.cumsum((0,) + q_chunks), np.cumsum((0,) + k_chunks)
+    scheduled = set(flash_lib.tile_schedule(n_q, n_k, q_chunks, k_chunks, causal))
+    pairs = {}
+    for i in range(len(q_chunks)):
+        for j, n_kj in enumerate(k_chunks):
+            if (q_starts[i], q_starts[i + 1], k_starts[j], k_starts[j + 1]) not in scheduled:
+                continue  # empty, or wholly above the diagonal
+            # In the pair's own coordinates, query r may see key c iff c <= r + delta.
+            delta = int(q_starts[i] - k_starts[j] + (n_k - n_q))
+            crossing = causal and delta < n_kj - 1  # else its first query sees every key
+            if numpy_mask is not None and not _any_allowed(
+                    numpy_mask[..., q_starts[i]:q_starts[i + 1], k_starts[j]:k_starts[j + 1]],
+                    delta if crossing else None):
+                continue
+            pairs.setdefault(i, {})[j] = delta if crossing else None
+    return pairs
+
+
+def _tree(layer, prefix, parts, split_every, combine):
+    """Add to ``layer`` a tree of ``combine`` tasks of fan-in ``split_every`` over ``parts``.
+
+    The keys are ``prefix + (level, index)``; returns the key of the root (``parts[0]`` itself
+    when there is one part: nothing to combine).
+    """
+    level = 0
+    while len(parts) > 1:
+        level += 1
+        combined = []
+        for g in range(0, len(parts), split_every):
+            group = parts[g:g + split_every]
+            if len(group) == 1:
+                combined.append(group[0])  # nothing to combine: passed up a level unchanged
+                continue
+            key = prefix + (level, g // split_every)
+            layer[key] = (combine, *group)
+            combined.append(key)
+        parts = combined
+    return parts[0]
 
 
 def _block_key(x, i):
