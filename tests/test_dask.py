@@ -699,3 +699,46 @@ def test_backward_errors_name_the_argument_and_the_chunks():
         flash_dask.dask_attention_backward(q, k, v, out, lse, out.astype(int))
     with pytest.raises(ValueError, match="split_every must be an integer >= 2"):
         flash_dask.dask_attention_backward(q, k, v, out, lse, out, split_every=1)
+
+
+def test_a_worker_killed_mid_backward_loses_nothing(client):
+    """As for the forward: SIGKILL the worker holding the most finished backward pair results.
+
+    The forward's out and lse are computed and held on the cluster first, so the kill hits the
+    backward; the inputs the victim held are lost with it and recomputed too. The test checks
+    its premise (the kill came while the backward ran, the victim held its partial results,
+    some were computed again) and that the gradients equal flash_attention_backward's.
+    """
+    n, d, shard = 8192, 64, 1024
+    rng = da.random.default_rng(2027)
+    q, k, v, dout = (rng.standard_normal((n, d), chunks=(shard, d)) for _ in range(4))
+    out, lse = flash_dask.dask_attention(q, k, v, causal=True, return_lse=True)
+    held = client.persist([q, k, v, out, lse, dout])
+    client.gather(client.compute(held[3:5]))  # the forward is done before the clock starts
+    grads = flash_dask.dask_attention_backward(*held, causal=True)  # 36 pairs
+    prefix = "flash-attention-backward-"
+    pids = client.run(os.getpid)
+    futures = client.compute(list(grads))
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while True:  # wait until 6 of the 36 pairs' shares are done, then strike
+            in_memory = client.run_on_scheduler(_keys_in_memory, prefix=prefix + "pair-")
+            if sum(in_memory.values()) >= 6 or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        victim = max(in_memory, key=in_memory.get)
+        assert in_memory[victim] >= 1, "no partial result in memory to lose"
+        assert not all(f.done() for f in futures), "the backward finished before the kill"
+        os.kill(pids[victim], signal.SIGKILL)
+        got = client.gather(futures)  # raises if a result was lost for good
+    finally:
+        client.cancel(futures)
+        client.wait_for_workers(2, timeout=TIMEOUT)
+    assert pids[victim] not in client.run(os.getpid).values(), "the victim still runs"
+    recomputed = client.run_on_scheduler(_computed_twice, prefix=prefix)
+    assert recomputed, "nothing was recomputed: the kill did not hit the backward"
+    q, k, v, dout = client.compute([q, k, v, dout], sync=True)
+    ref_out, ref_lse = flash_lib.flash_attention(q, k, v, causal=True, return_lse=True)
+    _assert_grads_equal(got, flash_lib.flash_attention_backward(q, k, v, ref_out, ref_lse, dout,
+                                                                causal=True))
+    del held
