@@ -17,6 +17,19 @@ pairs wholly above the (bottom-right aligned) diagonal are never put in the grap
 are the shard pairs of a NumPy ``mask`` that allow nothing. Nothing here starts a cluster: the
 graph runs on whatever scheduler computes it (threads, processes, ``distributed``).
 
+:func:`dask_attention_backward` is the same graph for the gradients: one
+``flash_attention_backward`` task per shard pair of the forward (one helper selects the pairs
+for both), given the forward's global ``out`` and ``lse`` of its query shard, which make the
+pair's terms exactly its share of the gradients; ``dq`` is summed over key shards and ``dk``,
+``dv`` over query shards, by trees of fan-in ``split_every``.
+
+Where the time goes, on 2 worker processes of one core each (the forward, N = 65536, shards of
+4096, 256 pair tasks; distributed's task stream, on a 2-core machine shared with other jobs): the
+workers computed pair tasks for 98% of the run, waited on transfers for 1-2% and idled under 1%;
+merges were 1.5% of the compute; 342 MiB (3.6 × q+k+v) moved between them, mostly partial
+outputs sent to another worker's merge. So the graph keeps both workers busy, and a run is as
+fast as its pair tasks, which run slower side by side than alone when the cores are shared.
+
 Memory: a pair task holds its q, k and v shards, its partial result and ``flash_attention``'s
 tile scratch, so a worker's working set is set by the shard sizes, never by ``Nq`` or ``Nk``.
 Only the partials of one query shard's merge tree meet, ``O(split_every)`` at a time.
