@@ -114,7 +114,8 @@ class Problem:
         if not self.groups or x is None:
             return x
         lead = len(self.batch) - 2
-        return x.reshape(x.shape[:lead] + (-1,) + x.shape[lead + 2:])
+        heads = x.shape[lead] * x.shape[lead + 1]  # not -1: an empty result has no size to divide
+        return x.reshape(x.shape[:lead] + (heads,) + x.shape[lead + 2:])
 
     def input_shapes(self, dq, dk, dv):
         """Gradients in the caller's shapes of q, k, v (undoing the grouped-query split)."""
@@ -169,10 +170,23 @@ def check_saved(problem, out=None, lse=None, dout=None):
                 f"{name} must have shape {shapes[name]}, what the forward returns for these q, k, v "
                 f"(and mask), got {x.shape}"
             )
+        x = c_order(x)
         if problem.groups:
             x = split_heads(x, -2 if name == "lse" else -3, problem.groups)
         checked.append(x)
     return checked[0] if len(checked) == 1 else tuple(checked)
+
+
+def c_order(x):
+    """``x`` in C order, so that no result depends on the caller's memory layout (BLAS and
+    NumPy's loops pick their kernels and summation orders by strides: a Fortran-order, strided
+    or transposed ``k`` moved results by an ulp). A no-op for a C-contiguous array; axes
+    broadcast with stride 0 stay broadcast (never materialised), the rest is copied once."""
+    if x.flags.c_contiguous:
+        return x
+    stretched = tuple(slice(0, 1) if n > 1 and st == 0 else slice(None)
+                      for n, st in zip(x.shape, x.strides))
+    return np.broadcast_to(np.ascontiguousarray(x[stretched]), x.shape)
 
 
 def as_float_array(name, x, longdouble=False):
@@ -192,12 +206,13 @@ def check_float_array(name, x, longdouble=False):
 
 def check_merge(out_a, lse_a, out_b, lse_b):
     """The arguments of ``merge_attention``, checked."""
-    out_a = as_float_array("out_a", out_a, longdouble=True)
-    out_b = as_float_array("out_b", out_b, longdouble=True)
-    lse_a, lse_b = np.asarray(lse_a), np.asarray(lse_b)
+    out_a = c_order(as_float_array("out_a", out_a, longdouble=True))
+    out_b = c_order(as_float_array("out_b", out_b, longdouble=True))
+    lse_a, lse_b = c_order(np.asarray(lse_a)), c_order(np.asarray(lse_b))
     for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
-        if x.dtype.type not in FLOAT_DTYPES + (np.longdouble,):
-            raise TypeError(f"{name} must be a float array, got dtype {x.dtype}")
+        if x.dtype != np.longdouble and not is_float(x.dtype):
+            raise TypeError(f"{name} must be a {FLOAT_NAMES} (or longdouble) array, got dtype "
+                            f"{x.dtype}")
     if out_a.shape != out_b.shape:
         raise ValueError(
             f"out_a and out_b must have the same shape, got {out_a.shape} and {out_b.shape}"
@@ -242,24 +257,37 @@ def checked_scale(scale, d, acc):
     """``scale`` as a float64, refused unless it is a normal number of the compute dtype."""
     if scale is None:
         return 1.0 / math.sqrt(d) if d > 0 else 1.0
-    if (
-        isinstance(scale, bool)
-        or not isinstance(scale, numbers.Real)
-        or scale != scale  # NaN
-        or scale <= 0
-        or (not isinstance(scale, numbers.Integral) and np.isinf(scale))
-    ):
-        raise ValueError(f"scale must be a finite positive number, got {scale!r}")
+    return checked_real("scale", scale, acc, what="a finite positive number")
+
+
+def as_float64(name, value, what):
+    """A real number as a float64 (±inf beyond its range), or a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
     with np.errstate(over="ignore", under="ignore"):  # a longdouble beyond float64's range
         try:
-            as_float = float(scale)
-        except OverflowError:  # an int such as 10**400
-            as_float = math.inf
+            return float(value)
+        except OverflowError:  # an int such as 10**400, a Fraction beyond float64
+            return math.inf if value > 0 else -math.inf
+
+
+def checked_real(name, value, acc, *, what, limit=None, limit_why=""):
+    """The one check of a scalar parameter (``scale``, ``softcap``, each ALiBi slope) against
+    the compute dtype ``acc``: a positive number that ``acc`` holds as a normal number, at most
+    ``limit`` (default ``finfo(acc).max``); returned as a float64. Any ``numbers.Real`` (int,
+    Fraction, NumPy scalar, longdouble) is accepted; the error names the argument, its value
+    and the range, so that nothing the kernels compute from it overflows or vanishes."""
+    as_float = as_float64(name, value, what)
+    # the value itself, not its float64 (a longdouble 1e-4000 is positive, and too small)
+    if not value > 0 or value == math.inf:  # NaN, <= 0, inf (not a huge finite number)
+        raise ValueError(f"{name} must be {what}, got {value!r}")
     info = np.finfo(acc)
-    if not float(info.tiny) <= as_float <= float(info.max):
+    low, high = float(info.tiny), float(info.max) if limit is None else limit
+    if not low <= as_float <= high:
+        where = (f"the normal range of the compute dtype {acc}" if limit is None else
+                 f"the range where the compute dtype {acc} holds it{limit_why}")
         raise ValueError(
-            f"scale = {scale!r} is outside the normal range of the compute dtype {acc} "
-            f"[{float(info.tiny):.4g}, {float(info.max):.4g}]: in {acc} it "
+            f"{name} = {value!r} is outside {where} [{low:.4g}, {high:.4g}]: in {acc} it "
             f"{'overflows' if as_float > 1 else 'vanishes'}"
         )
     return as_float
@@ -282,6 +310,7 @@ def check_inputs(*, q, k, v, mask, causal, scale, window, softcap, alibi_slopes,
     v = as_float_array("v", v)
     mask = None if mask is None else np.asarray(mask)
     groups, batch, user_batch = check_arrays(q, k, v, mask, enable_gqa=enable_gqa)
+    q, k, v = c_order(q), c_order(k), c_order(v)  # after the checks: never copy what is refused
     shapes = (q.shape, k.shape, v.shape)
     if groups:
         q = split_heads(q, -3, groups)
@@ -295,8 +324,8 @@ def check_inputs(*, q, k, v, mask, causal, scale, window, softcap, alibi_slopes,
     scale = checked_scale(scale, d, acc)
     scale_q, scale_k = split_scale(scale)
     return Problem(q=q, k=k, v=v, mask=mask, band=band, scale=scale, scale_q=scale_q,
-                   scale_k=scale_k, softcap=checked_softcap(softcap),
-                   alibi=checked_alibi(alibi_slopes, user_batch, groups),
+                   scale_k=scale_k, softcap=checked_softcap(softcap, acc),
+                   alibi=checked_alibi(alibi_slopes, user_batch, groups, acc, n_q, n_k),
                    mask_mod=checked_mask_mod(mask_mod), batch=batch, out_dtype=out_dtype, acc=acc,
                    groups=groups, shapes=shapes, user_batch=user_batch)
 
@@ -407,15 +436,11 @@ def checked_window(window):
     return tuple(None if value is None else int(value) for value in window)
 
 
-def checked_softcap(softcap):
+def checked_softcap(softcap, acc):
     if softcap is None:
         return None
-    if (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
-            or not math.isfinite(softcap) or softcap <= 0):
-        raise ValueError(
-            f"softcap must be a finite positive number (None turns it off), got {softcap!r}"
-        )
-    return float(softcap)
+    return checked_real("softcap", softcap, acc,
+                        what="a finite positive number (None turns it off)")
 
 
 def broadcasts_to(shape, target):
@@ -426,7 +451,9 @@ def broadcasts_to(shape, target):
         return False
 
 
-def checked_alibi(slopes, batch, groups):
+def checked_alibi(slopes, batch, groups, acc, n_q, n_k):
+    """The slopes, shaped (..., 1, 1), each checked by :func:`checked_real`: a bias
+    ``-slope · distance`` (distance up to ``max(Nq, Nk) - 1``) must not overflow ``acc``."""
     if slopes is None:
         return None
     slopes = np.asarray(slopes)
@@ -437,9 +464,18 @@ def checked_alibi(slopes, batch, groups):
             f"alibi_slopes of shape {slopes.shape} does not broadcast to the leading (batch, "
             f"head) dims {batch}: give one slope per head, e.g. shape (H,) or (B, H)"
         )
-    slopes = slopes.astype(np.float64)
+    with np.errstate(over="ignore"):  # a longdouble beyond float64: refused below
+        slopes = slopes.astype(np.float64)
     if not np.isfinite(slopes).all():
         raise ValueError(f"alibi_slopes must be finite, got {slopes}")
+    # A slope of 0 is no bias; any other must be normal in acc, and its largest bias finite
+    # (an infinite one gives inf - inf or 0 · inf, NaN, where a distance is 0).
+    limit = float(np.finfo(acc).max) / max(1, n_q - 1, n_k - 1)
+    nonzero = slopes[slopes != 0]
+    extremes = (nonzero[np.abs(nonzero).argmin()], nonzero[np.abs(nonzero).argmax()])
+    for slope in extremes if nonzero.size else ():  # the smallest and the largest in size
+        checked_real("each of alibi_slopes", abs(float(slope)), acc, what="finite", limit=limit,
+                     limit_why=f" as slope · distance, distance up to {max(1, n_q - 1, n_k - 1)}")
     slopes = slopes[..., None, None]  # broadcasts against a tile's (rows, keys)
     return split_heads(slopes, -3, groups) if groups else slopes
 

@@ -35,6 +35,8 @@ Contracts, the same in every kernel here (README.md and the chapters say why and
 * The scale ``τ = r·2^e`` is applied as ``q · r·2^a`` and ``k · 2^b``, ``a + b = e``, ``b = trunc(e/2)``.
 * Threads (:func:`threads`, ``FLASH_LIB_THREADS``) and BLAS held at one thread: the same bits
   on any number of threads, from any calling thread; Ctrl-C stops a call within about a tile.
+* The same bits in any memory layout: an input not in C order is copied to it once per call
+  (axes broadcast with stride 0 stay views), since BLAS and NumPy pick kernels by strides.
 * float16 and bfloat16 (``ml_dtypes``) compute in float32; without ml_dtypes bfloat16 is refused.
 
 Beside this file, private to it (copy them with it): ``_flash_inputs.py`` (the checks),
@@ -87,13 +89,10 @@ DEFAULT_BLOCK_Q = 512
 #: Keys in one tile, by default (chosen with ``DEFAULT_BLOCK_Q``).
 DEFAULT_BLOCK_K = 512
 
-# The process-wide default thread count: FLASH_LIB_THREADS, read at import (default: the number
-# of cores, at most 4). Chapters 8, 9, 12, 14 and bench/ still read it, and chapter 12 sets it,
-# until they use thread_count() and threads(): so it is honoured here, below threads().
+# The default thread count: FLASH_LIB_THREADS, read at import (default: the number of cores, at
+# most 4); threads(n) overrides it for one context.
 _THREADS = _runtime.threads_from_environment()
 _THREADS_HERE = contextvars.ContextVar("flash_lib_threads", default=None)
-# Chapter 12 compares its own split with this name until it imports _flash_inputs.split_scale.
-_split_scale = _inputs.split_scale
 
 
 @contextlib.contextmanager
@@ -207,8 +206,9 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
     causal : bool
         Also forbid key ``j`` for query ``i`` unless ``j <= i + (Nk - Nq)`` (bottom-right).
     scale : float, optional
-        τ, multiplies the scores; default ``1 / sqrt(d)``. Must be a normal number of the
-        compute dtype (float32 for half-precision inputs).
+        τ, multiplies the scores; default ``1 / sqrt(d)``. Any real number (int, Fraction,
+        NumPy scalar) that is a positive normal number of the compute dtype (float32 for
+        half-precision inputs); ``softcap`` and the ALiBi slopes are checked the same way.
     block_q, block_k : int
         Tile size: queries per block and keys per block. The last blocks may be partial.
     return_lse : bool
@@ -220,10 +220,12 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
         masks. Tiles outside the band are never computed: the cost grows as N·(left + right).
     softcap : float > 0, optional
         ``s ← softcap · tanh(s / softcap)`` on the scaled scores, before the bias and the masks
-        (FlashAttention, Gemma 2).
+        (FlashAttention, Gemma 2). A normal number of the compute dtype.
     alibi_slopes : array, optional
         Broadcastable to the leading (batch, head) dims, e.g. ``(H,)`` or ``(B, H)``: adds
-        ``-slope · |i + (Nk - Nq) - j|`` to the (capped) scores, FlashAttention's ALiBi.
+        ``-slope · |i + (Nk - Nq) - j|`` to the (capped) scores, FlashAttention's ALiBi. Each
+        nonzero slope normal in the compute dtype, and its bias at distance
+        ``max(Nq, Nk) - 1`` finite there.
     enable_gqa : bool
         Grouped-query attention, as PyTorch SDPA's ``enable_gqa``: axis -3 of ``q`` holds ``Hq``
         heads, of ``k`` and ``v`` ``Hkv`` heads dividing ``Hq``; query head ``h`` attends kv
@@ -436,21 +438,20 @@ def _scores(problem, q, k, q_start, q_stop, k_start, k_stop, out=None, grad=Fals
     ``q``, ``k``: the tile's scaled queries and keys. With ``grad=True`` also returns
     ``dS_capped / dS = 1 - tanh²(S / softcap)`` (None without softcap), which the backward needs.
     """
+    if out is None:  # the whole batch, as the forward's buffer: v, mask may add batch dims
+        out = np.empty(problem.batch + (q_stop - q_start, k_stop - k_start), np.result_type(q, k))
     s = np.matmul(q, np.swapaxes(k, -1, -2), out=out)
     slope = None
     if problem.softcap is not None:
         cap = s.dtype.type(problem.softcap)
-        t = np.tanh(np.divide(s, cap, out=s), out=s)  # t = tanh(s / c)
+        with np.errstate(over="ignore"):  # |s / c| beyond the dtype is ±inf, and tanh(±inf) = ±1
+            t = np.tanh(np.divide(s, cap, out=s), out=s)  # t = tanh(s / c)
         slope = 1 - t * t if grad else None
         np.multiply(t, cap, out=s)  # s ← c·tanh(s / c)
     if problem.alibi is not None:
         i = np.arange(q_start, q_stop)[:, None] + (problem.n_k - problem.n_q)
         distance = np.abs(i - np.arange(k_start, k_stop)[None, :]).astype(s.dtype)
-        bias = -problem.alibi.astype(s.dtype) * distance  # -slope·|i + (Nk - Nq) - j|
-        if np.broadcast_shapes(s.shape, bias.shape) == s.shape:
-            s += bias
-        else:
-            s = s + bias
+        s -= problem.alibi.astype(s.dtype) * distance  # -slope·|i + (Nk - Nq) - j|
     return (s, slope) if grad else s
 
 
@@ -489,16 +490,23 @@ def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=
     dp = dout @ np.swapaxes(v, -1, -2)
     # dS_ij = P_ij ∘ (dP_ij - D_i)
     ds = np.multiply(p, np.subtract(dp, D[..., None], out=dp), out=dp)
-    if allowed is not None:
-        # inf or NaN in V_j made dP NaN at masked pairs too: their dS is 0
-        np.copyto(ds, 0, where=~allowed)
     if slope is not None:
         # through softcap: dS_raw = dS ∘ (1 - tanh²(S_raw / c))
         ds *= slope
+    # inf or NaN in V_j (dP) or K_j, Q_i (the slope) reached masked pairs too: their dS is 0
+    _masked_pairs_zero(ds, allowed)
     # dK_j += dS_ijᵀ Q_i
     dk += matmul(np.swapaxes(ds, -1, -2), q, "q")
     # dQ_i += dS_ij K_j
     return matmul(ds, k, "k")
+
+
+def _masked_pairs_zero(ds, allowed):
+    """The one rule for masked pairs in every backward (flash's tiles, naive's and precise's
+    dense chain): their ``dS`` is exactly 0, set last, after every factor of the chain rule
+    (``dP - D``, softcap's ``1 - tanh²``), whatever inf or NaN those factors held there."""
+    if allowed is not None:
+        np.copyto(ds, 0, where=~allowed)
 
 
 def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False, scale=None,
@@ -541,8 +549,11 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
     so ``P = 0`` exactly: their ``dq`` row is exactly 0 and they add nothing to ``dk``, ``dv``.
     A key no row attends gets ``dk = dv = 0`` exactly. Non-finite values follow the forward's
     rule: an inf or NaN in ``q``, ``k``, ``v`` or ``dout`` reaches only the pairs allowed to
-    meet it; a NaN in row ``i`` of ``q`` makes row ``i`` of ``dq`` NaN, and, through ``P_ij``,
-    the ``dk``, ``dv`` rows of the keys row ``i`` attends (what IEEE arithmetic gives).
+    meet it (softcap's ``1 - tanh²`` included: a masked pair's ``dS`` is 0, set last); a NaN in
+    row ``i`` of ``q`` makes row ``i`` of ``dq`` NaN, and, through ``P_ij``, the ``dk``, ``dv``
+    rows of the keys row ``i`` attends (what IEEE arithmetic gives). An inf in row ``i`` of
+    ``dout`` does the same to ``dq`` and ``dk`` (``D_i`` is NaN, as the dense chain's
+    ``dP_ij - rowsum(P ∘ dP)`` is at every allowed pair), and gives ``dv`` IEEE's ``Pᵀ dO``.
     """
     problem = _problem(locals())
     block_q = _inputs.int_at_least("block_q", block_q, 1)
@@ -553,8 +564,11 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
     D = np.empty(batch + (n_q,), acc)
     for q_start, q_stop in _blocks(n_q, block_q):
         rows = slice(q_start, q_stop)
-        D[..., rows] = np.einsum("...c,...c->...", dout[..., rows, :].astype(acc, copy=False),
-                                 out[..., rows, :].astype(acc, copy=False))
+        dout_rows = dout[..., rows, :].astype(acc, copy=False)
+        D[..., rows] = np.einsum("...c,...c->...", dout_rows, out[..., rows, :].astype(acc, copy=False))
+        # An inf in dO_i makes every allowed dS_ij NaN in the dense chain (dP_ij - rowsum(P ∘ dP)
+        # is inf - inf or NaN there); dO_i·O_i is ±inf instead, and dP_ij - D_i could be ±inf.
+        D[..., rows] = np.where(np.isfinite(dout_rows).all(axis=-1), D[..., rows], np.nan)
     lse = np.where(lse == -np.inf, np.inf, lse).astype(acc, copy=False)
     dq = np.zeros(problem.q.shape, acc)  # the shares Σ_j dS_ij K_j, times τ_q at the end
     dk = np.zeros(problem.k.shape, problem.k.dtype)
@@ -662,8 +676,6 @@ def _dense_softmax(problem, dtype, grad=False):
     allowed = _dense_allowed(problem)
     if allowed is not None:
         s = np.where(allowed, s, -np.inf)
-    if not grad:  # v or mask may carry more batch dims (the backward's dout broadcasts p)
-        s = np.broadcast_to(s, problem.batch + s.shape[-2:])
     m = s.max(axis=-1, initial=-np.inf)
     p = np.exp(s - _reference(m)[..., None])
     return (s, p, m, allowed, slope) if grad else (p, m, allowed)
@@ -718,7 +730,7 @@ def _dense_backward(problem, dout, dtype):
     n_q, n_k = problem.n_q, problem.n_k
     q, k, v = problem.q_tile(0, n_q, dtype), problem.k_tile(0, n_k, dtype), problem.v_tile(0, n_k, dtype)
     dout = dout.astype(dtype)
-    # s stays alive as in a textbook backward: chapter 12 counts S, P, dP, dS at the peak
+    # s stays alive as in a textbook backward: chapter 13 counts S, P, dP, dS at the peak
     s, p, m, allowed, slope = _dense_softmax(problem, dtype, grad=True)
     l = p.sum(axis=-1)
     p /= np.where(l == 0, 1, l)[..., None]  # P = softmax(S); an empty row stays 0
@@ -728,10 +740,9 @@ def _dense_backward(problem, dout, dtype):
     if allowed is not None:  # what a masked pair's dP holds must not reach rowsum(P ∘ dP)
         dp = np.where(allowed, dp, 0)
     ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
-    if allowed is not None:
-        ds = np.where(allowed, ds, 0)
     if slope is not None:  # the chain rule through softcap
         ds = ds * slope
+    _masked_pairs_zero(ds, allowed)
 
     def matmul(a, b, allowed_for_a, name, x):
         bad = None if allowed is None else problem.nonfinite_rows(name, 0, x.shape[-2], x)

@@ -9,6 +9,8 @@ Measured side by side in one run, for d = 64 and N queries = N keys:
 * flash time / ``torch.nn.functional.scaled_dot_product_attention`` time, when PyTorch is
   installed (``pip install -e '.[bench]'``; its CPU build is enough);
 * causal attention at one or two N, and N = 32768 float64 for flash alone;
+* a packed ragged batch, lengths (4096, 64 × 16), through ``flash_serving.flash_attention_varlen``
+  against the same batch padded to 4096 with a key mask: tiles visited and time;
 * a closing "targets" section: each criterion of ``TARGETS`` (what is measured, the bound, why),
   PASS or FAIL, with the number.
 
@@ -51,6 +53,7 @@ import time
 import numpy as np
 
 import flash_lib
+import flash_serving
 from timing import best_times  # bench/timing.py, beside this script
 
 D = 64
@@ -645,6 +648,47 @@ def big_n(args):
     return rec
 
 
+#: The packed batch of the serving rows: one long sequence and sixteen short ones.
+PACKED_LENGTHS = (4096,) + (64,) * 16
+
+
+def packed_table(args):
+    """A ragged batch packed end to end (flash_serving.flash_attention_varlen) against the same
+    batch padded to its longest sequence with a key-padding mask (flash_attention on (B, N, d)):
+    tiles visited and time, side by side, float64, not causal."""
+    dtype, lengths = np.float64, PACKED_LENGTHS
+    n_max, total = max(lengths), sum(lengths)
+    log(f"\n# packed vs padded, float64, d = {D}: lengths (4096, 64 x 16), {total} tokens; padded "
+        f"to {len(lengths)} x {n_max} with a key mask")
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((total, D)).astype(dtype) for _ in range(3))
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    pad = np.zeros((3, len(lengths), n_max, D), dtype)
+    for b, (start, n) in enumerate(zip(cu[:-1], lengths)):
+        for x, src in zip(pad, (q, k, v)):
+            x[b, :n] = src[start:start + n]
+    mask = (np.arange(n_max)[None, None, :] < np.array(lengths)[:, None, None])
+    packed = lambda: flash_serving.flash_attention_varlen(q, k, v, cu, cu)  # noqa: E731
+    padded = lambda: flash_lib.flash_attention(pad[0], pad[1], pad[2], mask=mask)  # noqa: E731
+    out, out_pad = packed(), padded()
+    err = check("packed vs padded float64", np.concatenate(
+        [out_pad[b, :n] for b, n in enumerate(lengths)]), out, dtype)
+    best, _ = best_times({"packed": packed, "padded": padded}, args.seconds)
+    bq, bk = flash_lib.DEFAULT_BLOCK_Q, flash_lib.DEFAULT_BLOCK_K
+    tiles = len(flash_serving.varlen_tile_schedule(cu, cu, bq, bk))
+    alone = sum(len(flash_lib.tile_schedule(n, n, bq, bk)) for n in lengths)
+    tiles_pad = len(lengths) * len(flash_lib.tile_schedule(n_max, n_max, bq, bk))
+    table = Table([("batch", 8), ("tiles", 6), ("ms", 9), ("max rel err", 11)])
+    table.header()
+    table.row("packed", tiles, f"{1e3 * best['packed']:.1f}", f"{err:.1e}")
+    table.row("padded", tiles_pad, f"{1e3 * best['padded']:.1f}", "(reference)")
+    rec = dict(kind="packed", lengths=list(lengths), packed_s=best["packed"],
+               padded_s=best["padded"], tiles=tiles, tiles_alone=alone, tiles_padded=tiles_pad,
+               max_rel_err=err)
+    RECORDS.append(rec)
+    return rec
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     """A criterion of the closing section: what is measured, the bound (per dtype where it
@@ -699,10 +743,22 @@ TARGETS = {
         {"float64": 1.0},
         "naive would need 8 GiB per score matrix there; the tiled kernel must complete it at no "
         "lower rate than at N = 4096 (the ratio of the rates, at least 1)"),
+    "packed_tiles": Target(
+        "packed batch, lengths (4096, 64 x 16): tiles visited / tiles of the sequences run one "
+        "by one",
+        {"float64": 1.1},
+        "packing must cost no tile between sequences: FlashAttention's varlen visits each "
+        "sequence's own tiles and nothing else (1.0 by construction here; 1.1 is the issue's "
+        "allowance)"),
+    "packed_vs_padded": Target(
+        "packed batch, lengths (4096, 64 x 16): padded-and-masked time / packed time",
+        {"float64": 3.0},
+        "padding the sixteen short sequences to 4096 multiplies the tiles by 1088 / 80; at least "
+        "3x of that must show in the time, against the per-call overhead of 17 small calls"),
 }
 
 
-def targets(args, rows, big, backward, variants, torch_reason):
+def targets(args, rows, big, backward, variants, torch_reason, packed=None):
     log("\n# targets: each criterion of TARGETS in bench_flash.py (what is measured, the bound, "
         "why)")
 
@@ -776,6 +832,15 @@ def targets(args, rows, big, backward, variants, torch_reason):
         worst = max(r["flash_s"] / r["naive_s"] for r in timed)
         note = f" (naive skipped at N={', '.join(skipped)})" if skipped else ""
         log(f"{label} {verdict(worst <= limit)} worst {worst:.3f} ({ratios}){note}")
+
+    if packed is not None:
+        ratio, limit = packed["tiles"] / packed["tiles_alone"], bound("packed_tiles")
+        log(f"packed tiles <= {limit}x the sequences one by one: {verdict(ratio <= limit)} "
+            f"{ratio:.3f} ({packed['tiles']} of {packed['tiles_alone']}; padded "
+            f"{packed['tiles_padded']})")
+        speed, limit = packed["padded_s"] / packed["packed_s"], bound("packed_vs_padded")
+        log(f"packed >= {limit}x faster than padded + mask: {verdict(speed >= limit)} "
+            f"{speed:.1f}x")
 
     label = f"N = {args.big or 32768} float64 completes at GFLOP/s >= N = 4096:"
     if big is None:
@@ -921,11 +986,12 @@ def main(argv=None):
         big = big_n(args) if args.big else None
         backward = backward_table(args, torch) if args.backward_sizes else []
         variants = variants_table(args) if args.window_sizes else []
+        packed = packed_table(args)
         log("\nGEMM " + ", ".join(f"{name} {rate:.1f}" for name, rate in GEMM_PEAK.items())
             + f" GFLOP/s: the best {args.gemm_n}² rate of the whole run "
             "(rows above used the best so far)")
         RECORDS.append(dict(kind="gemm", n=args.gemm_n, peak_gflops=dict(GEMM_PEAK)))
-        targets(args, rows, big, backward, variants, torch_reason)
+        targets(args, rows, big, backward, variants, torch_reason, packed)
     log(f"\nload average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
         + f"; total time {time.perf_counter() - started:.0f} s")
     if args.json:

@@ -7,7 +7,9 @@ so a kernel's module that imports flash_check (to register a case) sees the same
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import inspect
 import sys
 
 import numpy as np
@@ -23,6 +25,18 @@ def _load(target):
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _with_lse(fn, features):
+    """With the ``lse`` feature, a kernel that takes ``return_lse`` (flash_lib's, flash_triton's)
+    is called with ``return_lse=True``, so that it returns the ``(out, lse)`` the cases check."""
+    if "lse" not in features:
+        return fn
+    try:
+        takes_it = "return_lse" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or extension function without a signature
+        return fn
+    return functools.partial(fn, return_lse=True) if takes_it else fn
 
 
 def main(argv=None):
@@ -47,7 +61,7 @@ def main(argv=None):
     except (ValueError, ImportError, AttributeError) as exc:
         parser.error(f"cannot load the kernel {args.kernel!r}: {exc}")
     try:
-        report = check_kernel(fn, features=args.features, dtypes=args.dtypes,
+        report = check_kernel(_with_lse(fn, args.features), features=args.features, dtypes=args.dtypes,
                               lse_empty=args.lse_empty, seed=args.seed, cases=args.cases)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))

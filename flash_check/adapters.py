@@ -2,7 +2,9 @@
 ``scaled_dot_product_attention`` and its CPU flash op, JAX's ``dot_product_attention``.
 
 Re-exported by ``flash_check`` (``flash_check.torch_sdpa`` and so on). Each imports its library
-when called, so flash_check works without either installed.
+when called, so flash_check works without either installed. Also the layout wrappers of the
+serving cases, :func:`varlen_from_thd` and :func:`from_bshd` (``flash_check.adapters.…``), for a
+kernel written in FlashAttention's own layouts.
 """
 
 from __future__ import annotations
@@ -130,3 +132,52 @@ def jax_dot_product_attention(*, causal_alignment="bottom-right", implementation
                               f"{causal_alignment!r}, implementation={implementation!r})")
     return attention
 
+
+
+# --------------------------------------------------------------------------------------------
+# FlashAttention's own layouts (tokens before heads), for the serving cases
+# --------------------------------------------------------------------------------------------
+
+
+def varlen_from_thd(fn):
+    """A packed-batch kernel in FlashAttention's layout as a ``"varlen"`` kernel: one line,
+    ``check_kernel(adapters.varlen_from_thd(fn), features=("varlen", "causal", "lse"))``.
+
+    ``fn(q, k, v, *, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None)`` takes ``q
+    (total_q, H, d)``, ``k (total_k, H, d)``, ``v (total_k, H, dv)`` (``flash_attn_varlen_func``'s
+    layout; put its ``max_seqlen_*`` in a lambda: ``lambda q, k, v, **kw: my_varlen(q, k, v,
+    max_seqlen_q=..., **kw)``) and returns ``out (total_q, H, dv)``, or ``(out, lse)`` with
+    ``lse (H, total_q)``, FlashAttention 2's ``softmax_lse`` layout, which is flash_lib's.
+    """
+    def kernel(q, k, v, **kwargs):
+        result = fn(*(np.ascontiguousarray(np.swapaxes(x, 0, 1)) for x in (q, k, v)), **kwargs)
+        if isinstance(result, (tuple, list)):
+            return np.swapaxes(np.asarray(result[0]), 0, 1), np.asarray(result[1])
+        return np.swapaxes(np.asarray(result), 0, 1)
+
+    kernel.__qualname__ = f"varlen_from_thd({getattr(fn, '__qualname__', fn)!s})"
+    return kernel
+
+
+def from_bshd(fn):
+    """A kernel in FlashAttention's ``(batch, seqlen, heads, d)`` layout as a flash_check kernel
+    (heads before tokens): one line, ``check_kernel(adapters.from_bshd(fn), ...)``.
+
+    Every 4-D array given to it (``q``, ``k``, ``v``; a cache ``(B, max_len, Hkv, d)`` or its
+    pages ``(num_pages, page_size, Hkv, d)``; ``k_new``, ``v_new``) reaches ``fn`` with axes 1 and
+    2 swapped, as a view, so that what ``fn`` writes into a cache lands in the caller's (the
+    ``"kvcache"`` cases check that ``k_new`` was written in place). ``out (B, Nq, H, dv)`` comes
+    back as ``(B, H, Nq, dv)``; an lse is ``(B, H, Nq)`` in both layouts and is left alone.
+    """
+    def swap(x):
+        return np.swapaxes(x, 1, 2) if isinstance(x, np.ndarray) and x.ndim == 4 else x
+
+    def kernel(*args, **kwargs):
+        result = fn(*map(swap, args), **{key: swap(val) if key in ("k_new", "v_new") else val
+                                         for key, val in kwargs.items()})
+        if isinstance(result, (tuple, list)):
+            return np.swapaxes(np.asarray(result[0]), 1, 2), np.asarray(result[1])
+        return np.swapaxes(np.asarray(result), 1, 2)
+
+    kernel.__qualname__ = f"from_bshd({getattr(fn, '__qualname__', fn)!s})"
+    return kernel

@@ -376,3 +376,7 @@ register_case(Case("memory", f"scratch memory at N = {_MEMORY_SIZES[0]} and {_ME
                    f"(float32 where checked), measured by tracemalloc", None, needs=("memory",),
                    once=True, run=_memory))
 
+
+
+# The serving cases (varlen, kvcache, paged): flash_check/serving.py, registered on import, last.
+from flash_check import serving  # noqa: E402, F401

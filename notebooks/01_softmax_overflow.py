@@ -24,8 +24,8 @@
 #   every score is very negative;
 # - we derive why subtracting the row maximum first changes nothing mathematically, and why it
 #   removes both failures;
-# - we measure both versions against a higher-precision truth over score spans from $10^{-1}$ to
-#   $10^4$: the safe one stays within a few rounding errors everywhere.
+# - we measure both versions against a higher-precision truth on rows whose largest score runs
+#   from $10^{-1}$ to $10^4$: the safe one stays within a few rounding errors everywhere.
 
 # %%
 import numpy as np
@@ -76,9 +76,12 @@ for dt, t in thresholds.items():
           f"exp({t - 0.5:.2f}) = {float(below):.3g}, exp({t + 0.5:.2f}) = {above}")
 
 t64, t32 = thresholds[np.float64], thresholds[np.float32]
-# below log(smallest subnormal), exp(x) rounds to 0: the underflow end
-underflow64 = float(np.log(np.finfo(np.float64).smallest_subnormal))
-print(f"float64: exp(x) underflows to 0 for x below about {underflow64:.1f}")
+# the underflow end: e^x rounds to 0 once it is below half the smallest subnormal, 2^-1075
+underflow64 = -1075 * np.log(2.0)
+tiny = np.finfo(np.float64).smallest_subnormal
+print(f"float64: exp(x) underflows to 0 for x below -1075 log 2 = {underflow64:.2f}: "
+      f"exp({underflow64 + 0.1:.2f}) = {np.exp(underflow64 + 0.1):.3g} (the smallest subnormal), "
+      f"exp({underflow64 - 0.1:.2f}) = {np.exp(underflow64 - 0.1)}")
 
 # %% [markdown]
 # So a single score above about 709 (float64) or 88 (float32) is enough. An attention score is
@@ -86,8 +89,9 @@ print(f"float64: exp(x) underflows to 0 for x below about {underflow64:.1f}")
 # bounds it: with $d = 64$, query and key entries of size 4 already give a score of 128.
 #
 # The textbook formula then computes $\infty / \infty = \text{NaN}$. The opposite extreme fails
-# too: if every score is below about $-745$ (the log of the smallest positive float64, printed
-# above), every $e^{x_j}$ underflows to 0 and the formula
+# too: if every score is below $-1075 \log 2 \approx -745.13$ (there $e^x$ is under half the
+# smallest positive float64, $2^{-1074}$, and rounds to 0; printed above), every $e^{x_j}$ is 0
+# and the formula
 # computes $0/0 = \text{NaN}$. (NumPy would print a `RuntimeWarning` for each; we silence them
 # with `np.errstate` here because we are looking at the results on purpose.)
 
@@ -151,14 +155,14 @@ print(f"max |safe - unsafe| on rows in [-100, 100] within 8 eps = {8 * eps64:.1e
       f"{diff <= 8 * eps64}")
 
 # %% [markdown]
-# ## Error against the span of the scores
+# ## Error against the largest score
 #
-# How wide may a row's scores spread before the textbook version fails, and does the safe version
-# lose accuracy on wide rows? Scores are logits: a difference of 1 between two scores is a factor
+# How large may a row's scores be before the textbook version fails, and does the safe version
+# lose accuracy on large ones? Scores are logits: a difference of 1 between two scores is a factor
 # $e$ between their weights, so differences of scores are measured in **nats** (natural-log
 # units, as $\log$ here is always the natural log). We take one row of $n = 256$ scores spread
-# evenly at random over $[0, \text{span}]$ (the largest exactly at span), for spans from
-# $10^{-1}$ to $10^4$ nats plus a few spans close to where the textbook version fails (found
+# evenly at random over $[0, m]$ (the largest exactly at $m$), for $m$ from
+# $10^{-1}$ to $10^4$ nats plus a few values close to where the textbook version fails (found
 # below), in float64 and in
 # float32, and compute the normwise relative error
 #
@@ -186,7 +190,7 @@ print(f"max |safe - unsafe| on rows in [-100, 100] within 8 eps = {8 * eps64:.1e
 # $\mathrm{lse} = \log \sum_j e^{x_j} = m + \log l$, so the sum overflows once
 # $\mathrm{lse} > \log(\text{max})$. Since $1 \le l \le n$, that happens up to $\log n$ nats
 # *before* the largest score $m$ itself reaches $\log(\text{max})$. For this row we find, by
-# bisection, the span at which its lse reaches $\log(\text{max})$, and add spans 0.05 nats either
+# bisection, the $m$ at which its lse reaches $\log(\text{max})$, and add values 0.05 nats either
 # side of it and of $\log(\text{max})$ to the sweep.
 
 # %%
@@ -195,25 +199,25 @@ frac = rng.uniform(size=n)
 frac = (frac - frac.min()) / (frac.max() - frac.min())  # spread over [0, 1], min 0, max exactly 1
 
 
-def span_where_lse_reaches(t):
-    """The span at which this row's lse = span + log sum_j exp((frac_j - 1) span) equals t."""
-    lo, hi = t - np.log(n), t  # lse lies in [m, m + log n], and m is the span
+def top_where_lse_reaches(t):
+    """The largest score m at which this row's lse = m + log sum_j exp((frac_j - 1) m) equals t."""
+    lo, hi = t - np.log(n), t  # lse lies in [m, m + log n]
     for _ in range(60):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if mid + np.log(np.exp((frac - 1) * mid).sum()) < t else (lo, mid)
     return lo
 
 
-sum_overflows_at = {dt: span_where_lse_reaches(thresholds[dt]) for dt in (np.float64, np.float32)}
+sum_overflows_at = {dt: top_where_lse_reaches(thresholds[dt]) for dt in (np.float64, np.float32)}
 near = [c + dx for dt in sum_overflows_at for c in (sum_overflows_at[dt], thresholds[dt])
         for dx in (-0.05, 0.05)]
-spans = np.sort(np.concatenate([np.logspace(-1, 4, 51), near]))
+tops = np.sort(np.concatenate([np.logspace(-1, 4, 51), near]))
 
 results = {}
 for dt in (np.float64, np.float32):
     eps = np.finfo(dt).eps
-    x = (spans[:, None] * frac).astype(dt)  # one row per span
-    one_query = np.ones((len(spans), 1, 1), dtype=dt)
+    x = (tops[:, None] * frac).astype(dt)  # one row per largest score m
+    one_query = np.ones((len(tops), 1, 1), dtype=dt)
     truth, lse = flash_lib.precise_attention(one_query, x[..., None], np.eye(n, dtype=dt),
                                              scale=1.0, return_lse=True)
     truth, lse = truth[:, 0, :], lse[:, 0].astype(np.float64)
@@ -245,35 +249,39 @@ for dt in (np.float64, np.float32):
 for dt, r in results.items():
     t, eps = thresholds[dt], np.finfo(dt).eps
     fits, overflows = r["lse"] < t, r["lse"] > t
-    between = overflows & (spans < t)
-    print(f"{dt.__name__}: exp overflows above {t:.2f}; the row's lse reaches it at span "
+    between = overflows & (tops < t)
+    print(f"{dt.__name__}: exp overflows above {t:.2f}; the row's lse reaches it at m = "
           f"{sum_overflows_at[dt]:.2f}")
-    print(f"  unsafe, lse < {t:.2f} (spans up to {spans[fits].max():.2f}): error within "
+    print(f"  unsafe, lse < {t:.2f} (m up to {tops[fits].max():.2f}): error within "
           f"4 eps: {r['err_unsafe'][fits].max() <= 4 * eps}, "
           f"wrong weight {r['wrong_unsafe'][fits].max():.0f}")
-    print(f"  unsafe, lse > {t:.2f} (spans from {spans[overflows].min():.2f}): wrong weight "
+    print(f"  unsafe, lse > {t:.2f} (m from {tops[overflows].min():.2f}): wrong weight "
           f"at least {r['wrong_unsafe'][overflows].min():.4f}")
-    print(f"  unsafe, spans {spans[between].min():.2f} to {spans[between].max():.2f} (only the sum "
+    print(f"  unsafe, m from {tops[between].min():.2f} to {tops[between].max():.2f} (only the sum "
           f"overflows): NaN in {r['nan_unsafe'][between].sum()} of {between.sum()} rows,")
     print(f"     every entry exactly 0 in {r['all_zero_unsafe'][between].sum()}")
-    print(f"  unsafe, spans above {t:.2f}: NaN in {r['nan_unsafe'][spans > t].sum()} of "
-          f"{(spans > t).sum()} rows")
-    print(f"  safe, every span: error within 4 eps: {r['err_safe'].max() <= 4 * eps}, "
+    print(f"  unsafe, m above {t:.2f}: NaN in {r['nan_unsafe'][tops > t].sum()} of "
+          f"{(tops > t).sum()} rows")
+    print(f"  safe, every m: error within 4 eps: {r['err_safe'].max() <= 4 * eps}, "
           f"wrong weight {r['wrong_safe'].max():.0f}")
 
 # %% [markdown]
-# Between a span 0.05 nats below the point where its lse reaches $\log(\text{max})$ and one 0.05
+# Between an $m$ 0.05 nats below the point where its lse reaches $\log(\text{max})$ and one 0.05
 # nats above, the textbook row goes from correct to entirely wrong. Just past that point it
 # returns a row of exact zeros, finite and with no NaN to flag it ($e^{x_i}/\infty = 0$); once the
 # largest score itself passes $\log(\text{max})$, the top entries become $\infty/\infty$ = NaN.
 #
 # The top panel shows the error where it is defined (a row of zeros has error 1); the bottom one
-# the share of the true weight on wrong entries. The shaded bands are the spans where the unsafe
+# the share of the true weight on wrong entries. The shaded bands are where the unsafe
 # version's output holds NaN, right of each format's threshold $\log(\text{max})$ (dotted
 # lines); the row goes wrong 0.4 (float64) and 1.6 (float32) nats left of the dotted line, too
-# close to it to see on this axis. The textbook softmax is as accurate as the safe one right up
-# to there and then falls off a cliff. The safe one stays within a few units of its format's
-# machine epsilon (grey dotted lines, one per format) at every span.
+# close to it to see on this axis. The safe softmax stays within a few units of its format's
+# machine epsilon (grey dotted lines, one per format) at every $m$.
+#
+# What fails is the offset of the scores, not their spread: the same rows shifted to $[-m, 0]$
+# are what the safe version exponentiates, and the textbook formula on them is the safe formula,
+# correct at every width. Chapter 7 finds the same for accuracy: the error follows the scores'
+# magnitude, not their span.
 
 # %%
 fig, (ax_err, ax_wrong) = plt.subplots(2, 1, figsize=(8.5, 8), sharex=True)
@@ -282,19 +290,19 @@ for i, (dt, r) in enumerate(results.items()):
     safe_color, unsafe_color = f"C{2 * i}", f"C{2 * i + 1}"
     fits = r["lse"] < thresholds[dt]
     # the measured errors, in the legend: the compared output above shows only the bound
-    ax_err.loglog(spans, r["err_safe"], "-", color=safe_color,
+    ax_err.loglog(tops, r["err_safe"], "-", color=safe_color,
                   label=f"safe, {name} (at most {r['err_safe'].max() / eps:.1f} eps)")
-    ax_err.loglog(spans, r["err_unsafe"], "--", color=unsafe_color,
+    ax_err.loglog(tops, r["err_unsafe"], "--", color=unsafe_color,
                   label=f"unsafe, {name} "
                         f"({r['err_unsafe'][fits].max() / eps:.1f} eps while lse fits)")
     ax_err.axhline(eps, color="grey", ls=":", lw=1)
     ax_err.text(0.12, eps * 1.8, f"machine epsilon of {name}: {eps:.1e}", fontsize=8, color="0.3")
-    ax_wrong.semilogx(spans, r["wrong_safe"], "-", color=safe_color, lw=2.5 - i,
+    ax_wrong.semilogx(tops, r["wrong_safe"], "-", color=safe_color, lw=2.5 - i,
                       label=f"safe, {name}")
-    ax_wrong.semilogx(spans, r["wrong_unsafe"], "--", color=unsafe_color, label=f"unsafe, {name}")
-    nan_from = spans[r["nan_unsafe"]].min()
+    ax_wrong.semilogx(tops, r["wrong_unsafe"], "--", color=unsafe_color, label=f"unsafe, {name}")
+    nan_from = tops[r["nan_unsafe"]].min()
     for ax in (ax_err, ax_wrong):
-        ax.axvspan(nan_from, spans[-1], color=unsafe_color, alpha=0.08, lw=0)
+        ax.axvspan(nan_from, tops[-1], color=unsafe_color, alpha=0.08, lw=0)
         ax.axvline(thresholds[dt], color=unsafe_color, ls=":", lw=1.5)
     ax_wrong.text(thresholds[dt] * 1.1, 0.55 - 0.12 * i,
                   f"log(max {name})\n= {thresholds[dt]:.1f}", fontsize=8, color=unsafe_color)
@@ -303,14 +311,14 @@ ax_err.text(0.12, 1.5, "error 1: a row of zeros", fontsize=8, color="0.3")
 ax_err.text(0.12, 3e-19, "rows in [-100, 100] (above): max |safe - unsafe| = "
             f"{diff / eps64:.1f} eps of float64", fontsize=8, color="0.3")
 ax_err.set_ylim(1e-19, 10)
-ax_err.set_xlim(spans[0], spans[-1])
+ax_err.set_xlim(tops[0], tops[-1])
 ax_err.set_title("Error against a higher-precision truth")
 ax_err.set_ylabel("normwise relative error (dimensionless)")
 ax_err.legend(loc="center left", bbox_to_anchor=(0, 0.4), fontsize=8)
 ax_wrong.set_ylim(-0.03, 1.03)
-ax_wrong.set_xlim(spans[0], spans[-1])
+ax_wrong.set_xlim(tops[0], tops[-1])
 ax_wrong.set_title("Share of the row's true weight on wrong entries")
-ax_wrong.set_xlabel("span of the row's scores, max - min (nats)")
+ax_wrong.set_xlabel("largest score of the row, m (nats); its scores lie in [0, m]")
 ax_wrong.set_ylabel("share of the true weight (dimensionless)")
 ax_wrong.legend(loc="upper left", fontsize=8)
 fig.tight_layout()
@@ -322,20 +330,19 @@ plt.show()
 # - $e^x$ overflows for $x > \log(\text{max})$: about 709.78 in float64, 88.72 in float32 (11.09
 #   in float16), computed from `np.finfo`. These are the thresholds every later chapter refers to.
 # - The textbook softmax returns NaN for a row whose scores exceed that threshold, and for a row
-#   whose scores are all below about $-745$ (float64), where every $e^{x_j}$ underflows to 0.
+#   whose scores are all below $-1075 \log 2 \approx -745.13$ (float64), where every $e^{x_j}$
+#   underflows to 0.
 # - $\mathrm{softmax}(x - c) = \mathrm{softmax}(x)$ for every constant $c$; with $c = \max_j x_j$
 #   every exponent is $\le 0$ and the denominator $l$ lies in $[1, n]$.
 # - In floating point the safe softmax of $[1000, 999, 998]$ equals that of $[2, 1, 0]$ bit for
 #   bit, and where the textbook formula does not overflow the two versions agree within 8 machine
 #   epsilons ($1.8 \times 10^{-15}$).
 # - The textbook version fails once the row's $\mathrm{lse} = \log\sum_j e^{x_j}$ passes
-#   $\log(\text{max})$, up to $\log n$ nats before its largest score does. Over spans from
-#   $10^{-1}$ to $10^4$ nats it is as accurate as the safe one (within 4 machine epsilons) on
-#   every row whose lse is below that, and puts more than 99.99% of the true weight on wrong
-#   entries on every row whose lse is above: a cliff 0.1 nats wide, not a gradual loss. First it
-#   returns a row of exact zeros with no NaN; once the largest score passes $\log(\text{max})$,
-#   NaN. The safe version is within 4 machine epsilons of the truth at every span, with no wrong
-#   entry.
+#   $\log(\text{max})$, up to $\log n$ nats before its largest score does: on how large the
+#   scores are, not how widely they spread. Below that it is as accurate as the safe one (within 4
+#   machine epsilons); above, more than 99.99% of the true weight sits on wrong entries, a cliff
+#   0.1 nats wide: first exact zeros with no NaN, then, once the largest score passes
+#   $\log(\text{max})$, NaN. The safe version is within 4 machine epsilons at every $m$.
 
 # %%
 # exp overflows just above log(max) and not just below, in each format
@@ -346,7 +353,10 @@ for dt, t in thresholds.items():
         assert np.isinf(np.exp(dt(t + 0.5)))
 # the textbook formula fails at both ends
 assert np.isnan(p_big_unsafe).all() and np.isnan(p_neg_unsafe).all()
-assert (np.exp(x_very_negative) == 0).all() and -746 < underflow64 < -744
+assert (np.exp(x_very_negative) == 0).all()
+# -1075 log 2 is the underflow point: 0.1 nats above it exp gives the smallest subnormal (e^0.1
+# times 2^-1075 rounds up to 2^-1074), 0.1 nats below it 0 (e^-0.1 times 2^-1075 rounds down)
+assert np.exp(underflow64 + 0.1) == tiny and np.exp(underflow64 - 0.1) == 0
 # the safe formula: exact shift, bounded exponents and denominator
 assert np.array_equal(p_big_safe, softmax_safe(x_small))
 assert np.isclose(p_big_safe.sum(), 1.0, rtol=0, atol=1e-15)
@@ -368,8 +378,8 @@ for dt, r in results.items():
     assert r["err_unsafe"][fits].max() <= 4 * eps and r["wrong_unsafe"][fits].max() == 0
     assert r["wrong_unsafe"][overflows].min() > 0.9999
     # the sum overflows before the largest score does: exact zeros, wrong and finite, no NaN
-    between = overflows & (spans < t)
+    between = overflows & (tops < t)
     assert between.any() and r["all_zero_unsafe"][between].all()
-    assert not r["nan_unsafe"][spans < t].any() and r["nan_unsafe"][spans > t].all()
+    assert not r["nan_unsafe"][tops < t].any() and r["nan_unsafe"][tops > t].all()
     assert not r["nonfinite_safe"].any()
     assert r["err_safe"].max() <= 4 * eps and r["wrong_safe"].max() == 0  # measured <= 1.6 eps

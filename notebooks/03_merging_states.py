@@ -285,8 +285,9 @@ print("merge(a, b) vs merge(b, a): largest difference",
 #   parallel), keep each chunk's output and lse, and merge them at the end.
 # - **Flash-decoding** is split-KV on a GPU for text generation. Each step has one new query per
 #   sequence and head against the keys and values of every earlier token, kept from step to step
-#   (the **KV cache**); FlashAttention parallelises over batch, heads
-#   and blocks of queries, so a single query would leave most of a GPU idle. Flash-decoding
+#   (the **KV cache**). A GPU needs many independent pieces of work at once; FlashAttention's
+#   are one per sequence, head and group of queries, so with one query most of the GPU idles.
+#   Flash-decoding
 #   attends to the chunks in parallel, writes one extra number per row and chunk (its lse), and
 #   combines the $T$ chunks in one final reduction (Dao, Haziza, Massa, Sizov, "Flash-Decoding for
 #   long-context inference", 2023, <https://crfm.stanford.edu/2023/10/12/flashdecoding.html>; in

@@ -26,12 +26,12 @@
 # - causal attention aligned bottom-right, key $j$ allowed for query $i$ iff
 #   $j \le i + (N_k - N_q)$, why that alignment, and which tiles `flash_attention` then skips, for
 #   $N_q = N_k$ and $N_q \ne N_k$;
-# - the row with no allowed key: $e^{-\infty - (-\infty)}$ is NaN, where that NaN enters a naive
-#   streaming loop (also in rows that do have allowed keys), the guard that keeps it out, and the
-#   result, an output of 0 with lse $= -\infty$, in both `flash_attention` and `naive_attention`.
+# - the row with no allowed key: where its NaN, $e^{-\infty - (-\infty)}$, enters a streaming
+#   loop (also in rows that do have allowed keys), the guard that keeps it out, and the result,
+#   output 0 with lse $= -\infty$.
 #
 # Other libraries make other choices for empty rows and for the causal diagonal; the appendix
-# (chapter 16) compares them, tested against PyTorch and JAX where they are installed.
+# (chapter 21) compares them, tested against PyTorch and JAX where they are installed.
 
 # %% [markdown]
 # ## Boolean masks
@@ -48,11 +48,10 @@
 # masked output against the one computed after overwriting every masked-out key and value with
 # huge numbers wherever no row may see them.
 #
-# Two kernels that compute the same thing in different orders differ by rounding, and how they
-# round depends on the CPU (NumPy and BLAS pick their loops by CPU). So each such comparison in
-# this chapter is printed against one bound, $10^{-13}$ (about 450 float64 epsilons): rounding on
-# rows of at most 50 keys stays far below it, any error of the algorithm (a wrong weight, a
-# missing key) far above. The measured differences are plotted at the end of the chapter.
+# Each such comparison in this chapter is printed against one bound, $10^{-13}$ (about 450
+# float64 epsilons): rounding on rows of at most 50 keys, whose last bits are the CPU's, stays far
+# below it, any error of the algorithm (a wrong weight, a missing key) far above. The measured
+# differences are plotted at the end of the chapter.
 
 # %%
 import numpy as np
@@ -238,7 +237,7 @@ def tile_census(n_q, n_k, block_q, block_k):
 def draw_causal(ax, n_q, n_k, block_q, block_k):
     allowed, visited, every, needs_mask = tile_census(n_q, n_k, block_q, block_k)
     ax.imshow(allowed, cmap=plt.matplotlib.colors.ListedColormap(["white", "#9ecae1"]),
-              extent=(0, n_k, n_q, 0), aspect="auto", interpolation="nearest", vmin=0, vmax=1)
+              extent=(0, n_k, n_q, 0), aspect="equal", interpolation="nearest", vmin=0, vmax=1)
     for q_start, q_stop, k_start, k_stop in every:
         if (q_start, q_stop, k_start, k_stop) not in visited:
             ax.add_patch(plt.Rectangle((k_start, q_start), k_stop - k_start, q_stop - q_start,
@@ -260,7 +259,11 @@ def draw_causal(ax, n_q, n_k, block_q, block_k):
     return len(visited), len(every), len(needs_mask)
 
 
-fig, axes = plt.subplots(1, 3, figsize=(11, 4.5), gridspec_kw={"width_ratios": [1.2, 1, 1]})
+# Equal scales on both axes, so a query row is as tall as a key column is wide; the one-query
+# case is a strip of its own along the bottom, wide enough to read its tiles.
+fig, axd = plt.subplot_mosaic([["full", "chunk"], ["decode", "decode"]], figsize=(10, 7.2),
+                              gridspec_kw={"height_ratios": [40, 9]})
+axes = [axd["full"], axd["chunk"], axd["decode"]]
 census = {}
 for ax, (n_qc, n_kc) in zip(axes, ((40, 40), (24, 40), (1, 40))):
     census[(n_qc, n_kc)] = draw_causal(ax, n_qc, n_kc, block_q=8, block_k=8)
@@ -270,7 +273,7 @@ handles = [plt.Rectangle((0, 0), 1, 1, facecolor="#9ecae1"),
 fig.legend(handles, ["allowed pair", "visited tile (visiting order)", "skipped tile"],
            loc="lower center", ncol=3)
 fig.suptitle("Causal attention, bottom-right aligned, 8 x 8 tiles")
-fig.tight_layout(rect=(0, 0.07, 1, 1))
+fig.tight_layout(rect=(0, 0.05, 1, 1))
 plt.show()
 
 for shape, (n_visited, n_all, n_masked) in census.items():
@@ -375,7 +378,7 @@ for i in range(n_q):
 # While a row has seen no allowed key, every $s_j$ and $m$ are $-\infty$, so $p_j = e^{-\infty} = 0$
 # and $\alpha = e^{-\infty} = 0$ (multiplying $l = 0$ and $\text{acc} = 0$): no NaN, and nothing
 # changes for rows with a finite max. Any finite reference would do; 0 is also FlashAttention's
-# choice (chapter 16). In flash_lib this is `m_ref` in `flash_attention`'s tile loop, and
+# choice (chapter 21). In flash_lib this is `m_ref` in `flash_attention`'s tile loop, and
 # `naive_attention` uses the same reference for its whole rows.
 #
 # At the end, $l = 0$ exactly when the row had no allowed key: otherwise its largest allowed score
@@ -386,7 +389,7 @@ for i in range(n_q):
 # composes: chapter 3's `merge_attention` weights a part by $e^{\text{lse}}$, so an empty part
 # merges as weight $e^{-\infty} = 0$ and changes nothing (the cell below merges this chapter's empty
 # row with a non-empty one). Other libraries store other values for that lse, with consequences
-# chapter 16 shows.
+# chapter 21 shows.
 #
 # The cell runs the guarded stream, `flash_attention` (with `block_k = 4`, so that row 2's first
 # tile is fully masked) and `naive_attention` under `np.errstate(invalid="raise", divide="raise",

@@ -18,7 +18,7 @@
 # The textbook kernel stores the $N_q \times N_k$ score matrix; the tiled one never holds more
 # than one tile of it. (Streaming over the keys is what bounds the memory: chapter 4's single
 # query already did. The second dimension of tiling, blocks of queries, exists to cut the bytes
-# *moved*, which chapter 10 counts.) This chapter measures the memory from the outside, by
+# *moved*, which chapter 9 counts.) This chapter measures the memory from the outside, by
 # counting allocations, rather than taking the kernel's word for it. In this chapter:
 #
 # - we measure the scratch memory of both kernels (the peak allocated during a call, minus the

@@ -45,8 +45,8 @@ rng = np.random.default_rng(11)
 # ## Two 16-bit formats
 #
 # float16 (IEEE half precision) has 10 fraction bits and 5 exponent bits; bfloat16 ("brain
-# float") has 7 fraction bits and float32's 8 exponent bits. So float16 is four times finer
-# (its machine epsilon is $2^{-10}$, bfloat16's $2^{-7}$) while bfloat16 reaches as far as
+# float") has 7 fraction bits and float32's 8 exponent bits. So float16 is eight times finer
+# (its machine epsilon is $2^{-10}$, bfloat16's $2^{-7}$: three fraction bits more) while bfloat16 reaches as far as
 # float32. `ml_dtypes.finfo` describes each of ml_dtypes' formats. NumPy's own `np.finfo` knows
 # bfloat16 only because ml_dtypes 0.7, on import, writes its entries into NumPy's private
 # `np.finfo._finfo_cache` (`ml_dtypes/_finfo.py`); with ml_dtypes 0.5 and 0.6,
@@ -395,7 +395,7 @@ print(f"a row of scores from {s_big.min():.0f} to {s_big.max():.0f}: error with 
 # roundoff $u$ drawn as a line (left); and each kernel's error in units of its output dtype's
 # $u$, for all four dtypes and for the row of scores near 1000 (right). These are the measured
 # numbers the cells above checked against their bounds; another CPU draws slightly different
-# bars.
+# points.
 
 # %%
 fig, (ax, ax_u) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [1.2, 1]})
@@ -407,9 +407,11 @@ series = {
     "same-dtype reference": [p_cost[n][2] for n in names16],
     "acc in the input dtype": [row_error(acc_in_input_dtype(*inputs[n]), n) for n in names16],
 }
+# points, not bars: on a log axis a bar's length would be measured from an arbitrary floor
 width = 0.16
 for i, (label, values) in enumerate(series.items()):
-    ax.bar(np.arange(2) + (i - 2) * width, values, width, label=label, color=f"C{i}")
+    ax.plot(np.arange(2) + (i - 2) * width, values, "osD^v"[i], ms=8, ls="none", label=label,
+            color=f"C{i}")
 for j, n in enumerate(names16):
     u = float(ml_dtypes.finfo(dtypes[n]).eps) / 2
     ax.hlines(u, j - 2.6 * width, j + 2.6 * width, color="k", ls="--", lw=1,
@@ -420,14 +422,17 @@ ax.set_ylabel("max rowwise relative error vs truth (dimensionless)")
 ax.set_title(f"Error against the truth, $N_q$ = {n_q}, $N_k$ = {n_k}, $d$ = {d}")
 ax.legend(fontsize=8, loc="upper left")
 ax.set_ylim(1e-4, 1)
+ax.set_xlim(-0.6, 1.6)
+ax.grid(True, axis="y", which="major", alpha=0.3)
 names_all = list(dtypes)
 for i, kernel in enumerate(("flash", "naive")):
-    ax_u.bar(np.arange(len(names_all)) + (i - 0.5) * 0.35,
-             [kernel_error[n][kernel] / (float(ml_dtypes.finfo(dtypes[n]).eps) / 2) for n in names_all],
-             0.35, color=f"C{i}", label=f"{kernel}_attention")
+    ax_u.plot(np.arange(len(names_all)) + (i - 0.5) * 0.3,
+              [kernel_error[n][kernel] / (float(ml_dtypes.finfo(dtypes[n]).eps) / 2)
+               for n in names_all], "os"[i], ms=8, ls="none", color=f"C{i}",
+              label=f"{kernel}_attention")
 x_big = len(names_all) + 0.3
-ax_u.bar(x_big - 0.175, err_flash_big / u16, 0.35, color="C0")
-ax_u.bar(x_big + 0.175, err_f16_scores / u16, 0.35, color="C5", label="float16 scores")
+ax_u.plot(x_big - 0.15, err_flash_big / u16, "o", ms=8, color="C0")
+ax_u.plot(x_big + 0.15, err_f16_scores / u16, "X", ms=9, color="C5", label="float16 scores")
 ax_u.axhline(1, color="k", ls="--", lw=1, label="u")
 ax_u.axhline(100, color="k", ls=":", lw=1, label="100 u, the float32 and float64 bound")
 ax_u.set_yscale("log")
@@ -436,6 +441,7 @@ ax_u.set_ylabel("error / u of the output's dtype")
 ax_u.set_title("The same errors in units of u")
 ax_u.legend(fontsize=8, loc="upper left")
 ax_u.set_ylim(0.1, 3e3)
+ax_u.grid(True, axis="y", which="major", alpha=0.3)
 fig.tight_layout()
 plt.show()
 

@@ -2,7 +2,7 @@
 and real kernels (PyTorch SDPA, JAX) get the results the README states.
 
 The broken kernels are flash_check.bugs' small tiled kernels with a switch per bug (the ones
-chapter 15 prints), written independently of flash_lib.
+chapter 20 prints), written independently of flash_lib.
 """
 
 import functools
@@ -27,6 +27,9 @@ VARIANTS = flash_check.VARIANTS
 #: The cases that need a variant feature.
 VARIANT_CASES = [name for name, case in flash_check.CASES.items()
                  if set(case.needs) & set(VARIANTS)]
+#: The serving cases (flash_check/serving.py): their kernels take cu_seqlens or a cache.
+SERVING_CASES = [name for name, case in flash_check.CASES.items()
+                 if set(case.needs) & {"varlen", "kvcache", "paged"}]
 
 
 def bugged(bug):
@@ -56,7 +59,7 @@ def test_flash_lib_passes_every_case(blocks):
     report = flash_check.check_kernel(kernel, features=features)
     assert report.ok, str(report)
     skipped = (set() if "memory" in features else {"memory"}) | (
-        set() if variants else set(VARIANT_CASES))
+        set() if variants else set(VARIANT_CASES)) | set(SERVING_CASES)
     assert {s.case for s in report.skipped} == skipped
     assert {r.case for r in report.results} == set(flash_check.CASES) - skipped
 
@@ -478,6 +481,24 @@ def results_row(report):
             for failed in report.by_dtype().values()]
 
 
+def torch_vectorizes():
+    """Whether PyTorch runs its AVX2 or AVX-512 code (ATEN_CPU_CAPABILITY can choose another)."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+#: What a README cell may add after "; " to the cases that fail on every CPU: failures of one
+#: check that depend on the CPU, and the CPUs on which most of the dtype's other cases have them.
+#: PyTorch's CPU flash op computes exp(s - m), for float16 inputs, to within about 1e-4 in its
+#: vector loop (its weights are stored in float16) and exactly past the last full vector of a
+#: 512-key block, and sums those weights for the lse: so its float16 lse fails on the cases whose
+#: top keys that loop handles, which depends on the vector width (late_max: fails with AVX2's 8
+#: lanes, passes with AVX-512's 16), and on none in its scalar build.
+CPU_DEPENDENT = {"on AVX2 and AVX-512 CPUs also the lse error of most other cases "
+                 "(which ones depends on the CPU: below)": ("lse error", torch_vectorizes)}
+
+
 @needs_torch
 def test_torch_sdpa_bottom_right_passes_all_but_masked_garbage():
     reports = real_reports()
@@ -499,12 +520,14 @@ def test_torch_is_causal_is_flagged_top_left():
 
 @needs_torch
 def test_torch_cpu_flash_op_lse():
-    """Its lse of an empty row is 0.0; its float16 lse is less exact than float32 arithmetic."""
+    """Its lse of an empty row is 0.0; its float16 lse is less exact than float32 arithmetic
+    where its vector loops run (which cases fail depends on the CPU: see CPU_DEPENDENT)."""
     report = real_reports()["torch _scaled_dot_product_flash_attention_for_cpu, with lse"]
     assert "masked_nonfinite" in report.failed_cases()
     other = [f for f in report.failures if f.case != "masked_nonfinite"]
-    assert other and {(f.dtype, f.check) for f in other} == {("float16", "lse error")}, str(report)
-    assert "in float16 only" in other[0].diagnosis
+    assert {(f.dtype, f.check) for f in other} <= {("float16", "lse error")}, str(report)
+    if torch_vectorizes():
+        assert other and "in float16 only" in other[0].diagnosis, str(report)
 
 
 @needs_jax
@@ -525,7 +548,12 @@ def test_jax_is_causal_is_flagged_top_left():
 
 
 def test_readme_results_table_matches_what_the_checks_find():
-    """Every row of the README's table for an installed kernel is what check_kernel finds now."""
+    """Every row of the README's table for an installed kernel is what check_kernel finds now.
+
+    A cell lists the cases that fail on every CPU; where it adds, after "; ", one of
+    CPU_DEPENDENT's notes, the other failures in that dtype must be of that note's check only,
+    and on the CPUs the note names they must be most of the dtype's other cases.
+    """
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Checking a kernel", 1)[1].split("\n## ", 1)[0]
     rows = {}
@@ -536,4 +564,20 @@ def test_readme_results_table_matches_what_the_checks_find():
     labels = [label for label, *_ in real_kernels()]
     assert set(labels) <= set(rows), sorted(set(labels) - set(rows))
     for label in labels:
-        assert rows[label] == results_row(real_reports()[label]), label
+        report = real_reports()[label]
+        for dtype, cell, found in zip(flash_check.DTYPES, rows[label], results_row(report)):
+            everywhere, _, note = cell.partition("; ")
+            if not note:
+                assert cell == found, (label, dtype, found)
+                continue
+            assert note in CPU_DEPENDENT, (label, dtype, note)
+            check, on_these_cpus = CPU_DEPENDENT[note]
+            results = [r for r in report.results if r.dtype == dtype]
+            failed = [r.case for r in results if not r.ok]
+            listed = everywhere.split(", ")
+            assert [c for c in failed if c in listed] == listed, (label, dtype, failed)
+            extra = [r for r in results if not r.ok and r.case not in listed]
+            assert all({f.check for f in r.failures} == {check} for r in extra), (
+                label, dtype, [(r.case, [f.check for f in r.failures]) for r in extra])
+            if on_these_cpus():
+                assert len(extra) > (len(results) - len(listed)) / 2, (label, dtype, failed)

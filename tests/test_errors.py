@@ -193,7 +193,7 @@ OUT, LSE = np.zeros((2, 3, 4)), np.zeros((2, 3))
         ((OUT, LSE, OUT[..., :3], LSE), ValueError, "out_a and out_b must have the same shape"),
         ((OUT, LSE[:, :2], OUT, LSE), ValueError, "lse_a must have shape out.shape[:-1] = (2, 3)"),
         ((OUT, LSE, OUT, LSE[0]), ValueError, "lse_b must have shape out.shape[:-1] = (2, 3)"),
-        ((OUT, LSE, OUT, LSE.astype(int)), TypeError, "lse_b must be a float array, got dtype"),
+        ((OUT, LSE, OUT, LSE.astype(int)), TypeError, "lse_b must be a float16, bfloat16, float32 or float64 (or longdouble) array, got dtype int64"),
         ((OUT.astype(int), LSE, OUT, LSE), TypeError, "out_a must be a float16, bfloat16, float32 or"),
         ((OUT[0, 0], LSE, OUT[0, 0], LSE), ValueError, "out_a must have at least 2 dimensions"),
     ],

@@ -201,7 +201,8 @@ def test_gqa_never_copies_k_and_v_per_query_head():
 # ---------------------------------------------------------------------------------------------
 
 
-@given(
+#: The variant combinations (tests/test_hardening.py's fuzz extends them).
+VARIANTS = dict(
     n_q=st.integers(1, 18),
     n_k=st.integers(1, 18),
     block_q=st.integers(1, 20),
@@ -214,6 +215,9 @@ def test_gqa_never_copies_k_and_v_per_query_head():
     gqa=st.booleans(),
     masking=st.sampled_from(["none", "mask", "mask_mod", "both"]),
 )
+
+
+@given(**VARIANTS)
 def test_flash_equals_naive_for_every_combination(n_q, n_k, block_q, block_k, causal, window,
                                                  softcap, alibi, gqa, masking):
     """Forward (out, lse) and backward (dq, dk, dv) of flash against naive with the same

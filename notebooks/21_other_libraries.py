@@ -13,7 +13,7 @@
 # ---
 
 # %% [markdown]
-# # 16. Appendix: what other libraries do
+# # 21. Appendix: what other libraries do
 #
 # `flash_lib` fixes three conventions that real libraries do not share: what a row with no
 # allowed key returns (its output, and its lse), and where the causal diagonal sits when
@@ -32,7 +32,7 @@
 # **How the statements are checked.** FlashAttention needs a CUDA GPU, so its behaviour is quoted
 # from its source (Dao-AILab/flash-attention, read at commit `0251105a`, August 2026). PyTorch and
 # JAX are tested here, against the real libraries, whenever they are importable: those cells
-# follow chapter 9's pattern (their output is exempt from the notebook's test because it depends
+# follow chapter 10's pattern (their output is exempt from the notebook's test because it depends
 # on what is installed), and their `assert`s fail if the library disagrees with what this page
 # says. `pip install -e '.[bench]'` installs the CPU build of PyTorch that the project pins.
 
@@ -47,29 +47,27 @@ import flash_lib
 
 rng = np.random.default_rng(16)
 
-# %% tags=["nbval-ignore-output"]
+# %%
+# Whether they are installed differs from install to install, so this cell prints nothing: the
+# cells that test them say which version they tested, or that they were skipped.
 try:
     import torch
     import torch.nn.functional as F
 except ImportError:
-    torch = None
-    print("PyTorch is not installed: its statements below stand on the cited sources only.")
-else:
-    print(f"PyTorch {torch.__version__} is installed: its statements are tested below.")
+    torch = None  # its statements below stand on the cited sources only
 try:
     import jax
 except ImportError:
     jax = None
-    print("JAX is not installed: its statements below stand on the cited sources only.")
-else:
-    print(f"JAX {jax.__version__} is installed: its statements are tested below.")
 
 # %% [markdown]
 # ## The inputs
 #
 # Five queries over six keys, float32, with query 1 allowed no key at all (an empty row) and the
 # other rows a random mask with at least one allowed key each. flash_lib's answer: an empty row
-# has output 0 and lse $-\infty$ (chapter 6).
+# has output 0 and lse $-\infty$ (chapter 6). The other rows are what every library below is
+# compared with, so the cell also checks them against `naive_attention` on the same inputs in
+# float64, where rounding is $10^{-16}$.
 
 # %%
 n_q, n_k, d = 5, 6, 8
@@ -80,6 +78,12 @@ mask[1] = False  # the empty row
 out_ours, lse_ours = flash_lib.flash_attention(q, k, v, mask=mask, return_lse=True)
 print("flash_lib, empty row 1: out =", out_ours[1, :3], "... lse =", lse_ours[1])
 print("lse of the other rows:", np.round(lse_ours[[0, 2, 3, 4]], 4))
+q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+error64 = flash_lib.rowwise_relative_error(
+    flash_lib.flash_attention(q64, k64, v64, mask=mask)[[0, 2, 3, 4]],
+    flash_lib.naive_attention(q64, k64, v64, mask=mask)[[0, 2, 3, 4]]).max()
+print("the other rows in float64, flash_lib against naive_attention: within 1e-12:",
+      error64 < 1e-12)
 
 # %% [markdown]
 # ## FlashAttention
@@ -226,9 +230,11 @@ def to_torch(*arrays):
 
 
 if torch is None:
-    print("PyTorch not installed: skipped")
+    print("PyTorch not installed: skipped (its statements stand on the cited sources only)")
 else:
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    print(f"PyTorch {torch.__version__}:")
 
     tq, tk, tv = to_torch(q, k, v)
     bool_mask = torch.from_numpy(mask)
@@ -365,8 +371,10 @@ else:
 
 # %% tags=["nbval-ignore-output"]
 if jax is None:
-    print("JAX not installed: skipped")
+    print("JAX not installed: skipped (its statements stand on the cited sources only)")
 else:
+    print(f"JAX {jax.__version__}:")
+
     def to_jax(*arrays):
         return [x[None, :, None, :] for x in arrays]  # (1, N, 1, d)
 
@@ -419,3 +427,5 @@ for shape, documented in flash_attn_doc.items():
     assert np.array_equal(allowed_by(flash_lib.flash_attention, *shape, causal=True, block_q=2,
                                      block_k=1), documented)
 assert np.all(out_ours[1] == 0) and lse_ours[1] == -np.inf
+# float64 rounding of these rows is about 1e-16; a kernel off by one part in a million fails
+assert error64 < 1e-12, error64

@@ -13,7 +13,7 @@
 # ---
 
 # %% [markdown]
-# # 15. Checking someone else's kernel
+# # 20. Conformance: checking someone else's kernel
 #
 # You have written an attention kernel, in CUDA, Triton, C++ or JAX, and it agrees with a
 # reference to `allclose(atol=1e-2)` on random inputs. Is it right? Not necessarily: the classic
@@ -35,12 +35,14 @@
 # %%
 import functools
 import inspect
+import re
 
 import matplotlib.pyplot as plt
 import numpy as np
 
 import flash_check
 import flash_lib
+from flash_check.bugs import BUGS, tiled_attention
 
 rng = np.random.default_rng(15)
 
@@ -54,73 +56,13 @@ rng = np.random.default_rng(15)
 # zeroed before $P V$, because $0 \cdot \text{NaN} = \text{NaN}$ and padding may hold garbage.
 #
 # Each `bug == ...` marks the one line a classic bug changes. The kernel returns `(out, lse)`.
+# It is `flash_check.bugs.tiled_attention`, the same kernel the project's tests break bug by bug.
 
 # %%
-BUGS = {
-    "missing rescale": "l and acc are not multiplied by alpha = exp(m - m') when the max rises",
-    "NaN on empty rows": "no guard for a running max of -inf: exp(-inf - (-inf)) = NaN",
-    "O(N²) memory": "one tile as large as the whole score matrix",
-    "top-left causal": "key j allowed iff j <= i, whatever Nq and Nk",
-    "lse in log base 2": "the lse of an exp2-based kernel, returned without the factor ln 2",
-    "last partial block dropped": "the key loop stops at the last multiple of the block size",
-    "float16 accumulation": "float16 inputs computed in float16 throughout",
-    "uniform weights for empty rows": "masked scores set to -1e9 instead of -inf",
-    "stale running max": "p = exp(s - m) against the previous block's max",
-}
-
-
-def tiled_attention(q, k, v, *, mask=None, causal=False, scale=None, bug=None, block=16):
-    """FlashAttention's forward pass over block x block tiles; returns (out, lse)."""
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
-    acc = np.float32 if q.dtype == np.float16 else q.dtype
-    if bug == "float16 accumulation":
-        acc = q.dtype
-    if bug == "O(N²) memory":
-        block = max(n_q, n_k, 1)
-    batch = np.broadcast_shapes(q.shape[:-2], () if mask is None else mask.shape[:-2])
-    if mask is not None:
-        mask = np.broadcast_to(mask, mask.shape[:-2] + (n_q, n_k))
-    offset = 0 if bug == "top-left causal" else n_k - n_q  # query i sits at position i + offset
-    key_end = n_k - n_k % block if bug == "last partial block dropped" else n_k
-    out = np.zeros(batch + (n_q, v.shape[-1]), q.dtype)
-    lse = np.full(batch + (n_q,), -np.inf, np.float32 if q.dtype == np.float16 else q.dtype)
-    for qs in range(0, n_q, block):
-        qe = min(qs + block, n_q)
-        m = np.full(batch + (qe - qs,), -np.inf, acc)  # running max
-        l = np.zeros_like(m)  # running sum of exp(s - m)
-        o = np.zeros(batch + (qe - qs, v.shape[-1]), acc)  # running sum of exp(s - m) v
-        for ks in range(0, key_end, block):
-            ke = min(ks + block, n_k)
-            s = q[..., qs:qe, :].astype(acc) @ np.swapaxes(k[..., ks:ke, :], -1, -2).astype(acc)
-            s = s * np.asarray(scale, acc)
-            allowed = np.ones(s.shape[-2:], bool)
-            if mask is not None:
-                allowed = allowed & mask[..., qs:qe, ks:ke]
-            if causal:
-                allowed = allowed & (np.arange(ks, ke) <= np.arange(qs, qe)[:, None] + offset)
-            masked = -1e9 if bug == "uniform weights for empty rows" else -np.inf
-            s = np.where(allowed, s, np.asarray(masked, acc))
-            m_new = np.maximum(m, s.max(axis=-1))
-            m_ref = np.where(m_new == -np.inf, 0, m_new)  # the guard: a finite reference
-            if bug == "NaN on empty rows":
-                m_ref = m_new
-            p = np.exp(s - m_ref[..., None])
-            if bug == "stale running max":
-                p = np.exp(s - np.where(m == -np.inf, 0, m)[..., None])
-            alpha = np.exp(m - m_ref)  # moves l and o from the old max to the new one
-            if bug == "missing rescale":
-                alpha = np.ones_like(m)
-            v_blk = np.where(allowed.any(axis=-2)[..., None], v[..., ks:ke, :], 0).astype(acc)
-            l = l * alpha + p.sum(axis=-1)
-            o = o * alpha[..., None] + p @ v_blk
-            m = m_new
-        empty = (l == 0) & (bug != "NaN on empty rows")
-        out[..., qs:qe, :] = o / np.where(empty, 1, l)[..., None]
-        lse[..., qs:qe] = np.where(empty, -np.inf, m + np.log(np.where(empty, 1, l)))
-    if bug == "lse in log base 2":
-        lse = lse * np.log2(np.e)
-    return out, lse
+for name, what in BUGS.items():
+    print(f"{name:<21} {what}")
+print()
+print(inspect.getsource(tiled_attention))
 
 
 # %% [markdown]
@@ -152,7 +94,7 @@ for bug in [None, *BUGS]:
 # `fn(q, k, v, mask=..., causal=..., scale=...)` (only the keywords a case uses) and returns a
 # `Report`. `features` says what the kernel supports ("mask", "causal", "lse", "dv" for
 # $d_v \ne d$, "memory" for kernels whose allocations `tracemalloc` can see, and the variants of
-# chapter 13, `flash_check.VARIANTS`: "window", "softcap", "alibi", "gqa", "mask_mod"); a case that
+# chapters 14 and 15, `flash_check.VARIANTS`: "window", "softcap", "alibi", "gqa", "mask_mod"); a case that
 # needs another feature is skipped and listed as skipped. Each registered case says why it is there:
 
 # %%
@@ -176,7 +118,8 @@ for case in flash_check.CASES.values():
 #
 # flash_lib passes, with its default 512 × 512 tiles (memory and the variants included) and with
 # 16 × 16 tiles (which exercise the recurrence on these small cases), and so does the clean kernel
-# above, which has no variants (their cases are skipped for it). (The
+# above, which has no variants (their cases are skipped for it). The serving cases (chapter 18) are
+# skipped for all three: they call a kernel that takes packed batches or a KV cache. (The
 # memory case runs $N = 4096$; the kernel above, with its 16 × 16 tiles in Python loops, would take
 # half a minute there, so only the kernels whose memory is in question run it.)
 
@@ -207,12 +150,15 @@ print("\n".join(str(clean_reports["flash_lib, 16 x 16 tiles"]).splitlines()[:12]
 # %% [markdown]
 # ### Where FACTOR and the floor come from
 #
-# The factor 2 is FlashAttention's. Whether it is right here is a measurement: for every clean
-# kernel we have (flash_lib at three tile shapes, the tiled kernel, and below PyTorch and JAX),
-# the ratio of its error to naive's on every case where naive's error is above a few eps, and the
-# floor each case would need, $\max(\text{err} - 2 \cdot \text{err}_\text{naive})$, in units of the
-# dtype's eps. The tile shape $7 \times 1$ (one key per block, a thousand rescales in a row for
-# the 1000-key cases) is the worst case for rounding that a correct kernel can produce.
+# The factor 2 is FlashAttention's. Whether it is right here is a measurement: for the clean
+# kernels we have (flash_lib at three tile shapes and the tiled kernel; PyTorch and JAX, below,
+# are held to the same bound), the ratio of each one's error to naive's on every case where
+# naive's error is above a few eps, and the floor each case would need,
+# $\max(\text{err} - 2 \cdot \text{err}_\text{naive})$, in units of the dtype's eps. The tile
+# shape $7 \times 1$ (one key per block, a thousand rescales in a row for the 1000-key cases) is
+# the worst case for rounding that a correct kernel can produce. Both numbers are rounding, whose
+# last bits depend on the CPU (chapter 7), so the cell prints whether every case run met the
+# bound, and the plot below shows the measurements themselves.
 
 # %%
 measured_kernels = {
@@ -226,34 +172,47 @@ measured_kernels = {
 
 
 def bound_statistics(reports):
-    """Per dtype: the largest error / naive's error (where naive > 4 eps) and floor needed."""
+    """Per dtype: (case runs, every one within its bound, the largest error / naive's error
+    where naive > 4 eps, None if no run has that, and the floor needed in eps)."""
     stats = {}
     for dtype in flash_check.DTYPES:
         eps = float(np.finfo(dtype).eps)
-        pairs = [(r.out_error, r.out_naive) for report in reports.values()
-                 for r in report.results if r.dtype == dtype and r.out_error is not None]
-        ratios = [e / n for e, n in pairs if n > 4 * eps]
-        stats[dtype] = (max(ratios, default=0.0),
-                        max((e - flash_check.FACTOR * n) / eps for e, n in pairs))
+        runs = [r for report in reports.values() for r in report.results
+                if r.dtype == dtype and r.out_error is not None]
+        ratios = [r.out_error / r.out_naive for r in runs if r.out_naive > 4 * eps]
+        stats[dtype] = (len(runs), all(r.out_error <= r.out_bound for r in runs),
+                        max(ratios, default=None),
+                        max((r.out_error - flash_check.FACTOR * r.out_naive) / eps for r in runs))
     return stats
 
 
 flash_stats = bound_statistics(measured_kernels)
-for dtype, (ratio, floor) in flash_stats.items():
+for dtype, (runs, within, ratio, floor) in flash_stats.items():
     floor_eps = flash_check.OUT_FLOOR[dtype] / float(np.finfo(dtype).eps)
-    print(f"{dtype}: largest error / naive's {ratio:.1f} (FACTOR {flash_check.FACTOR:g}); "
-          f"floor needed {max(floor, 0):.0f} eps (OUT_FLOOR {floor_eps:.0f} eps)")
+    print(f"{dtype}: {runs} case runs of the four kernels, every error within "
+          f"{flash_check.FACTOR:g} x naive's + {floor_eps:.0f} eps: {within}")
 
 # %% [markdown]
-# In float64 and float32 a correct kernel stays within 1.7 times naive's error, and the floor of
-# 8 eps covers the worst rounding of a thousand rescales; in float16 every kernel's error is the
+# Every case run met the bound. How close each came depends on the CPU, and the plot below shows
+# every case run: each kernel's error against naive's, with the bound as a line, and in each
+# panel's title the largest ratio and the floor needed on the machine that built this page.
+# Over NumPy's AVX-512, AVX2 and baseline loops and OpenBLAS's SkylakeX and Haswell kernels, the
+# largest ratio was 1.2 to 1.4 and the floor needed at most 5.3 eps (float64; 3.8 in float32),
+# the 7 × 1 tiles' thousand rescales. With OpenBLAS's older Sandybridge kernel (no fused
+# multiply-add) the ratio reached 2.0 (float64) and 2.3 (float32), and the floor of 8 eps carried
+# the difference (47 eps against 2 × 20.7 + 8): neither the factor nor the floor is the bound
+# alone; their sum is. In float16 every kernel's error is, nearly everywhere, the
 # final rounding to float16 (half an ulp of each output), the same for naive, so a floor of one
-# eps suffices. The plot shows every case run: each kernel's error against naive's, with the
-# bound as a line.
+# eps suffices; where it is more (`float16_overflow`, whose scores near $10^5$ carry their
+# float32 rounding into the weights, up to 19 eps with the Haswell kernel), naive's error is
+# just as large.
 
 # %%
 # One dtype per row: three panels side by side would be drawn at two thirds of their size.
 fig, axes = plt.subplots(3, 1, figsize=(8, 12), sharex=True)
+# the x axis ends just past the largest naive error of any panel, not at an arbitrary 10^3
+x_hi = 2 * max(r.out_naive / float(np.finfo(r.dtype).eps) for report in measured_kernels.values()
+               for r in report.results if r.out_error is not None)
 for ax, dtype in zip(axes, flash_check.DTYPES):
     eps = float(np.finfo(dtype).eps)
     for i, (name, report) in enumerate(measured_kernels.items()):
@@ -261,13 +220,18 @@ for ax, dtype in zip(axes, flash_check.DTYPES):
                         if r.dtype == dtype and r.out_error is not None])
         ax.scatter(np.maximum(pts[:, 0], eps / 10) / eps, np.maximum(pts[:, 1], eps / 10) / eps,
                    s=14, color=f"C{i}", label=name, alpha=0.8)
-    x = np.logspace(-1, 3, 50)
+    x = np.logspace(-1, np.log10(x_hi), 50)
+    ax.set_xlim(0.07, x_hi)
     ax.plot(x, flash_check.FACTOR * x + flash_check.OUT_FLOOR[dtype] / eps, "k--", lw=1,
             label="bound: 2 x naive + floor")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_ylabel("kernel's error (eps of the dtype)")
-    ax.set_title(f"{dtype}: error against precise_attention")
+    runs, within, ratio, floor = flash_stats[dtype]
+    measured = ("no run with naive's error above 4 eps" if ratio is None
+                else f"largest error / naive's {ratio:.2f}")
+    ax.set_title(f"{dtype}: error against precise_attention\n"
+                 f"this build: {measured}, floor needed {max(floor, 0):.1f} eps", fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
 axes[-1].set_xlabel("naive_attention's error (eps of the dtype)")
 axes[0].legend(fontsize=8, loc="upper left")
@@ -282,32 +246,42 @@ plt.show()
 # Every bug from the list above runs through the full check, every case in every dtype ("memory"
 # for the $O(N^2)$ kernel, whose allocations `tracemalloc` sees like any NumPy kernel's). For
 # each, the cell prints how many case runs fail, and one failing case with the diagnosis the
-# report gives for it: the case that exposes that bug most directly.
+# report gives for it: the case that exposes that bug most directly. (One diagnosis, the
+# rescale probe's below, quotes the kernel's rounding error on one row, which the probe found
+# within the bound; its last digits depend on the CPU, so it is printed as what the probe
+# established.)
 
 # %%
+def shown(diagnosis):
+    """A diagnosis as printed here: the rescale probe's rounding error, which the probe reports
+    only when it is within the bound, printed as that rather than as one CPU's digits."""
+    return re.sub(r"error \S+ with its largest score first",
+                  "an error within the bound with its largest score first", diagnosis)
+
+
 signature = {
     # bug: (the case that exposes it, words its diagnosis must contain)
-    "missing rescale": ("late_max", "not rescaled by exp(m - m')"),
-    "NaN on empty rows": ("empty_rows", "the exp(-inf - (-inf)) guard is missing"),
-    "O(N²) memory": ("memory", "O(N²) memory"),
-    "top-left causal": ("causal_wide", "causal is aligned top-left"),
-    "lse in log base 2": ("random", "lse is in log base 2"),
-    "last partial block dropped": ("size_63x65", "the last partial key block is dropped"),
-    "float16 accumulation": ("float16_overflow", "scores past 65504 overflow float16"),
-    "uniform weights for empty rows": ("empty_rows", "uniform weights"),
-    "stale running max": ("late_max", "stale running max"),
+    "missing_rescale": ("late_max", "not rescaled by exp(m - m')"),
+    "nan_empty_rows": ("empty_rows", "the exp(-inf - (-inf)) guard is missing"),
+    "quadratic_memory": ("memory", "O(N²) memory"),
+    "top_left": ("causal_wide", "causal is aligned top-left"),
+    "lse_base2": ("random", "lse is in log base 2"),
+    "drop_partial_block": ("size_63x65", "the last partial key block is dropped"),
+    "float16_accumulation": ("float16_overflow", "scores past 65504 overflow float16"),
+    "uniform_empty_rows": ("empty_rows", "uniform weights"),
+    "stale_max": ("late_max", "stale running max"),
 }
 gallery = {}
 for bug, (case, words) in signature.items():
     report = flash_check.check_kernel(
         functools.partial(tiled_attention, bug=bug),
-        features=features + (("memory",) if bug == "O(N²) memory" else ()))
+        features=features + (("memory",) if bug == "quadratic_memory" else ()))
     gallery[bug] = report
     failure = next(f for f in report.failures if f.case == case and words in f.diagnosis)
     n_failed = sum(not r.ok for r in report.results)
     print(f"{bug}  ({BUGS[bug]})\n  fails {n_failed} of {len(report.results)} case runs; "
           f"{failure.case} [{failure.dtype}] {failure.check}: {failure.measured}\n"
-          f"  diagnosis: {failure.diagnosis}\n")
+          f"  diagnosis: {shown(failure.diagnosis)}\n")
 
 # %% [markdown]
 # How the diagnoses are found: the report compares the output with what known mistakes would
@@ -320,9 +294,9 @@ for bug, (case, words) in signature.items():
 
 # %%
 rescale_report = flash_check.check_kernel(functools.partial(tiled_attention,
-                                                            bug="missing rescale"),
+                                                            bug="missing_rescale"),
                                           cases=["random"], dtypes=("float64",))
-print(rescale_report.failures[0].diagnosis)
+print(shown(rescale_report.failures[0].diagnosis))
 
 # %% [markdown]
 # Two bugs break more than their signature case. Without the guard, a row whose *first* key
@@ -330,9 +304,9 @@ print(rescale_report.failures[0].diagnosis)
 # accumulation fails only in float16, where float32 passed, which the report says:
 
 # %%
-left_padded = next(f for f in gallery["NaN on empty rows"].failures if f.case == "key_padding")
+left_padded = next(f for f in gallery["nan_empty_rows"].failures if f.case == "key_padding")
 print(f"key_padding: {left_padded.measured}\n  {left_padded.diagnosis}")
-half = gallery["float16 accumulation"]
+half = gallery["float16_accumulation"]
 print("float16 accumulation fails in:", sorted({f.dtype for f in half.failures}))
 print(next(f.diagnosis for f in half.failures if f.case == "random_mask"))
 
@@ -352,25 +326,19 @@ print(inspect.getsource(flash_check.torch_sdpa))
 
 # %% [markdown]
 # PyTorch runs here when it is installed (`pip install -e '.[bench]'`, as `.ci/run` does), and so
-# does JAX (`.[jax]`); whether they are differs from install to install, so the cells below that
-# print their results are not compared by the notebook's test, and the claims about them are
-# asserted only where they ran.
+# does JAX (`.[jax]`); whether they are differs from install to install, so the one cell below
+# that prints their results (and their versions) is not compared by the notebook's test, and the
+# claims about them are asserted only where they ran.
 
-# %% tags=["nbval-ignore-output"]
+# %%
 try:
     import torch
 except ImportError:
-    torch = None
-    print("PyTorch is not installed here: its rows of the table are skipped.")
-else:
-    print(f"PyTorch {torch.__version__}")
+    torch = None  # its rows of the table are skipped
 try:
     import jax
 except ImportError:
     jax = None
-    print("JAX is not installed here: its rows of the table are skipped.")
-else:
-    print(f"JAX {jax.__version__}")
 
 # %% [markdown]
 # The kernels: PyTorch's math and flash backends through the bottom-right wrapper; the math
@@ -411,8 +379,11 @@ if jax is not None:
 # still matches.
 
 # %% tags=["nbval-ignore-output"]
+for library, module in (("PyTorch", torch), ("JAX", jax)):
+    print(f"{library} {module.__version__}" if module is not None else
+          f"{library} is not installed here: its rows of the table are skipped.")
 table = {"flash_lib.flash_attention": clean_reports["flash_lib, 512 x 512 tiles"], **real}
-print(f"{'kernel':<62} {'float64':<22} {'float32':<22} float16")
+print(f"\n{'kernel':<62} {'float64':<22} {'float32':<22} float16")
 for name, report in table.items():
     cells = ["not run" if failed is None else ", ".join(failed) or "pass"
              for failed in report.by_dtype().values()]
@@ -432,13 +403,24 @@ for name, report in real.items():
 #   except one: NaN and infinities in $v$ at padded keys that no row may attend reach the rows
 #   (both backends mask the weights, and $0 \cdot \text{NaN} = \text{NaN}$ in $P V$), the
 #   fully masked row among them. A key-value cache whose unused slots hold garbage must be
-#   zeroed before calling it. The accuracy ratios are within those of flash_lib.
+#   zeroed before calling it. On every other case their errors are within the same bound as
+#   flash_lib's.
 # - **`is_causal=True`**: top-left, flagged on every case with $N_q \ne N_k$ (decoding, the wide
 #   and tall causal cases), and right on the square one, where the conventions agree.
-# - **PyTorch's CPU flash op with its lse**: its lse of an empty row is 0.0; in float16 its lse
-#   is up to a few $10^{-5}$ off (relative), far beyond float32 rounding on the same inputs
-#   (naive's lse, computed in float32, is within $10^{-7}$): harmless for a float16 backward,
-#   whose $P = e^{s - \text{lse}}$ is rounded to $10^{-3}$ anyway, but not float32 arithmetic.
+# - **PyTorch's CPU flash op with its lse**: its lse of an empty row is 0.0, and its outputs
+#   pass. In float16, where PyTorch 2.13 computes in float32 and stores the weights in float16,
+#   its lse can be up to about $5 \cdot 10^{-5}$ off (relative), far beyond float32 rounding on
+#   the same inputs (naive's lse, computed in float32, is within $10^{-7}$): harmless for a
+#   float16 backward, whose $P = e^{s - \text{lse}}$ is rounded to $10^{-3}$ anyway, but not
+#   float32 arithmetic. Which cases fail depends on the CPU. Measured here (with
+#   `ATEN_CPU_CAPABILITY` to choose PyTorch's code path), the error comes from the vector loop
+#   that computes the weights $e^{s - m}$ to within about $10^{-4}$ (enough for the float16
+#   weights it stores, not for their sum), in 8 lanes with AVX2 and 16 with AVX-512; the keys
+#   past the last full vector of a 512-key block are done one at a time, exactly, and PyTorch's
+#   scalar build (`default`) passes every case. So `late_max`, whose weight sits on its last 8
+#   keys (of 1100: 76 in the last block), fails with AVX2, whose exact tail is the last 4 keys,
+#   and passes with AVX-512, whose tail is the last 12; cases whose weight is spread over many
+#   keys fail on both.
 # - **JAX**: a fully masked row gets uniform weights, the mean of all values (its mask value is
 #   `-0.7 * finfo(dtype).max`, not $-\infty$); float64 inputs come out only as exact as float32,
 #   because `jax.nn.dot_product_attention` always computes its softmax in float32 (the comment
@@ -457,8 +439,9 @@ for name, report in real.items():
 # - flash_lib, at 512 × 512 tiles (memory included) and 16 × 16 tiles, and the clean tiled kernel
 #   pass every case in every dtype.
 # - The bound, twice naive's error in the same dtype plus a floor of 8 eps (float64, float32) or
-#   1 eps (float16), holds for every correct kernel measured, with the largest ratio below 1.7
-#   and the largest needed floor below 8 eps.
+#   1 eps (float16), holds on every case run of the four correct kernels measured, on every CPU
+#   configuration we tried; neither part alone would (the largest ratio reached 2.3 with
+#   OpenBLAS's Sandybridge kernel, and errors reach a few tens of eps where naive's does too).
 # - Where installed: PyTorch SDPA (math, flash) passes everything but garbage at padded keys,
 #   its `is_causal=True` is flagged top-left when $N_q \ne N_k$; JAX's empty rows are flagged as
 #   uniform weights and its float64 as float32-accurate.
@@ -466,20 +449,24 @@ for name, report in real.items():
 # %%
 assert allclose_passes[None]
 assert sum(allclose_passes[bug] for bug in BUGS) == 7
-assert not allclose_passes["missing rescale"] and not allclose_passes["stale running max"]
+assert not allclose_passes["missing_rescale"] and not allclose_passes["stale_max"]
 assert all(report.ok for report in clean_reports.values())
-assert not clean_reports["flash_lib, 512 x 512 tiles"].skipped
+serving_cases = {name for name, case in flash_check.CASES.items()
+                 if set(case.needs) & {"varlen", "kvcache", "paged"}}
+assert {s.case for s in clean_reports["flash_lib, 512 x 512 tiles"].skipped} == serving_cases
 for bug, (case, words) in signature.items():
     report = gallery[bug]
     assert not report.ok, bug
     assert any(f.case == case and words in f.diagnosis for f in report.failures), bug
-assert gallery["O(N²) memory"].failed_cases() == ["memory"]
-assert {f.dtype for f in gallery["float16 accumulation"].failures} == {"float16"}
+assert gallery["quadratic_memory"].failed_cases() == ["memory"]
+assert {f.dtype for f in gallery["float16_accumulation"].failures} == {"float16"}
 assert "depends on the order of the keys" in rescale_report.failures[0].diagnosis
 assert "whose first keys are masked" in left_padded.diagnosis
-for dtype, (ratio, floor) in flash_stats.items():
-    assert 0 < ratio < 1.7 <= flash_check.FACTOR, (dtype, ratio)
-    assert floor * float(np.finfo(dtype).eps) <= flash_check.OUT_FLOOR[dtype], (dtype, floor)
+# The bound on every case run (the 7 x 1 tiles included, the worst rounding a correct kernel
+# makes); how close they come is rounding and is drawn, not asserted (see the plot).
+assert measured_kernels["flash_lib 7x1"].ok
+for dtype, (runs, within, ratio, floor) in flash_stats.items():
+    assert runs > 0 and within, (dtype, runs, floor)
 if torch is not None:
     for name in ("torch SDPA, math, causal_lower_right", "torch SDPA, flash, causal_lower_right"):
         assert real[name].failed_cases() == ["masked_nonfinite"], name
@@ -489,11 +476,11 @@ if torch is not None:
     assert all("top-left" in f.diagnosis for f in top_left.failures
                if f.case in ("decode", "causal_wide", "causal_tall"))
     cpu_op = real["torch _scaled_dot_product_flash_attention_for_cpu, with lse"]
-    assert {(f.dtype, f.check) for f in cpu_op.failures if f.case != "masked_nonfinite"} == {
+    assert "masked_nonfinite" in cpu_op.failed_cases()
+    # Beyond it, only float16 lse errors, on cases that depend on the CPU (none in PyTorch's
+    # scalar build): its outputs pass everywhere.
+    assert {(f.dtype, f.check) for f in cpu_op.failures if f.case != "masked_nonfinite"} <= {
         ("float16", "lse error")}
-    torch_stats = bound_statistics({n: real[n] for n in real if "causal_lower_right" in n})
-    assert all(ratio < 1.7 and floor * float(np.finfo(d).eps) <= flash_check.OUT_FLOOR[d]
-               for d, (ratio, floor) in torch_stats.items()), torch_stats
 if jax is not None:
     jax_report = real["jax.nn.dot_product_attention, bottom-right mask"]
     assert any("uniform weights" in f.diagnosis for f in jax_report.failures

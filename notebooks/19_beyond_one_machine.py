@@ -13,7 +13,7 @@
 # ---
 
 # %% [markdown]
-# # 14. Beyond one machine: attention over a Dask cluster
+# # 19. Beyond one machine: attention over a Dask cluster
 #
 # `flash_attention` keeps one tile of scores at a time, so its memory no longer limits the
 # sequence length; its time still grows as $N_q N_k$, and one machine's inputs must still fit on
@@ -89,7 +89,7 @@ with dask.config.set(worker_environment):
 client = Client(cluster)
 client.wait_for_workers(2, timeout=60)
 workers = sorted(client.scheduler_info()["workers"])
-worker_threads = client.run(lambda: __import__("flash_lib")._THREADS)
+worker_threads = client.run(lambda: __import__("flash_lib").thread_count())
 worker_trim = client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_"))
 print(f"{len(workers)} worker processes, flash_lib threads in each:",
       sorted(worker_threads.values()), "| MALLOC_TRIM_THRESHOLD_ unset in each:",
@@ -510,7 +510,7 @@ print("the result equals flash_attention (rowwise relative error <= 1e-12):", ki
 # %% tags=["nbval-ignore-output"]
 print(f"on the machine that built this page, causal N = {n}: 2 workers {t_cluster:.2f} s "
       f"(with the inputs made on the workers), flash_attention in one process "
-      f"({flash_lib._THREADS} threads) {t_process:.2f} s")
+      f"({flash_lib.thread_count()} threads) {t_process:.2f} s")
 
 # %% [markdown]
 # ## What changes on GPUs

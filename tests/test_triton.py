@@ -1,0 +1,241 @@
+"""flash_triton: the Triton kernels (run by Triton's interpreter on a CPU) against flash_lib.
+
+Skipped, with the reason, when the gpu extra (triton, torch) is missing. The interpreter runs one
+program at a time in Python, so the sizes are small; the whole file takes ~30 s on a loaded
+2-core machine.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch", reason="flash_triton needs PyTorch (pip install '.[gpu]')")
+# Not importorskip("triton"): triton must be imported after flash_triton has set TRITON_INTERPRET.
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("flash_triton needs Triton (pip install '.[gpu]')", allow_module_level=True)
+
+import flash_check  # noqa: E402
+import flash_lib  # noqa: E402
+import flash_triton  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EPS = {np.float32: np.finfo(np.float32).eps, np.float16: np.finfo(np.float16).eps}
+
+
+def qkv(rng, n_q, n_k, d=16, dv=None, dtype=np.float32, batch=(2,)):
+    dv = d if dv is None else dv
+    return tuple(rng.standard_normal(batch + s).astype(dtype)
+                 for s in ((n_q, d), (n_k, d), (n_k, dv)))
+
+
+def as64(*xs):
+    return tuple(x.astype(np.float64) for x in xs)
+
+
+# Shapes that exercise the tile logic: partial query and key blocks (BLOCK 32), Nq != Nk both ways
+# (the bottom-right shift), one query row, d and dv not powers of two (the padded BLOCK_D).
+SHAPES = [(70, 90, 16, 16), (90, 70, 16, 24), (1, 100, 16, 16), (33, 64, 20, 12)]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n_q, n_k, d, dv", SHAPES)
+def test_forward_matches_flash_lib(n_q, n_k, d, dv, causal, dtype):
+    rng = np.random.default_rng([n_q, n_k, d, causal])
+    q, k, v = qkv(rng, n_q, n_k, d, dv, dtype)
+    out, lse = flash_triton.attention(q, k, v, causal=causal, return_lse=True)
+    assert out.dtype == dtype and out.shape == (2, n_q, dv) and lse.shape == (2, n_q)
+    ref, ref_lse = flash_lib.precise_attention(*as64(q, k, v), causal=causal, return_lse=True)
+    empty = np.isneginf(ref_lse)  # causal with Nq > Nk: the top rows see no key
+    assert np.array_equal(np.isneginf(lse), empty)
+    assert np.all(out[empty] == 0)
+    # Measured (every shape here, native, AVX2 and baseline NumPy loops alike): float32 5.3 eps,
+    # float16 0.84 eps (p and out rounded to float16 once each; the matmuls accumulate in
+    # float32). Bounds ~4x and ~2x that.
+    bound = (20 if dtype == np.float32 else 2) * EPS[dtype]
+    assert np.max(flash_lib.rowwise_relative_error(out[~empty], ref[~empty])) <= bound
+    assert np.max(np.abs(lse[~empty] - ref_lse[~empty]) / (1 + np.abs(ref_lse[~empty]))) \
+        <= 20 * EPS[np.float32]
+
+
+def test_forward_masks_and_empty_rows():
+    rng = np.random.default_rng(1)
+    q, k, v = qkv(rng, 40, 70, batch=(3,))
+    padding = np.ones((3, 1, 70), dtype=bool)  # one row per sequence: read with query stride 0
+    padding[1, :, 50:] = False
+    padding[2, :, :] = False  # every row of sequence 2 empty
+    full = rng.random((3, 40, 70)) < 0.3
+    full[0, [0, 5, 39]] = False
+    for mask in (padding, full):
+        for causal in (False, True):
+            out, lse = flash_triton.attention(q, k, v, mask=mask, causal=causal, return_lse=True)
+            ref, ref_lse = flash_lib.precise_attention(*as64(q, k, v), mask=mask, causal=causal,
+                                                       return_lse=True)
+            empty = np.isneginf(ref_lse)
+            assert empty.any()
+            assert np.array_equal(np.isneginf(lse), empty)  # flash_lib's -inf, not FA's +inf
+            assert np.all(out[empty] == 0)
+            error = np.max(flash_lib.rowwise_relative_error(out[~empty], ref[~empty]))
+            assert error <= 20 * EPS[np.float32]
+
+
+def test_inputs_broadcast_and_untouched():
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((2, 3, 20, 16)).astype(np.float32)
+    k, v = qkv(rng, 30, 30, batch=(1, 3))[1:]  # k, v shared by the batch
+    copies = [x.copy() for x in (q, k, v)]
+    out = flash_triton.attention(q, k, v)
+    assert out.shape == (2, 3, 20, 16)
+    assert all(np.array_equal(a, b) for a, b in zip((q, k, v), copies))
+    ref = flash_lib.precise_attention(*as64(q, k, v))
+    assert np.max(flash_lib.rowwise_relative_error(out, ref)) <= 20 * EPS[np.float32]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("causal", [False, True])
+# (63, 64): Nk - Nq = 1, so under causal the first query row a key block meets is the last row
+# of a query block: the dk/dv loop's first query block is exactly on the edge.
+@pytest.mark.parametrize("n_q, n_k, d, dv", [(70, 90, 16, 16), (90, 70, 16, 24), (63, 64, 16, 16)])
+def test_backward_matches_flash_lib(n_q, n_k, d, dv, causal, dtype):
+    rng = np.random.default_rng([7, n_q, n_k, causal])
+    q, k, v = qkv(rng, n_q, n_k, d, dv, dtype)
+    out, lse = flash_triton.attention(q, k, v, causal=causal, return_lse=True)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    grads = flash_triton.attention_backward(q, k, v, out, lse, dout, causal=causal)
+    # flash_lib's backward in float64 on the same values (and its own forward's out and lse)
+    q64, k64, v64, dout64 = as64(q, k, v, dout)
+    out64, lse64 = flash_lib.flash_attention(q64, k64, v64, causal=causal, return_lse=True)
+    refs = flash_lib.flash_attention_backward(q64, k64, v64, out64, lse64, dout64, causal=causal)
+    # Measured (native, AVX2, baseline): float32 6.5e-7 of the gradient's largest entry;
+    # float16 5.1e-4 (P, dS and out rounded to float16). Bounds ~15x and ~10x that.
+    bound = 1e-5 if dtype == np.float32 else 5e-3
+    for name, g, ref in zip(("dq", "dk", "dv"), grads, refs):
+        assert g.dtype == dtype and g.shape == ref.shape, name
+        assert np.max(np.abs(g - ref)) <= bound * np.max(np.abs(ref)), name
+
+
+def test_backward_empty_rows_and_unattended_keys():
+    rng = np.random.default_rng(3)
+    q, k, v = qkv(rng, 40, 70, batch=(2,))
+    mask = np.ones((2, 40, 70), dtype=bool)
+    mask[0, :5] = False  # five empty rows
+    mask[1, :, 60:] = False  # ten keys no row attends
+    out, lse = flash_triton.attention(q, k, v, mask=mask, return_lse=True)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    dq, dk, dv = flash_triton.attention_backward(q, k, v, out, lse, dout, mask=mask)
+    assert np.all(dq[0, :5] == 0)
+    assert np.all(dk[1, 60:] == 0) and np.all(dv[1, 60:] == 0)
+    refs = flash_lib.flash_attention_backward(*as64(q, k, v, out.astype(np.float64)),
+                                              lse.astype(np.float64), dout.astype(np.float64),
+                                              mask=mask)
+    for g, ref in zip((dq, dk, dv), refs):
+        assert np.all(np.isfinite(g))
+        assert np.max(np.abs(g - ref)) <= 1e-5 * np.max(np.abs(ref))
+
+
+def test_backward_sums_over_broadcast_inputs():
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((3, 20, 16)).astype(np.float32)
+    k, v = qkv(rng, 30, 30, batch=(1,))[1:]
+    out, lse = flash_triton.attention(q, k, v, return_lse=True)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    grads = flash_triton.attention_backward(q, k, v, out, lse, dout)
+    refs = flash_lib.flash_attention_backward(*as64(q, k, v, out, lse, dout))
+    for g, ref in zip(grads, refs):
+        assert g.shape == ref.shape
+        assert np.max(np.abs(g - ref)) <= 1e-5 * np.max(np.abs(ref))
+
+
+def test_flash_check_cli_passes():
+    """The issue's command: with the lse feature, the command line calls a kernel that takes
+    return_lse with return_lse=True."""
+    cmd = [sys.executable, "-m", "flash_check", "flash_triton:attention",
+           "--features", "causal", "lse", "--dtypes", "float32", "float16"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "PASS: 33 of 33 case runs passed" in run.stdout
+
+
+def test_flash_check_masks_and_out_alone():
+    # the mask cases (key padding, empty rows, NaN at padded keys) and attention itself (no lse)
+    masked = ["key_padding", "empty_rows", "all_masked", "causal_and_mask", "masked_nonfinite"]
+    report = flash_check.check_kernel(flash_triton.attention_with_lse,
+                                      features=("mask", "causal", "lse"),
+                                      dtypes=("float32", "float16"), cases=masked)
+    assert report.ok, report.failures
+    report = flash_check.check_kernel(flash_triton.attention, features=("causal",),
+                                      dtypes=("float32",), cases=["late_max", "causal_tall"])
+    assert report.ok, report.failures
+
+
+def test_planted_missing_rescale_is_caught_and_diagnosed():
+    report = flash_check.check_kernel(flash_triton.with_bug("missing_rescale"),
+                                      features=("causal", "lse"), dtypes=("float32",),
+                                      cases=["late_max", "random"])
+    assert not report.ok
+    assert {f.case for f in report.failures} == {"late_max", "random"}
+    assert all("not rescaled by exp(m - m')" in f.diagnosis for f in report.failures)
+    # and the flag is the only difference: with it on, the same cases pass
+    assert flash_check.check_kernel(flash_triton.attention_with_lse, features=("causal", "lse"),
+                                    dtypes=("float32",), cases=["late_max", "random"]).ok
+
+
+def test_bad_inputs():
+    rng = np.random.default_rng(5)
+    q, k, v = qkv(rng, 8, 8)
+    with pytest.raises(TypeError, match="float32 or float16"):
+        flash_triton.attention(q.astype(np.float64), k, v)
+    with pytest.raises(TypeError, match="float32 or float16"):
+        flash_triton.attention(q, k.astype(np.float16), v)
+    with pytest.raises(TypeError):
+        flash_triton.attention(q.astype(np.int32), k, v)
+    with pytest.raises(TypeError, match="boolean"):
+        flash_triton.attention(q, k, v, mask=np.ones((8, 8)))
+    with pytest.raises(TypeError, match="causal"):
+        flash_triton.attention(q, k, v, causal=1)
+    with pytest.raises(ValueError, match="feature size"):
+        flash_triton.attention(q, k[..., :8], v)
+    with pytest.raises(ValueError, match="mask"):
+        flash_triton.attention(q, k, v, mask=np.ones((8, 9), dtype=bool))
+    with pytest.raises(ValueError, match="scale"):
+        flash_triton.attention(q, k, v, scale=-1.0)
+    with pytest.raises(TypeError, match="scale"):
+        flash_triton.attention(q, k, v, scale="1")
+    out, lse = flash_triton.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        flash_triton.attention_backward(q, k, v, out, lse[:, :4], out)
+    with pytest.raises(ValueError, match="bug must be one of"):
+        flash_triton.with_bug("no_such_bug")
+
+
+REFUSALS = """
+import os
+os.environ["TRITON_INTERPRET"] = "0"
+try:
+    import flash_triton
+except RuntimeError as exc:
+    print("refused:", exc)
+del os.environ["TRITON_INTERPRET"]
+import triton  # first, without the interpreter: refused at import, not at the first call
+try:
+    import flash_triton
+except ImportError as exc:
+    print("refused:", exc)
+"""
+
+
+@pytest.mark.skipif(flash_triton.HAS_CUDA, reason="the refusal is for machines without CUDA")
+def test_refuses_without_cuda_or_interpreter():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", REFUSALS], capture_output=True, text=True,
+                         env=dict(env, PYTHONPATH=str(ROOT)), cwd=ROOT, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "refused: flash_triton: no CUDA GPU, and TRITON_INTERPRET is set to '0'" in run.stdout
+    assert "triton was imported before flash_triton without TRITON_INTERPRET=1" in run.stdout
