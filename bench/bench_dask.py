@@ -1,4 +1,4 @@
-"""How fast is flash_dask.dask_attention on one worker, on two, and against one process?
+"""How fast are flash_dask's forward and backward on one worker, on two, and in one process?
 
 Measured side by side in one run, for d = 64, float64 and N queries = N keys (default N = 16384
 and 65536):
@@ -9,6 +9,11 @@ and 65536):
   one thread each and ``FLASH_LIB_THREADS=1`` in the workers, so a worker is one core. The inputs
   are made on the cluster (``dask.array.random``) and persisted there before the clock starts,
   as for data that lives on a cluster; the time includes gathering ``out`` into this process;
+* the backward, ``flash_dask.dask_attention_backward`` from the cluster's own forward (its out
+  and lse computed and held there before the clock starts), against
+  ``flash_lib.flash_attention_backward`` in this process (``--forward-only`` skips it);
+* the share of the 2-worker run's wall time × 2 that the workers spent computing tasks
+  (distributed's task stream): what is not compute is transfer or idle;
 * the bytes Dask moved between workers during the timed run, summed from every worker's
   ``transfer_incoming_log`` (Dask's ``sizeof`` estimate of each received result), against the
   bytes of q, k and v.
