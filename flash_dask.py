@@ -17,6 +17,19 @@ pairs wholly above the (bottom-right aligned) diagonal are never put in the grap
 are the shard pairs of a NumPy ``mask`` that allow nothing. Nothing here starts a cluster: the
 graph runs on whatever scheduler computes it (threads, processes, ``distributed``).
 
+:func:`dask_attention_backward` is the same graph for the gradients: one
+``flash_attention_backward`` task per shard pair of the forward (one helper selects the pairs
+for both), given the forward's global ``out`` and ``lse`` of its query shard, which make the
+pair's terms exactly its share of the gradients; ``dq`` is summed over key shards and ``dk``,
+``dv`` over query shards, by trees of fan-in ``split_every``.
+
+Where the time goes, on 2 worker processes of one core each (the forward, N = 65536, shards of
+4096, 256 pair tasks; distributed's task stream, on a 2-core machine shared with other jobs): the
+workers computed pair tasks for 98% of the run, waited on transfers for 1-2% and idled under 1%;
+merges were 1.5% of the compute; 342 MiB (3.6 × q+k+v) moved between them, mostly partial
+outputs sent to another worker's merge. So the graph keeps both workers busy, and a run is as
+fast as its pair tasks, which run slower side by side than alone when the cores are shared.
+
 Memory: a pair task holds its q, k and v shards, its partial result and ``flash_attention``'s
 tile scratch, so a worker's working set is set by the shard sizes, never by ``Nq`` or ``Nk``.
 Only the partials of one query shard's merge tree meet, ``O(split_every)`` at a time.
@@ -42,7 +55,8 @@ from dask.highlevelgraph import HighLevelGraph
 
 import flash_lib
 
-__all__ = ["DEFAULT_SHARD", "dask_attention", "attention_task_count"]
+__all__ = ["DEFAULT_SHARD", "dask_attention", "dask_attention_backward", "attention_task_count",
+           "backward_task_count"]
 
 #: Rows per shard along the sequence axis when a NumPy array is wrapped (and no Dask input fixes
 #: the chunks). At d = 64 in float64 a 4096-row shard is 2 MiB, and a 4096 × 4096 pair task
@@ -53,6 +67,9 @@ DEFAULT_SHARD = 4096
 _PAIR = "flash-attention-pair-"
 _MERGE = "flash-attention-merge-"
 _EMPTY = "flash-attention-empty-"
+_BPAIR = "flash-attention-backward-pair-"
+_BSHARE = "flash-attention-backward-share-"
+_BSUM = "flash-attention-backward-sum-"
 
 
 def dask_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False,
@@ -146,25 +163,13 @@ def dask_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=F
     pair_name, merge_name, empty_name = _PAIR + token, _MERGE + token, _EMPTY + token
     layer = {}
     finals = []
-    q_starts, k_starts = np.cumsum((0,) + q_chunks), np.cumsum((0,) + k_chunks)
-    # The shard pairs with a pair causality allows: the kernel's own schedule, shards for tiles.
-    pairs = set(flash_lib.tile_schedule(n_q, n_k, q_chunks, k_chunks, causal))
+    pairs = _shard_pairs(n_q, n_k, q_chunks, k_chunks, causal, numpy_mask)
     for i, n_qi in enumerate(q_chunks):
         parts = []
-        for j, n_kj in enumerate(k_chunks):
-            if (q_starts[i], q_starts[i + 1], k_starts[j], k_starts[j + 1]) not in pairs:
-                continue  # empty, or wholly above the diagonal
-            # In the pair's own coordinates, query r may see key c iff c <= r + delta.
-            delta = int(q_starts[i] - k_starts[j] + (n_k - n_q))
-            crossing = causal and delta < n_kj - 1  # else its first query sees every key
-            if numpy_mask is not None and not _any_allowed(
-                    numpy_mask[..., q_starts[i]:q_starts[i + 1], k_starts[j]:k_starts[j + 1]],
-                    delta if crossing else None):
-                continue
+        for j, delta in pairs.get(i, {}).items():
             key = (pair_name, i, j)
             # scale=None lets every shard's flash_attention pick the default, 1/sqrt(d)
-            task = functools.partial(_attend_pair, scale=scale,
-                                     delta=delta if crossing else None, work=work)
+            task = functools.partial(_attend_pair, scale=scale, delta=delta, work=work)
             shards = (_block_key(q, i), _block_key(k, j), _block_key(v, j))
             layer[key] = (task, *shards) + (() if mask is None else (_mask_key(mask, i, j),))
             parts.append(key)
@@ -172,20 +177,7 @@ def dask_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=F
             key = (empty_name, i)
             layer[key] = (functools.partial(_no_keys, batch + (n_qi,), dv, work),)
             parts = [key]
-        level = 0
-        while len(parts) > 1:  # the merge tree, split_every parts per task
-            level += 1
-            merged = []
-            for g in range(0, len(parts), split_every):
-                group = parts[g:g + split_every]
-                if len(group) == 1:
-                    merged.append(group[0])  # nothing to merge: passed up a level unchanged
-                    continue
-                key = (merge_name, i, level, g // split_every)
-                layer[key] = (_merge_parts, *group)
-                merged.append(key)
-            parts = merged
-        finals.append(parts[0])
+        finals.append(_tree(layer, (merge_name, i), parts, split_every, _merge_parts))
 
     inputs = [x for x in (q, k, v, mask) if x is not None]
     graph = HighLevelGraph.from_collections(pair_name, layer, dependencies=inputs)
@@ -210,6 +202,149 @@ def attention_task_count(array):
     """
     return sum(1 for key in array.__dask_graph__()
                if isinstance(key, tuple) and str(key[0]).startswith(_PAIR))
+
+
+def dask_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False, scale=None,
+                            split_every=None):
+    """The gradients of :func:`dask_attention` as a Dask task graph of the same shard pairs.
+
+    Same semantics as :func:`flash_lib.flash_attention_backward`: the gradients of
+    ``sum(dout * out)`` with respect to ``q``, ``k`` and ``v``, ``out`` and ``lse`` being what
+    the forward returned for the same arguments.
+
+    One **pair task** per shard pair the forward computes (the same selection: causal and NumPy
+    mask) calls ``flash_lib.flash_attention_backward`` on query shard ``i`` and key shard ``j``
+    with the forward's *global* ``out_i`` and ``lse_i``. That is exactly the pair's share of the
+    gradients: ``P_ij = exp(S_ij - lse_i)`` with the global ``lse_i`` is the block of the global
+    softmax, and ``D_i = rowsum(dout_i ∘ out_i)``, which the backward computes from the ``out``
+    it is given, is the global ``D_i``; so ``dS_ij = P_ij ∘ (dout_i v_jᵀ - D_i)`` is the global
+    ``dS`` restricted to the pair, and ``dq_i = Σ_j dS_ij k_j``, ``dk_j = Σ_i dS_ijᵀ q_i``,
+    ``dv_j = Σ_i P_ijᵀ dout_i`` are sums of the pairs' shares. ``dq_i`` is summed over its key
+    shards and ``dk_j``, ``dv_j`` over their query shards, each by a tree of additions of fan-in
+    ``split_every``. (``D_i`` costs ``O(rows · dv)`` per pair against the pair's
+    ``O(rows · keys · d)``: it is recomputed in each pair rather than sent as one more input.)
+
+    Parameters
+    ----------
+    q, k, v, mask, causal, scale, split_every
+        As for :func:`dask_attention`, with the same chunking rules, and the same as the
+        forward call.
+    out, lse : dask or NumPy arrays
+        What ``dask_attention(..., return_lse=True)`` (or ``flash_lib.flash_attention``)
+        returned: shapes ``(..., Nq, dv)`` and ``(..., Nq)``, ``...`` the broadcast batch. Dask
+        arrays must be chunked like ``q`` along the query axis (-2 for ``out``, -1 for
+        ``lse``), with every other axis one chunk.
+    dout : dask or NumPy array of the shape of ``out``, chunked like it
+        The gradient of the loss with respect to ``out``.
+
+    Returns
+    -------
+    dq, dk, dv : dask.array.Array
+        Each of its input's shape and dtype, chunked like it along -2 and in one chunk along
+        every other axis. An input broadcast over leading dims gets the sum of the gradients
+        over those dims, as in ``flash_attention_backward``. ``dask.compute(dq, dk, dv)`` runs
+        the graph once.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`dask_attention`, and as ``flash_attention_backward`` for ``out``, ``lse`` and
+        ``dout`` (dtype, shape), or chunks of theirs inconsistent with ``q``'s.
+
+    Notes
+    -----
+    16-bit inputs are computed in float32, as by ``flash_attention_backward``, and the sums of
+    the shares too; each gradient is rounded to its input's dtype once, at the end.
+    """
+    split_every = _check_split_every(split_every)
+    q, k, v, out, lse, dout = (_as_array(name, x) for name, x in (
+        ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("dout", dout)))
+    mask = None if mask is None else _as_array("mask", mask)
+    if mask is not None and mask.ndim < 2:
+        mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
+    batch = flash_lib.check_arrays(q, k, v, mask)
+    n_q, n_k, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    for name, x, shape in (("out", out, batch + (n_q, dv)), ("lse", lse, batch + (n_q,)),
+                           ("dout", dout, batch + (n_q, dv))):
+        if x.shape != shape:
+            raise ValueError(f"{name} must have shape {shape}, what the forward returns for "
+                             f"these q, k, v (and mask), got {x.shape}")
+    # flash_lib's own check of the dtypes, causal and scale, on arrays of one row
+    grads_meta = flash_lib.flash_attention_backward(
+        np.zeros((1, d), q.dtype), np.zeros((1, d), k.dtype), np.zeros((1, dv), v.dtype),
+        np.zeros((1, dv), out.dtype), np.zeros((1,), lse.dtype), np.zeros((1, dv), dout.dtype),
+        mask=None if mask is None else np.ones((1, 1), mask.dtype), causal=causal, scale=scale)
+    dtypes = [g.dtype for g in grads_meta]
+    work = np.result_type(np.float32, *dtypes)  # 16-bit -> float32, as flash_lib computes them
+
+    q_chunks = _sequence_chunks([("q", q, -2), ("out", out, -2), ("dout", dout, -2),
+                                 ("lse", lse, -1), ("mask", mask, -2)], n_q)
+    k_chunks = _sequence_chunks([("k", k, -2), ("v", v, -2), ("mask", mask, -1)], n_k)
+    q = _as_dask("q", q, q_chunks, -2, partner="q")
+    out = _as_dask("out", out, q_chunks, -2, partner="q")
+    dout = _as_dask("dout", dout, q_chunks, -2, partner="q")
+    lse = _as_dask("lse", lse, q_chunks, -1, partner="q")
+    k = _as_dask("k", k, k_chunks, -2)
+    v = _as_dask("v", v, k_chunks, -2)
+    numpy_mask = None
+    if mask is not None:
+        if not isinstance(mask, da.Array):
+            numpy_mask = np.broadcast_to(mask, mask.shape[:-2] + (n_q, n_k))
+        mask = _as_dask("mask", mask, (q_chunks, k_chunks), None)
+
+    token = tokenize(q, k, v, out, lse, dout, mask, bool(causal), scale, split_every)
+    pair_name, share_name, sum_name = _BPAIR + token, _BSHARE + token, _BSUM + token
+    layer = {}
+    pairs = _shard_pairs(n_q, n_k, q_chunks, k_chunks, causal, numpy_mask)
+    shares = {"dq": {}, "dk": {}, "dv": {}}  # gradient -> shard -> keys of its shares
+    for i, row in pairs.items():
+        for j, delta in row.items():
+            key = (pair_name, i, j)
+            task = functools.partial(_backward_pair, scale=scale, delta=delta, work=work)
+            args = (_block_key(q, i), _block_key(k, j), _block_key(v, j), _block_key(out, i),
+                    _lse_key(lse, i), _block_key(dout, i))
+            layer[key] = (task, *args) + (() if mask is None else (_mask_key(mask, i, j),))
+            # one small task per share, where the pair ran: a sum then moves only its share
+            for index, (grad, shard) in enumerate((("dq", i), ("dk", j), ("dv", j))):
+                share = (share_name, grad, i, j)
+                layer[share] = (operator.getitem, key, index)
+                shares[grad].setdefault(shard, []).append(share)
+
+    arrays = []
+    for grad, x, chunks, index in (("dq", q, q_chunks, 0), ("dk", k, k_chunks, 1),
+                                   ("dv", v, k_chunks, 2)):
+        roots = {}
+        for s, n_s in enumerate(chunks):
+            parts = shares[grad].get(s)
+            if not parts:  # no allowed pair for this shard: its gradient is exactly 0
+                key = (sum_name, grad, s, "zeros")
+                layer[key] = (np.zeros, x.shape[:-2] + (n_s, x.shape[-1]), work)
+                parts = [key]
+            roots[s] = _tree(layer, (sum_name, grad, s), parts, split_every, _add_parts)
+        arrays.append((grad, x, chunks, index, roots))
+
+    inputs = [x for x in (q, k, v, out, lse, dout, mask) if x is not None]
+    graph = HighLevelGraph.from_collections(pair_name, layer, dependencies=inputs)
+    results = []
+    for grad, x, chunks, index, roots in arrays:
+        zeros = (0,) * (x.ndim - 2)
+        cast = functools.partial(_cast, dtype=dtypes[index])
+        results.append(_new_array(
+            graph, pair_name, f"flash-attention-{grad}-" + token,
+            {zeros + (s, 0): (cast, root) for s, root in roots.items()},
+            tuple((b,) for b in x.shape[:-2]) + (chunks, (x.shape[-1],)), dtypes[index]))
+    return tuple(results)
+
+
+def backward_task_count(array):
+    """The number of pair tasks (``flash_attention_backward`` calls) in the graph of ``array``.
+
+    ``array`` is a ``dq``, ``dk`` or ``dv`` returned by :func:`dask_attention_backward`;
+    counted in the graph as built, like :func:`attention_task_count` (which counts the
+    forward's pair tasks, also in this graph when ``out`` and ``lse`` are Dask arrays of it).
+    """
+    return sum(1 for key in array.__dask_graph__()
+               if isinstance(key, tuple) and str(key[0]).startswith(_BPAIR))
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,6 +375,66 @@ def _attend_pair(q, k, v, mask=None, *, scale, delta, work):
     top = attend(q[..., :n, :], k, v, mask=_cut(mask, -2, slice(n)), causal=True)
     bottom = attend(q[..., n:, :], k, v, mask=_cut(mask, -2, slice(n, None)))
     return np.concatenate([top[0], bottom[0]], axis=-2), np.concatenate([top[1], bottom[1]], -1)
+
+
+def _backward_pair(q, k, v, out, lse, dout, mask=None, *, scale, delta, work):
+    """One query shard against one key shard: its shares ``(dq, dk, dv)`` of the gradients.
+
+    ``out`` and ``lse`` are the forward's global ones for the query shard (see
+    :func:`dask_attention_backward`); ``delta`` as for :func:`_attend_pair`, and the shards are
+    cut the same way so that flash_lib's bottom-right causal mask lies on the diagonal.
+    """
+    q, k, v, out, lse, dout = (x.astype(work, copy=False) for x in (q, k, v, out, lse, dout))
+    batch = out.shape[:-2]
+    shapes = [x.shape for x in (q, k, v)]
+    if np.broadcast_shapes(*(shape[:-2] for shape in shapes)) != batch:
+        # The mask's batch is wider than q, k and v's (heads masked apart, k and v shared):
+        # flash_attention_backward raises for that (its tile's scores have q, k's batch, the
+        # mask the wider one), so it is given q, k, v broadcast to the full batch (views) and
+        # their gradients are summed back over the broadcast dims, as autograd would.
+        q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
+        grads = _backward_pair(q, k, v, out, lse, dout, mask, scale=scale, delta=delta, work=work)
+        return tuple(_sum_to(g, shape) for g, shape in zip(grads, shapes))
+    grads = functools.partial(flash_lib.flash_attention_backward, scale=scale)
+    if delta is None:
+        return grads(q, k, v, out, lse, dout, mask=mask)
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    if n_q + delta <= n_k:
+        # Keys from n_q + delta on are past the last query's diagonal: their share is 0.
+        n = n_q + delta
+        dq, dk, dv = grads(q, k[..., :n, :], v[..., :n, :], out, lse, dout,
+                           mask=_cut(mask, -1, slice(n)), causal=True)
+        return dq, _pad_rows(dk, n_k), _pad_rows(dv, n_k)
+    # The first n_k - delta queries cross the diagonal; the others see every key of the shard.
+    n = n_k - delta
+    rows = [(slice(n), True), (slice(n, None), False)]
+    top, bottom = (grads(q[..., r, :], k, v, out[..., r, :], lse[..., r], dout[..., r, :],
+                         mask=_cut(mask, -2, r), causal=c) for r, c in rows)
+    return np.concatenate([top[0], bottom[0]], axis=-2), top[1] + bottom[1], top[2] + bottom[2]
+
+
+def _sum_to(x, shape):
+    """``x`` summed over the dims along which an array of ``shape`` was broadcast to it."""
+    lead = x.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + a for a, n in enumerate(shape)
+                                      if n == 1 and x.shape[lead + a] != 1)
+    return x.sum(axis=axes).reshape(shape) if axes else x
+
+
+def _pad_rows(x, n):
+    """``x`` with zero rows appended along -2 up to ``n`` rows."""
+    pad = [(0, 0)] * x.ndim
+    pad[-2] = (0, n - x.shape[-2])
+    return np.pad(x, pad)
+
+
+def _add_parts(*parts):
+    """The sum of gradient shares of one shard, left to right."""
+    return functools.reduce(operator.add, parts)
+
+
+def _cast(x, dtype):
+    return x.astype(dtype, copy=False)
 
 
 def _cut(mask, axis, index):
@@ -301,10 +496,11 @@ def _sequence_chunks(candidates, n):
     return tuple(min(DEFAULT_SHARD, n - s) for s in range(0, n, DEFAULT_SHARD))
 
 
-def _as_dask(name, x, seq_chunks, seq_axis):
+def _as_dask(name, x, seq_chunks, seq_axis, partner="k"):
     """Wrap a NumPy input with the given sequence chunks, or check a Dask input has them.
 
-    For q, k, v ``seq_axis`` is -2 and ``seq_chunks`` its chunks. For the mask (``seq_axis``
+    For q, k, v (out, dout) ``seq_axis`` is -2 and ``seq_chunks`` its chunks, those of
+    ``partner``; for an lse ``seq_axis`` is -1. For the mask (``seq_axis``
     None) ``seq_chunks`` is ``(q_chunks, k_chunks)`` for its axes -2 and -1. Every other axis,
     and an axis of length 1, is one chunk.
     """
@@ -323,14 +519,15 @@ def _as_dask(name, x, seq_chunks, seq_axis):
     for axis in range(x.ndim):
         if x.chunks[axis] == expected[axis]:
             continue
-        if axis - x.ndim == -1 and seq_axis is not None:
+        if axis - x.ndim == -1 and seq_axis == -2:
             raise ValueError(f"{name} is chunked along its feature axis -1: chunks "
                              f"{x.chunks[axis]}, expected one chunk {expected[axis]}; shards "
                              f"split the sequence axis -2 only (rechunk with {{-1: -1}})")
         match = [why for a, _, why in wanted if a == axis - x.ndim]
-        if match and match[0] is None:  # k against v: the one mismatch of a sequence axis
-            raise ValueError(f"{name} must be chunked like k along the sequence axis -2, "
-                             f"got {x.chunks[axis]} and k's {expected[axis]}")
+        if match and match[0] is None:  # e.g. v against k: a sequence axis
+            raise ValueError(f"{name} must be chunked like {partner} along the sequence axis "
+                             f"(axis {seq_axis} of {name}), got {x.chunks[axis]} and "
+                             f"{partner}'s {expected[axis]}")
         if match:
             raise ValueError(f"{name} is chunked {x.chunks[axis]} along axis {axis - x.ndim}, "
                              f"inconsistent with {match[0]} {expected[axis]}")
@@ -350,9 +547,62 @@ def _any_allowed(mask_block, delta):
     return bool((mask_block & causal).any())
 
 
+def _shard_pairs(n_q, n_k, q_chunks, k_chunks, causal, numpy_mask):
+    """The shard pairs that get a task, forward and backward: ``{i: {j: delta}}`` in order.
+
+    A pair is left out when causality forbids all of it (the kernel's own schedule, shards for
+    tiles) or when a NumPy ``mask`` allows none of its pairs within causality. ``delta`` is None
+    when causality allows every pair of the two shards (or causal is off); else the pair crosses
+    the diagonal and query ``r`` of the shard may see key ``c`` iff ``c <= r + delta``.
+    """
+    q_starts, k_starts = np.cumsum((0,) + q_chunks), np.cumsum((0,) + k_chunks)
+    scheduled = set(flash_lib.tile_schedule(n_q, n_k, q_chunks, k_chunks, causal))
+    pairs = {}
+    for i in range(len(q_chunks)):
+        for j, n_kj in enumerate(k_chunks):
+            if (q_starts[i], q_starts[i + 1], k_starts[j], k_starts[j + 1]) not in scheduled:
+                continue  # empty, or wholly above the diagonal
+            # In the pair's own coordinates, query r may see key c iff c <= r + delta.
+            delta = int(q_starts[i] - k_starts[j] + (n_k - n_q))
+            crossing = causal and delta < n_kj - 1  # else its first query sees every key
+            if numpy_mask is not None and not _any_allowed(
+                    numpy_mask[..., q_starts[i]:q_starts[i + 1], k_starts[j]:k_starts[j + 1]],
+                    delta if crossing else None):
+                continue
+            pairs.setdefault(i, {})[j] = delta if crossing else None
+    return pairs
+
+
+def _tree(layer, prefix, parts, split_every, combine):
+    """Add to ``layer`` a tree of ``combine`` tasks of fan-in ``split_every`` over ``parts``.
+
+    The keys are ``prefix + (level, index)``; returns the key of the root (``parts[0]`` itself
+    when there is one part: nothing to combine).
+    """
+    level = 0
+    while len(parts) > 1:
+        level += 1
+        combined = []
+        for g in range(0, len(parts), split_every):
+            group = parts[g:g + split_every]
+            if len(group) == 1:
+                combined.append(group[0])  # nothing to combine: passed up a level unchanged
+                continue
+            key = prefix + (level, g // split_every)
+            layer[key] = (combine, *group)
+            combined.append(key)
+        parts = combined
+    return parts[0]
+
+
 def _block_key(x, i):
     """Key of shard ``i`` of q, k or v: the block at (0, ..., 0, i, 0)."""
     return (x.name,) + (0,) * (x.ndim - 2) + (i, 0)
+
+
+def _lse_key(lse, i):
+    """Key of shard ``i`` of an lse (the query axis is its last)."""
+    return (lse.name,) + (0,) * (lse.ndim - 1) + (i,)
 
 
 def _mask_key(mask, i, j):

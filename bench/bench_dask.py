@@ -1,4 +1,4 @@
-"""How fast is flash_dask.dask_attention on one worker, on two, and against one process?
+"""How fast are flash_dask's forward and backward on one worker, on two, and in one process?
 
 Measured side by side in one run, for d = 64, float64 and N queries = N keys (default N = 16384
 and 65536):
@@ -9,6 +9,11 @@ and 65536):
   one thread each and ``FLASH_LIB_THREADS=1`` in the workers, so a worker is one core. The inputs
   are made on the cluster (``dask.array.random``) and persisted there before the clock starts,
   as for data that lives on a cluster; the time includes gathering ``out`` into this process;
+* the backward, ``flash_dask.dask_attention_backward`` from the cluster's own forward (its out
+  and lse computed and held there before the clock starts), against
+  ``flash_lib.flash_attention_backward`` in this process (``--forward-only`` skips it);
+* the share of the 2-worker run's wall time × 2 that the workers spent computing tasks
+  (distributed's task stream): what is not compute is transfer or idle;
 * the bytes Dask moved between workers during the timed run, summed from every worker's
   ``transfer_incoming_log`` (Dask's ``sizeof`` estimate of each received result), against the
   bytes of q, k and v.
@@ -42,7 +47,7 @@ import time
 
 import dask
 import dask.array as da
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, futures_of
 
 import flash_dask
 import flash_lib
@@ -81,6 +86,7 @@ def start_cluster(n_workers):
                                silence_logs=logging.ERROR)
     client = Client(cluster, set_as_default=False)
     client.wait_for_workers(n_workers, timeout=120)
+    client.get_task_stream()  # starts the scheduler's task stream, which the busy share reads
     return cluster, client
 
 
@@ -98,6 +104,83 @@ def random_inputs(n, shard, seed):
     return [rng.standard_normal((n, D), chunks=(shard, D)) for _ in range(3)]
 
 
+def place(client, arrays):
+    """Persist ``arrays`` (q, k, v, dout) on the cluster, k and v replicated to every worker.
+
+    Each worker then holds every key shard, as data scattered once would be, so no pair task
+    waits for one. (The partial outputs still move: Dask's scheduler places a pair task by the
+    workers' occupancy rather than where its query shard is, so a query shard's partials meet
+    on one worker only by chance. With replication the forward at N = 65536 still moved 360 MiB,
+    against 342 MiB without: the bytes are partials, and the waits for them 1-2% of the run.)
+    """
+    held = client.persist(arrays)
+    wait(held)
+    n_workers = len(client.scheduler_info()["workers"])
+    if n_workers > 1:
+        client.replicate(held[1:3], n=n_workers)
+    return held
+
+
+def backward_graph(causal):
+    def graph(q, k, v, dout):
+        out, lse = flash_dask.dask_attention(q, k, v, causal=causal, return_lse=True)
+        return [out, lse], (q, k, v, dout)
+    return graph
+
+
+def wait(arrays):
+    for future in futures_of(arrays):
+        future.result()
+
+
+def time_pass(clusters, flash_run, graphs, rounds, failures, pairs_of, what, causal):
+    """Best times of flash_run and of each cluster's graph; bytes moved and busy share (2 w)."""
+    def cluster_run(w):
+        client = clusters[w][1]
+        graph = graphs[w]
+        if isinstance(graph, tuple):  # the backward: the cluster's own forward, held, then this
+            (out, lse), (q, k, v, dout) = graph
+            graph = flash_dask.dask_attention_backward(q, k, v, out, lse, dout,
+                                                       causal=causal)
+            return client.compute(list(graph), sync=True)
+        return client.compute(graph, sync=True)
+
+    runs = {"flash": flash_run, **{w: (lambda w=w: cluster_run(w)) for w in clusters}}
+    moved, busy, results, started = {}, {}, {}, {}
+
+    def before(name):
+        if name != "flash":
+            clusters[name][1].run(_clear_transfer_log)
+            started[name] = time.time()
+
+    def after(name, result):
+        results[name] = result
+        if name != "flash":
+            client = clusters[name][1]
+            moved[name] = sum(client.run(_received_bytes).values())
+            wall = time.time() - started[name]
+            stream = client.get_task_stream(start=started[name])
+            compute = sum(s["stop"] - s["start"] for t in stream for s in t["startstops"]
+                          if s["action"] == "compute")
+            busy[name] = compute / (wall * name)
+
+    best, _ = best_times(runs, min_rounds=rounds, max_rounds=rounds, settle=None,
+                         before=before, after=after)
+    for w in clusters:
+        for ref, got in pairs_of(results["flash"], results[w]):
+            err = float(flash_lib.rowwise_relative_error(got, ref).max())
+            if not err <= TOLERANCE:
+                failures.append(f"{what}, {w} worker(s): rowwise error {err:.3g}")
+    graph = graphs[2]
+    if isinstance(graph, tuple):
+        (out, lse), (q, k, v, dout) = graph
+        tasks = flash_dask.backward_task_count(flash_dask.dask_attention_backward(
+            q, k, v, out, lse, dout, causal=causal)[0])
+    else:
+        tasks = flash_dask.attention_task_count(graph)
+    return {**best, "moved": moved[2], "busy": busy[2], "tasks": tasks}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -107,6 +190,8 @@ def main(argv=None):
                    help="rows per shard along the sequence (default: flash_dask.DEFAULT_SHARD "
                         "= %(default)s)")
     p.add_argument("--causal", action="store_true", help="causal attention")
+    p.add_argument("--forward-only", action="store_true",
+                   help="time the forward only (the backward takes about 2.5 times as long)")
     p.add_argument("--rounds", type=int, default=None,
                    help="timed rounds (default 3 below N = 65536, else 1)")
     args = p.parse_args(argv)
@@ -128,53 +213,56 @@ def main(argv=None):
             client.compute(flash_dask.dask_attention(*warm), sync=True)
         flash_lib.flash_attention(*(x.compute(scheduler="sync") for x in warm))
 
-        log(f"\n{'N':>6} {'pair tasks':>10} {'flash, 1 process':>17} {'1 worker':>10} "
-            f"{'2 workers':>10} {'1 w / 2 w':>10} {'flash / 2 w':>12} "
-            f"{'moved between workers':>22}")
+        log(f"\n{'pass':>8} {'N':>6} {'pair tasks':>10} {'flash, 1 process':>17} "
+            f"{'1 worker':>10} {'2 workers':>10} {'1 w / 2 w':>10} {'flash / 2 w':>12} "
+            f"{'moved between workers':>28} {'2 w busy':>9}")
         for n in sizes:
             shard = min(args.shard, n)
             inputs = random_inputs(n, shard, seed=n)
-            persisted = {w: client.persist(inputs) for w, (_, client) in clusters.items()}
-            q, k, v = clusters[1][1].compute(persisted[1], sync=True)  # the same numbers
+            dout = random_inputs(n, shard, seed=n + 1)[0]
+            persisted = {w: place(client, inputs + [dout]) for w, (_, client) in clusters.items()}
+            q, k, v, g = clusters[1][1].compute(persisted[1], sync=True)  # the same numbers
             input_bytes = q.nbytes + k.nbytes + v.nbytes
-            runs = {
-                "flash": lambda: flash_lib.flash_attention(q, k, v, causal=args.causal),
-                **{w: (lambda w=w: clusters[w][1].compute(
-                    flash_dask.dask_attention(*persisted[w], causal=args.causal), sync=True))
-                   for w in clusters},
-            }
             rounds = args.rounds or (3 if n < 65536 else 1)
-            moved = {}
-            results = {}
-
-            def before(name):
-                if name != "flash":
-                    clusters[name][1].run(_clear_transfer_log)
-
-            def after(name, result):
-                results[name] = result
-                if name != "flash":
-                    moved[name] = sum(clusters[name][1].run(_received_bytes).values())
-
-            best, _ = best_times(runs, min_rounds=rounds, max_rounds=rounds, settle=None,
-                                 before=before, after=after)
-            for w in clusters:
-                err = float(flash_lib.rowwise_relative_error(results[w], results["flash"]).max())
-                if not err <= TOLERANCE:
-                    failures.append(f"N = {n}, {w} worker(s): rowwise error {err:.3g}")
-            tasks = flash_dask.attention_task_count(
-                flash_dask.dask_attention(*inputs, causal=args.causal))
-            log(f"{n:>6} {tasks:>10} {best['flash']:>15.2f} s {best[1]:>8.2f} s "
-                f"{best[2]:>8.2f} s {best[1] / best[2]:>10.2f} {best['flash'] / best[2]:>12.2f} "
-                f"{moved[2] / 2**20:>10.0f} MiB = {moved[2] / input_bytes:.1f}× q+k+v"
-                f"   ({rounds} round{'s' if rounds > 1 else ''})")
-            del persisted, results
+            out, lse = flash_lib.flash_attention(q, k, v, causal=args.causal, return_lse=True)
+            passes = {
+                "forward": (
+                    lambda: flash_lib.flash_attention(q, k, v, causal=args.causal),
+                    lambda qd, kd, vd, gd: flash_dask.dask_attention(qd, kd, vd,
+                                                                     causal=args.causal),
+                    lambda ref, got: [(ref, got)]),
+                "backward": (
+                    lambda: flash_lib.flash_attention_backward(q, k, v, out, lse, g,
+                                                               causal=args.causal),
+                    backward_graph(args.causal),
+                    lambda ref, got: list(zip(ref, got))),
+            }
+            for name in ["forward"] + ([] if args.forward_only else ["backward"]):
+                flash_run, graph, pairs_of = passes[name]
+                graphs = {w: graph(*persisted[w]) for w in clusters}
+                if name == "backward":  # the forward's out and lse, computed on the cluster first
+                    for w, (_, client) in clusters.items():
+                        graphs[w] = client.persist(graphs[w][0]), graphs[w][1]
+                        wait(graphs[w][0])
+                row = time_pass(clusters, flash_run, graphs, rounds, failures, pairs_of,
+                                f"{name}, N = {n}", args.causal)
+                tasks = row.pop("tasks")
+                log(f"{name:>8} {n:>6} {tasks:>10} {row['flash']:>15.2f} s {row[1]:>8.2f} s "
+                    f"{row[2]:>8.2f} s {row[1] / row[2]:>10.2f} {row['flash'] / row[2]:>12.2f} "
+                    f"{row['moved'] / 2**20:>10.0f} MiB = {row['moved'] / input_bytes:.1f}× q+k+v"
+                    f" {row['busy']:>8.0%}   ({rounds} round{'s' if rounds > 1 else ''})")
+                del graphs
+            del persisted
     finally:
         for cluster, client in clusters.values():
             client.close()
             cluster.close()
-    log("\n'moved between workers' is for the 2-worker run (1 worker moves nothing); each output "
-        f"checked against flash_attention to {TOLERANCE:g}")
+    log("\n'moved between workers' and '2 w busy' are for the 2-worker run (1 worker moves "
+        "nothing): bytes the workers received from each other, and the share of the run's wall "
+        "time x 2 workers spent computing tasks (distributed's task stream). k and v are "
+        "replicated to every worker once, before the clock starts; the backward's out and lse are "
+        "the cluster's forward, held there. Each output checked against flash_lib's to "
+        f"{TOLERANCE:g} (rowwise relative error)")
     log(f"load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
         + f"; total time {time.perf_counter() - started:.0f} s")
     if failures:

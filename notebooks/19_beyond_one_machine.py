@@ -30,6 +30,10 @@
 # - flash-decoding is the case $N_q = 1$: one query against 65536 keys in 16 shards;
 # - ring attention is the same merge with another schedule, in which each worker keeps its
 #   query shard and the key shards travel; we run it on the cluster too;
+# - training: the gradients over the same shard pairs (`dask_attention_backward`), a
+#   training step of a small attention layer on the cluster whose gradients equal
+#   `flash_lib`'s on one machine, and ring attention's backward, in which each key/value
+#   shard carries its running gradients round the ring;
 # - a worker process killed with `SIGKILL` in the middle of a computation: Dask recomputes what
 #   was lost, and the result is still exact;
 # - what changes on GPUs: collectives, and hiding the transfers behind the arithmetic.
@@ -421,6 +425,158 @@ work_per_device = (schedule >= 0).sum(axis=0)
 print("blocks computed by device 0, 1, 2, 3:", work_per_device.tolist())
 
 # %% [markdown]
+# ## A training step over the cluster
+#
+# Training needs the gradients too, and they split over the same shard pairs. Chapter 12's
+# backward recomputes each tile's probabilities from the forward's saved lse,
+# $P_{ij} = e^{S_{ij} - \mathrm{lse}_i}$, and needs one number per query row,
+# $D_i = \sum_c dO_{ic} O_{ic}$; then $dS_{ij} = P_{ij} \circ (dO_i V_j^\top - D_i)$ and
+#
+# $$dQ_i = \tau \sum_j dS_{ij} K_j, \qquad dK_j = \tau \sum_i dS_{ij}^\top Q_i, \qquad
+#   dV_j = \sum_i P_{ij}^\top dO_i .$$
+#
+# With the *global* $\mathrm{lse}_i$ and $O_i$ (what the forward over all key shards returned),
+# $P_{ij}$ and $D_i$ are the global ones, so each (query shard, key shard) pair's terms are
+# exactly its share of the three sums, whichever machine computes them.
+# `flash_dask.dask_attention_backward(q, k, v, out, lse, dout, causal=...)` builds that graph:
+# one task per shard pair of the forward (the same selection, by the same helper), each calling
+# `flash_attention_backward` on its two shards with the global `out` and `lse` of its query
+# shard, then $dQ_i$ summed over its key shards and $dK_j$, $dV_j$ over their query shards, by
+# trees of fan-in `split_every`.
+#
+# A small model to train: one causal attention layer over $N = 2048$ tokens of width 32, whose
+# queries, keys and values are learned projections $Q = XW_q$, $K = XW_k$, $V = XW_v$ (width
+# 16), and the loss $L = \tfrac12 \lVert \mathrm{attention}(Q, K, V) - T \rVert^2$ against a
+# fixed target $T$. On the cluster, in shards of 512 tokens: the projections, the forward, the
+# backward, and $dW = X^\top dQ$ (and likewise for $K$, $V$), a sum over the shards; then one
+# step of gradient descent. On one machine, the same chain with `flash_attention` and
+# `flash_attention_backward`.
+
+# %%
+n_tok, width, head, tok_shard = 2048, 32, 16, 512
+X = rng.standard_normal((n_tok, width))
+target = rng.standard_normal((n_tok, head))
+weights = {name: rng.standard_normal((width, head)) / np.sqrt(width) for name in "qkv"}
+
+
+def training_step(weights):
+    """Loss and dL/dW for W_q, W_k, W_v, as Dask arrays on the cluster's shards of tokens."""
+    X_d = da.from_array(X, chunks=(tok_shard, width))
+    q_d, k_d, v_d = (X_d @ weights[name] for name in "qkv")
+    out_d, lse_d = flash_dask.dask_attention(q_d, k_d, v_d, causal=True, return_lse=True)
+    dout_d = out_d - da.from_array(target, chunks=(tok_shard, head))  # dL/d(out)
+    loss_d = 0.5 * (dout_d**2).sum()
+    grads_d = flash_dask.dask_attention_backward(q_d, k_d, v_d, out_d, lse_d, dout_d,
+                                                 causal=True)
+    dW_d = {name: X_d.T @ g for name, g in zip("qkv", grads_d)}
+    return loss_d, dW_d, out_d, grads_d
+
+
+def training_step_one_machine(weights):
+    q1, k1, v1 = (X @ weights[name] for name in "qkv")
+    out1, lse1 = flash_lib.flash_attention(q1, k1, v1, causal=True, return_lse=True)
+    dout1 = out1 - target
+    grads1 = flash_lib.flash_attention_backward(q1, k1, v1, out1, lse1, dout1, causal=True)
+    return 0.5 * np.sum(dout1**2), {name: X.T @ g for name, g in zip("qkv", grads1)}
+
+
+loss_d, dW_d, out_d, grads_d = training_step(weights)
+forward_tasks = flash_dask.attention_task_count(out_d)
+backward_tasks = flash_dask.backward_task_count(grads_d[0])
+loss_c, dW_c = client.compute([loss_d, dW_d], sync=True)  # one graph: forward, then backward
+loss_1, dW_1 = training_step_one_machine(weights)
+grad_err = max(float(np.abs(dW_c[name] - dW_1[name]).max() / np.abs(dW_1[name]).max())
+               for name in "qkv")
+lr = 0.05 / max(np.abs(dW_1[name]).max() for name in "qkv")
+stepped = {name: weights[name] - lr * dW_c[name] for name in "qkv"}
+loss_after = client.compute(training_step(stepped)[0], sync=True)
+print(f"{n_tok // tok_shard} shards of {tok_shard} tokens: forward pair tasks {forward_tasks}, "
+      f"backward pair tasks {backward_tasks} (causal: n(n+1)/2 = "
+      f"{(n_tok // tok_shard) * (n_tok // tok_shard + 1) // 2})")
+print("dL/dW_q, dW_k, dW_v on the cluster equal flash_lib's on one machine "
+      "(max error / max |dW| <= 1e-12):", grad_err <= 1e-12)
+print("the loss equals one machine's to 1e-12 relative:", abs(loss_c - loss_1) <= 1e-12 * loss_1)
+print("one step of gradient descent lowered the loss:", loss_after < loss_c)
+
+
+# %% [markdown]
+# Ring attention orders the same pairs for the backward (zhuzilin/ring-flash-attention's
+# `ring_flash_attn_backward`). Device $p$ keeps what belongs to its queries, $q_p$, the
+# forward's $o_p$ and $\mathrm{lse}_p$, $dO_p$ and its $dQ_p$, which never move; the key/value
+# shards travel round the ring as in the forward, and with them, on a second ring, the running
+# $dK_j$, $dV_j$ of each shard. At step $t$ device $p$ holds shard $j = (p - t) \bmod P$ and
+# that shard's running gradients, adds its pair's shares (at steps $t \le p$ when causal, with
+# the causal mask at step 0 only), and passes shard and gradients on. So shard $j$'s $dK_j$,
+# $dV_j$ collect their shares from devices $j, j + 1, \dots$ in that order, and after $P$ steps
+# arrive back at device $j$. Each device starts sending the next shard before it computes with
+# the current one, so on GPUs the two rings' transfers run under the arithmetic.
+#
+# On our cluster, with the ring forward's own `out` and `lse` from above and every task pinned to
+# its device's worker: each block is `flash_attention_backward` on the device's query shard and
+# the shard it holds, and the running $dK_j$, $dV_j$ move from worker to worker as the ring
+# passes them on.
+
+# %%
+dout_r = rng.standard_normal((n_ring, d))
+query_side = [client.scatter((q_r[rows[p]], ring_out[rows[p]], ring_lse[rows[p]],
+                              dout_r[rows[p]]), workers=[home[p]]) for p in range(devices)]
+
+
+def ring_block_grads(query_side, kv, causal):
+    """One ring step's block: (dq, dk, dv) of device p's queries against the shard it holds."""
+    q_p, out_p, lse_p, dout_p = query_side
+    return flash_lib.flash_attention_backward(q_p, *kv, out_p, lse_p, dout_p, causal=causal)
+
+
+def add_dq(dq, block):
+    return block[0] if dq is None else dq + block[0]
+
+
+def add_dkv(dkv, block):
+    return block[1:] if dkv is None else (dkv[0] + block[1], dkv[1] + block[2])
+
+
+dq_state, dkv_state = [None] * devices, [None] * devices
+visits = [[] for _ in range(devices)]  # visits[j]: the devices that added to dK_j, dV_j, in order
+for t in range(devices):
+    for p in range(devices):
+        j = (p - t) % devices
+        if j > p:  # causal: the same pairs as the forward's schedule
+            continue
+        block = client.submit(ring_block_grads, query_side[p], kv_f[j], t == 0,
+                              workers=[home[p]], **pinned)
+        dq_state[p] = client.submit(add_dq, dq_state[p], block, workers=[home[p]], **pinned)
+        # device p adds to shard j's running gradients, which the ring brought here from p - 1
+        dkv_state[j] = client.submit(add_dkv, dkv_state[j], block, workers=[home[p]], **pinned)
+        visits[j].append(p)
+# after the last step the ring hands each shard's gradients back to its own device
+dkv_state = [client.submit(lambda x: x, dkv_state[j], workers=[home[j]], **pinned)
+             for j in range(devices)]
+ring_dq = np.concatenate(client.gather(dq_state))
+ring_dkv = client.gather(dkv_state)
+ring_dk, ring_dv = (np.concatenate([g[i] for g in ring_dkv]) for i in range(2))
+ring_grads_ref = flash_lib.flash_attention_backward(q_r, k_r, v_r, ring_ref, ring_ref_lse, dout_r,
+                                                    causal=True)
+ring_grad_err = max(float(flash_lib.rowwise_relative_error(g, r).max())
+                    for g, r in zip((ring_dq, ring_dk, ring_dv), ring_grads_ref))
+holders = client.who_has(dq_state + dkv_state)
+grads_home = [list(holders[f.key])[0] for f in dq_state + dkv_state]
+print("ring backward on the cluster equals flash_attention_backward "
+      "(dq, dk, dv rowwise <= 1e-12):", ring_grad_err <= 1e-12)
+print("each device's dq stayed on its worker, and each shard's dk, dv came home:",
+      grads_home == home + home)
+print("devices that added to dk_j, dv_j, in ring order:",
+      {f"shard {j}": visits[j] for j in range(devices)})
+ring_backward_pairs = {(p, j) for j in range(devices) for p in visits[j]}
+backward_graph_pairs = {key[1:] for key in flash_dask.dask_attention_backward(
+    *(da.from_array(x, chunks=(ring_rows, d)) for x in (q_r, k_r, v_r, ring_ref)),
+    da.from_array(ring_ref_lse, chunks=(ring_rows,)), da.from_array(dout_r, chunks=(ring_rows, d)),
+    causal=True)[0].__dask_graph__() if str(key[0]).startswith("flash-attention-backward-pair-")}
+print("the same (query shard, key shard) pairs as dask_attention_backward's graph, and as the "
+      "forward's:", ring_backward_pairs == backward_graph_pairs == ring_pairs)
+
+
+# %% [markdown]
 # ## A worker killed in the middle of a computation
 #
 # A cluster of many machines loses one now and then. Dask's answer is the graph itself: every
@@ -563,6 +719,12 @@ cluster.close()
 # - Ring attention with zhuzilin's update rule, pinned 4 devices to 2 workers, equals
 #   `flash_attention` to $10^{-12}$; each device's state never left its worker; causal computes
 #   10 of the 16 blocks, device $p$ doing $p + 1$ of them.
+# - The backward over the cluster has the forward's shard pairs, 10 tasks for 4 causal
+#   shards; a training step of one attention layer got $dL/dW$ equal to `flash_lib`'s on
+#   one machine to $10^{-12}$, and one step of gradient descent lowered the loss.
+# - Ring attention's backward, each shard's $dK_j$, $dV_j$ travelling with it and collecting
+#   the shares of devices $j, \dots, P - 1$ in turn: the same pairs again, gradients equal to
+#   `flash_attention_backward`'s to $10^{-12}$, every shard's gradients back at its device.
 # - A worker killed with `SIGKILL` mid-computation: the scheduler reported lost results and
 #   recomputed them, a new worker process took its place, and the result was still exact to
 #   $10^{-12}$.
@@ -590,6 +752,12 @@ b = flash_lib.flash_attention(q_r[:8], k_r[100:300], v_r[100:300], return_lse=Tr
 m_out, m_lse = flash_lib.merge_attention(*a, *b)
 r_out, r_lse = ring_update(a, b)
 assert np.abs(m_out - r_out).max() < 1e-14 and np.abs(m_lse - r_lse).max() < 1e-13
+assert forward_tasks == backward_tasks == 10
+assert grad_err <= 1e-12 and abs(loss_c - loss_1) <= 1e-12 * loss_1
+assert loss_after < loss_c
+assert ring_grad_err <= 1e-12 and grads_home == home + home
+assert visits == [[0, 1, 2, 3], [1, 2, 3], [2, 3], [3]]
+assert ring_backward_pairs == backward_graph_pairs == ring_pairs
 assert killed_mid_run and held[victim] >= 1
 assert lost_warning and recomputed > 0 and replaced
 assert kill_err <= 1e-12

@@ -534,3 +534,211 @@ def test_type_errors_come_from_flash_lib():
         flash_dask.dask_attention(q, k, v, mask=np.ones((100, 120)))
     with pytest.raises(TypeError, match="causal must be a bool"):
         flash_dask.dask_attention(q, k, v, causal="yes")
+
+
+# --------------------------------------------------------------------------------------------
+# The backward: dask_attention_backward against flash_attention_backward
+# --------------------------------------------------------------------------------------------
+
+
+def _grad_inputs(case):
+    """q, k, v and the keyword arguments of CASES[case], its forward on one machine and a dout."""
+    bq, bk, bv, n_q, n_k, d, dv, q_chunks, k_chunks, kwargs = CASES[case]
+    rng = np.random.default_rng(len(case))
+    q, k, v = _inputs(rng, bq, bk, bv, n_q, n_k, d, dv)
+    np_kwargs = {name: (np.asarray(x) if isinstance(x, da.Array) else x)
+                 for name, x in kwargs.items()}
+    out, lse = flash_lib.flash_attention(q, k, v, return_lse=True, **np_kwargs)
+    dout = rng.standard_normal(out.shape)
+    return q, k, v, dout, q_chunks, k_chunks, kwargs, np_kwargs
+
+
+def _assert_grads_equal(got, ref, tol=1e-12):
+    """Each gradient: its input's shape and dtype, rowwise relative error <= tol (zero rows,
+    such as those of rows or keys with no allowed pair, exactly zero)."""
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref):
+        assert g.shape == r.shape and g.dtype == r.dtype, (name, g.shape, r.shape, g.dtype)
+        err = flash_lib.rowwise_relative_error(g, r).max(initial=0.0)
+        assert err <= tol, f"{name}: rowwise relative error {err:.3g} > {tol:g}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_backward_equals_flash_attention_backward_on_the_cluster(client, case):
+    """The forward on the cluster, then the backward on the cluster from its out and lse."""
+    q, k, v, dout, q_chunks, k_chunks, kwargs, np_kwargs = _grad_inputs(case)
+    qd, kd, vd = _chunked(q, q_chunks), _chunked(k, k_chunks), _chunked(v, k_chunks)
+    out, lse = flash_dask.dask_attention(qd, kd, vd, return_lse=True, **kwargs)
+    grads = flash_dask.dask_attention_backward(qd, kd, vd, out, lse, _chunked(dout, q_chunks),
+                                               **kwargs)
+    assert all(isinstance(g, da.Array) for g in grads)  # lazy
+    assert [g.chunks[-2] for g in grads] == [qd.chunks[-2], kd.chunks[-2], vd.chunks[-2]]
+    # every backward pair task is one of the forward's, and the other way round
+    assert flash_dask.backward_task_count(grads[0]) == flash_dask.attention_task_count(out)
+    got = client.compute(list(grads), sync=True)
+    ref_out, ref_lse = flash_lib.flash_attention(q, k, v, return_lse=True, **np_kwargs)
+    shapes = [x.shape for x in (q, k, v)]
+    if "mask" in np_kwargs and np_kwargs["mask"].ndim > max(x.ndim for x in (q, k, v)) or (
+            case == "batched mask over broadcast heads"):
+        # flash_attention_backward raises when the mask's batch is wider than q, k, v's: the
+        # reference is the same gradients with q, k, v broadcast first, summed back over heads
+        q, k, v = (np.broadcast_to(x, ref_out.shape[:-2] + x.shape[-2:]) for x in (q, k, v))
+        ref = flash_lib.flash_attention_backward(q, k, v, ref_out, ref_lse, dout, **np_kwargs)
+        ref = [r.sum(axis=1, keepdims=True) if r.shape != s else r for r, s in zip(ref, shapes)]
+    else:
+        ref = flash_lib.flash_attention_backward(q, k, v, ref_out, ref_lse, dout, **np_kwargs)
+    _assert_grads_equal(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+def test_backward_low_precision_dtypes(dtype):
+    """16-bit inputs: computed in float32 and rounded once, as flash_attention_backward does."""
+    rng = np.random.default_rng(12)
+    q, k, v = _inputs(rng, (), (), (), 100, 130, 8, 8, dtype)
+    out, lse = flash_lib.flash_attention(q, k, v, causal=True, return_lse=True)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    got = dask.compute(*flash_dask.dask_attention_backward(
+        _chunked(q, 30), _chunked(k, 40), _chunked(v, 40), out, lse, dout, causal=True),
+        scheduler="sync")
+    ref = flash_lib.flash_attention_backward(q, k, v, out, lse, dout, causal=True)
+    # float32 sums of the shares in another order (float32: 1e-5, as the forward's test), then
+    # for float16 one rounding each, at most half an ulp of the largest entry (eps for margin)
+    tol = 1e-5 if dtype == np.float32 else float(np.finfo(dtype).eps)
+    for g, r in zip(got, ref):
+        assert g.dtype == r.dtype == dtype
+        g, r = g.astype(np.float64), r.astype(np.float64)
+        assert np.abs(g - r).max() <= tol * np.abs(r).max()
+
+
+@settings(max_examples=150)
+@given(_sharded_cases())
+def test_backward_any_shards_any_alignment(case):
+    """Every way of cutting small sequences into shards: the gradients, and the same pairs as
+    the forward's graph (the one selection), which are exactly the blocks with an allowed pair.
+
+    Measured against the largest entry of each gradient, not rowwise: a key attended by one
+    query has ``dS = P (dP - D)`` with ``P = 1`` and ``dP = D`` up to rounding, a row of a few
+    ulps whose rounding depends on the matmul's shape. Rows with no allowed pair are exactly 0.
+    """
+    n_q, n_k, q_chunks, k_chunks, causal, density, split_every, seed = case
+    rng = np.random.default_rng(seed)
+    q, k, v = _inputs(rng, (), (), (), n_q, n_k, 4, 3)
+    mask = None if density is None else rng.random((n_q, n_k)) < density
+    out, lse = flash_lib.flash_attention(q, k, v, mask=mask, causal=causal, return_lse=True)
+    dout = rng.standard_normal(out.shape)
+    qd, kd, vd = _chunked(q, q_chunks), _chunked(k, k_chunks), _chunked(v, k_chunks)
+    grads = flash_dask.dask_attention_backward(qd, kd, vd, out, lse, dout, mask=mask,
+                                               causal=causal, split_every=split_every)
+    got = dask.compute(*grads, scheduler="sync")
+    ref = flash_lib.flash_attention_backward(q, k, v, out, lse, dout, mask=mask, causal=causal)
+    allowed = np.ones((n_q, n_k), dtype=bool) if mask is None else mask
+    if causal:
+        allowed = allowed & causal_mask(n_q, n_k)
+    unseen = {"dq": ~allowed.any(axis=1), "dk": ~allowed.any(axis=0), "dv": ~allowed.any(axis=0)}
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref):
+        assert g.shape == r.shape
+        assert np.all(g[unseen[name]] == 0) and np.all(r[unseen[name]] == 0), name
+        assert np.abs(g - r).max(initial=0) <= 1e-12 * np.abs(r).max(initial=1.0), name
+    forward = flash_dask.dask_attention(qd, kd, vd, mask=mask, causal=causal)
+    backward_pairs = {key[1:] for key in grads[0].__dask_graph__()
+                      if str(key[0]).startswith("flash-attention-backward-pair-")}
+    assert backward_pairs == {key[1:] for key in _pair_keys(forward.__dask_graph__())}
+    assert backward_pairs == _expected_pairs(n_q, n_k, q_chunks, k_chunks, allowed)
+    assert flash_dask.backward_task_count(grads[2]) == len(backward_pairs)
+
+
+@pytest.mark.parametrize("n_q, n_k, qc, kc", GRAPH_SHAPES)
+def test_backward_graph_holds_the_forwards_pairs(n_q, n_k, qc, kc):
+    q = da.zeros((n_q, 8), chunks=(qc, 8))
+    k = da.zeros((n_k, 8), chunks=(kc, 8))
+    v = da.zeros((n_k, 8), chunks=(kc, 8))
+    out = da.zeros((n_q, 8), chunks=(qc, 8))
+    lse = da.zeros((n_q,), chunks=(qc,))
+    expected = _expected_pairs(n_q, n_k, q.chunks[0], k.chunks[0], causal_mask(n_q, n_k))
+    dq, dk, dv = flash_dask.dask_attention_backward(q, k, v, out, lse, out, causal=True)
+    assert flash_dask.backward_task_count(dq) == len(expected)
+    dq, dk, dv = flash_dask.dask_attention_backward(q, k, v, out, lse, out)
+    assert flash_dask.backward_task_count(dk) == q.numblocks[0] * k.numblocks[0]
+
+
+@pytest.mark.parametrize("split_every, sums", [(2, 15), (4, 4 + 1), (16, 1), (None, 4 + 1)])
+def test_backward_sums_have_fan_in_split_every(split_every, sums):
+    """dq of one query shard from 16 key shards; dk and dv of each key shard from 1 query shard
+    (nothing to add); ceil(16/s) + ceil(ceil(16/s)/s) + ... additions, fan-in split_every."""
+    rng = np.random.default_rng(9)
+    q, k, v = _inputs(rng, (), (), (), 64, 16 * 32, 8, 8)
+    out, lse = flash_lib.flash_attention(q, k, v, return_lse=True)
+    dout = rng.standard_normal(out.shape)
+    grads = flash_dask.dask_attention_backward(_chunked(q, 64), _chunked(k, 32), _chunked(v, 32),
+                                               out, lse, dout, split_every=split_every)
+    dsk = dict(grads[0].__dask_graph__())
+    sum_keys = [key for key in dsk if str(key[0]).startswith("flash-attention-backward-sum-")]
+    assert len(sum_keys) == sums
+    fan_in = max(len(dask.core.get_dependencies(dsk, key)) for key in sum_keys)
+    assert fan_in == min(split_every or 4, 16)
+    _assert_grads_equal(dask.compute(*grads, scheduler="sync"),
+                        flash_lib.flash_attention_backward(q, k, v, out, lse, dout))
+
+
+def test_backward_errors_name_the_argument_and_the_chunks():
+    q, k, v = _qkv()
+    out, lse = da.zeros((100, 8), chunks=(50, 8)), da.zeros((100,), chunks=(50,))
+    with pytest.raises(ValueError, match=r"out must be chunked like q along the sequence axis "
+                                         r"\(axis -2 of out\), got \(25, 25, 25, 25\) and q's "
+                                         r"\(50, 50\)"):
+        flash_dask.dask_attention_backward(q, k, v, out.rechunk((25, 8)), lse, out)
+    with pytest.raises(ValueError, match=r"lse must be chunked like q along the sequence axis "
+                                         r"\(axis -1 of lse\), got \(20, 80\)"):
+        flash_dask.dask_attention_backward(q, k, v, out, lse.rechunk(((20, 80),)), out)
+    with pytest.raises(ValueError, match=r"dout is chunked along its feature axis -1"):
+        flash_dask.dask_attention_backward(q, k, v, out, lse, out.rechunk((50, 4)))
+    with pytest.raises(ValueError, match=r"lse must have shape \(100,\).*got \(99,\)"):
+        flash_dask.dask_attention_backward(q, k, v, out, lse[:99], out)
+    with pytest.raises(ValueError, match=r"v must be chunked like k"):
+        flash_dask.dask_attention_backward(q, k, v.rechunk((60, 8)), out, lse, out)
+    with pytest.raises(TypeError, match="dout must be a"):
+        flash_dask.dask_attention_backward(q, k, v, out, lse, out.astype(int))
+    with pytest.raises(ValueError, match="split_every must be an integer >= 2"):
+        flash_dask.dask_attention_backward(q, k, v, out, lse, out, split_every=1)
+
+
+def test_a_worker_killed_mid_backward_loses_nothing(client):
+    """As for the forward: SIGKILL the worker holding the most finished backward pair results.
+
+    The forward's out and lse are computed and held on the cluster first, so the kill hits the
+    backward; the inputs the victim held are lost with it and recomputed too. The test checks
+    its premise (the kill came while the backward ran, the victim held its partial results,
+    some were computed again) and that the gradients equal flash_attention_backward's.
+    """
+    n, d, shard = 8192, 64, 1024
+    rng = da.random.default_rng(2027)
+    q, k, v, dout = (rng.standard_normal((n, d), chunks=(shard, d)) for _ in range(4))
+    out, lse = flash_dask.dask_attention(q, k, v, causal=True, return_lse=True)
+    held = client.persist([q, k, v, out, lse, dout])
+    client.gather(client.compute(held[3:5]))  # the forward is done before the clock starts
+    grads = flash_dask.dask_attention_backward(*held, causal=True)  # 36 pairs
+    prefix = "flash-attention-backward-"
+    pids = client.run(os.getpid)
+    futures = client.compute(list(grads))
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while True:  # wait until 6 of the 36 pairs' shares are done, then strike
+            in_memory = client.run_on_scheduler(_keys_in_memory, prefix=prefix + "pair-")
+            if sum(in_memory.values()) >= 6 or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        victim = max(in_memory, key=in_memory.get)
+        assert in_memory[victim] >= 1, "no partial result in memory to lose"
+        assert not all(f.done() for f in futures), "the backward finished before the kill"
+        os.kill(pids[victim], signal.SIGKILL)
+        got = client.gather(futures)  # raises if a result was lost for good
+    finally:
+        client.cancel(futures)
+        client.wait_for_workers(2, timeout=TIMEOUT)
+    assert pids[victim] not in client.run(os.getpid).values(), "the victim still runs"
+    recomputed = client.run_on_scheduler(_computed_twice, prefix=prefix)
+    assert recomputed, "nothing was recomputed: the kill did not hit the backward"
+    q, k, v, dout = client.compute([q, k, v, dout], sync=True)
+    ref_out, ref_lse = flash_lib.flash_attention(q, k, v, causal=True, return_lse=True)
+    _assert_grads_equal(got, flash_lib.flash_attention_backward(q, k, v, ref_out, ref_lse, dout,
+                                                                causal=True))
+    del held
