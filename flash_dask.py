@@ -385,16 +385,6 @@ def _backward_pair(q, k, v, out, lse, dout, mask=None, *, scale, delta, work):
     cut the same way so that flash_lib's bottom-right causal mask lies on the diagonal.
     """
     q, k, v, out, lse, dout = (x.astype(work, copy=False) for x in (q, k, v, out, lse, dout))
-    batch = out.shape[:-2]
-    shapes = [x.shape for x in (q, k, v)]
-    if np.broadcast_shapes(*(shape[:-2] for shape in shapes)) != batch:
-        # The mask's batch is wider than q, k and v's (heads masked apart, k and v shared):
-        # flash_attention_backward raises for that (its tile's scores have q, k's batch, the
-        # mask the wider one), so it is given q, k, v broadcast to the full batch (views) and
-        # their gradients are summed back over the broadcast dims, as autograd would.
-        q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
-        grads = _backward_pair(q, k, v, out, lse, dout, mask, scale=scale, delta=delta, work=work)
-        return tuple(_sum_to(g, shape) for g, shape in zip(grads, shapes))
     grads = functools.partial(flash_lib.flash_attention_backward, scale=scale)
     if delta is None:
         return grads(q, k, v, out, lse, dout, mask=mask)
@@ -411,14 +401,6 @@ def _backward_pair(q, k, v, out, lse, dout, mask=None, *, scale, delta, work):
     top, bottom = (grads(q[..., r, :], k, v, out[..., r, :], lse[..., r], dout[..., r, :],
                          mask=_cut(mask, -2, r), causal=c) for r, c in rows)
     return np.concatenate([top[0], bottom[0]], axis=-2), top[1] + bottom[1], top[2] + bottom[2]
-
-
-def _sum_to(x, shape):
-    """``x`` summed over the dims along which an array of ``shape`` was broadcast to it."""
-    lead = x.ndim - len(shape)
-    axes = tuple(range(lead)) + tuple(lead + a for a, n in enumerate(shape)
-                                      if n == 1 and x.shape[lead + a] != 1)
-    return x.sum(axis=axes).reshape(shape) if axes else x
 
 
 def _pad_rows(x, n):
