@@ -7,6 +7,7 @@ reference is ``flash_lib.flash_attention`` on the same inputs in this process.
 """
 
 import collections
+import contextlib
 import logging
 import os
 import signal
@@ -33,20 +34,9 @@ WORKER_ENVIRONMENT = {"distributed.nanny.pre-spawn-environ.FLASH_LIB_THREADS": "
                      "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
 
 
-@pytest.fixture(scope="module")
-def client():
-    """2 worker processes × 1 thread, each running flash_lib on one thread (one core each).
-
-    Started once and closed when this module's tests are done, not at the end of the session:
-    the scheduler and the nannies run on a thread of *this* process, and even idle they
-    allocate (heartbeats), which tracemalloc counts in tests/test_memory.py's measurements (15
-    runs out of 15 of its scratch comparison failed with an idle cluster beside it, 0 without).
-
-    FLASH_LIB_THREADS is set before the workers are spawned (Dask's pre-spawn environment);
-    Dask also sets it, with OMP_NUM_THREADS and friends, in *this* process's environment,
-    which notebooks started later by the same pytest run would inherit: the ``_environ``
-    fixture below puts this process's environment back after every test.
-    """
+@contextlib.contextmanager
+def _cluster():
+    """A LocalCluster of 2 worker processes × 1 thread and a client of it (see ``client``)."""
     saved = dict(os.environ)
     with dask.config.set(WORKER_ENVIRONMENT):
         cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
@@ -64,6 +54,32 @@ def client():
         client.close()
         cluster.close()
         _restore(saved)
+
+
+@pytest.fixture(scope="module")
+def client():
+    """2 worker processes × 1 thread, each running flash_lib on one thread (one core each).
+
+    Started once and closed when this module's tests are done, not at the end of the session:
+    the scheduler and the nannies run on a thread of *this* process, and even idle they
+    allocate (heartbeats), which tracemalloc counts in tests/test_memory.py's measurements (15
+    runs out of 15 of its scratch comparison failed with an idle cluster beside it, 0 without).
+
+    FLASH_LIB_THREADS is set before the workers are spawned (Dask's pre-spawn environment);
+    Dask also sets it, with OMP_NUM_THREADS and friends, in *this* process's environment,
+    which notebooks started later by the same pytest run would inherit: the ``_environ``
+    fixture below puts this process's environment back after every test.
+    """
+    with _cluster() as client:
+        yield client
+
+
+@pytest.fixture
+def own_client():
+    """A cluster of its own for a test that kills a worker: no later test depends on the nanny
+    bringing the victim back (under load, CI once saw a restarted worker's nanny close instead)."""
+    with _cluster() as client:
+        yield client
 
 
 @pytest.fixture(autouse=True)
@@ -363,7 +379,8 @@ def _computed_twice(dask_scheduler, prefix):
     return sorted(str(key) for key, times in count.items() if times > 1)
 
 
-def test_a_worker_killed_mid_computation_loses_nothing(client):
+def test_a_worker_killed_mid_computation_loses_nothing(own_client):
+    client = own_client
     """SIGKILL the worker holding the most finished partial results; Dask recomputes them.
 
     The test checks its own premise: the kill happened while the graph was still running, the
@@ -390,8 +407,6 @@ def test_a_worker_killed_mid_computation_loses_nothing(client):
         got_out, got_lse = client.gather(futures)  # raises if a result was lost for good
     finally:
         client.cancel(futures)
-        # the nanny starts a new worker process; later tests get their 2 workers back
-        client.wait_for_workers(2, timeout=TIMEOUT)
     assert pids[victim] not in client.run(os.getpid).values(), "the victim still runs"
     recomputed = client.run_on_scheduler(_computed_twice, prefix=prefix)
     assert recomputed, "nothing was recomputed: the kill did not hit the computation"
@@ -701,7 +716,8 @@ def test_backward_errors_name_the_argument_and_the_chunks():
         flash_dask.dask_attention_backward(q, k, v, out, lse, out, split_every=1)
 
 
-def test_a_worker_killed_mid_backward_loses_nothing(client):
+def test_a_worker_killed_mid_backward_loses_nothing(own_client):
+    client = own_client
     """As for the forward: SIGKILL the worker holding the most finished backward pair results.
 
     The forward's out and lse are computed and held on the cluster first, so the kill hits the
@@ -733,7 +749,6 @@ def test_a_worker_killed_mid_backward_loses_nothing(client):
         got = client.gather(futures)  # raises if a result was lost for good
     finally:
         client.cancel(futures)
-        client.wait_for_workers(2, timeout=TIMEOUT)
     assert pids[victim] not in client.run(os.getpid).values(), "the victim still runs"
     recomputed = client.run_on_scheduler(_computed_twice, prefix=prefix)
     assert recomputed, "nothing was recomputed: the kill did not hit the backward"
