@@ -47,13 +47,11 @@ rng = np.random.default_rng(11)
 # ## Two 16-bit formats
 #
 # float16 (IEEE half precision) has 10 fraction bits and 5 exponent bits; bfloat16 ("brain
-# float") has 7 fraction bits and float32's 8 exponent bits. So float16 is eight times finer
-# (its machine epsilon is $2^{-10}$, bfloat16's $2^{-7}$: three fraction bits more) while bfloat16 reaches as far as
-# float32. `ml_dtypes.finfo` describes each of ml_dtypes' formats. NumPy's own `np.finfo` knows
-# bfloat16 only because ml_dtypes 0.7, on import, writes its entries into NumPy's private
-# `np.finfo._finfo_cache` (`ml_dtypes/_finfo.py`); with ml_dtypes 0.5 and 0.6,
-# `np.finfo(bfloat16)` raises `ValueError`. `ml_dtypes.finfo` works with all three, so it is the
-# one this chapter uses.
+# float") has 7 and float32's 8: float16 is eight times finer (eps $2^{-10}$ against $2^{-7}$),
+# bfloat16 reaches as far as float32. This chapter uses `ml_dtypes.finfo`: NumPy's `np.finfo`
+# knows bfloat16 only since ml_dtypes 0.7, which writes its entries into NumPy's private
+# `np.finfo._finfo_cache` on import (`ml_dtypes/_finfo.py`); with 0.5 and 0.6 it raises
+# `ValueError`.
 
 # %%
 formats = {"float16": np.float16, "bfloat16": bfloat16, "float32": np.float32}
@@ -148,23 +146,20 @@ print(f"on the machine that built this page, 256 x 256 bfloat16: np.dot takes "
 # %% [markdown]
 # ## Each kernel's error, per dtype
 #
-# As in chapter 7: one set of inputs ($N_q = 64$ queries, $N_k = 2048$ keys, $d = 64$, standard
-# normal), rounded to each dtype, and for each the truth computed by
-# `flash_lib.precise_attention` from *the rounded inputs*, so that only the kernels' own
-# arithmetic is measured, with chapter 7's metric, `flash_lib.rowwise_relative_error`. Every
-# function of flash_lib takes float16 and bfloat16 arrays as they are: the kernels and the
-# truth widen them exactly, and the error metric compares them in the wider dtype.
+# As in chapter 7: one set of inputs ($N_q = 64$, $N_k = 2048$, $d = 64$, standard normal),
+# rounded to each dtype, the truth computed by `flash_lib.precise_attention` from *the rounded
+# inputs* (so only the kernels' own arithmetic is measured), and chapter 7's metric,
+# `flash_lib.rowwise_relative_error`. flash_lib's functions take 16-bit arrays as they are and
+# widen them exactly.
 #
-# Both of our kernels compute in float32 for 16-bit inputs and round once, at the end. Rounding
-# a number to a format with unit roundoff $u = \text{eps}/2$ changes it by at most $u$ times its
-# size, so each entry's rounding adds at most $u \cdot \max_c |o_{ic}|$ to the row's error: the
-# 16-bit kernels' error is bounded by $u_{16}$ (relative to the row's largest entry) plus the
-# float32 computation's own error. The cell checks that bound, and the stronger statement behind
-# it: the 16-bit output *is* the float32 output on the widened inputs, rounded. In float32 and
-# float64 nothing is rounded at the end, and the error is the computation's own: about ten $u$
-# here (the picture at the end of the chapter shows each measured error), below $100u$ at every
-# NumPy CPU level and BLAS kernel tried. Which of flash and naive comes out smaller depends on
-# the CPU (chapter 7); FlashAttention's bar, flash's error at most twice naive's, holds in every
+# For 16-bit inputs both kernels compute in float32 and round once, at the end. Rounding to a
+# format with unit roundoff $u = \text{eps}/2$ moves a number by at most $u$ of itself, so each
+# entry adds at most $u \cdot \max_c |o_{ic}|$ to its row's error: the 16-bit error is bounded by
+# $u_{16}$ plus the float32 computation's own. The cell checks that bound and the stronger fact
+# behind it: the 16-bit output *is* the float32 output on the widened inputs, rounded. In float32
+# and float64 the error is the computation's own, about ten $u$ (the picture below shows each),
+# below $100u$ at every NumPy CPU level and BLAS kernel tried. Which of flash and naive is
+# smaller depends on the CPU (chapter 7); flash's error at most twice naive's holds in every
 # dtype.
 
 # %%
@@ -486,37 +481,31 @@ assert np.isinf(big[2].astype(E5M2))
 # %% [markdown]
 # e4m3 has twice e5m2's precision ($u = 2^{-4}$, not $2^{-3}$) and far less range: past 448
 # there is no infinity to round to, and 480 becomes NaN. FlashAttention-3's forward takes e4m3
-# only (`hopper/flash_api.cpp`: "FlashAttention only supports fp16, bf16, and fp8_e4m3 data
-# type"), so each tensor is first scaled into e4m3's range, and the kernel is given the inverse
-# factors, the **descale** factors.
+# only ("FlashAttention only supports fp16, bf16, and fp8_e4m3 data type"), so each tensor is
+# scaled into e4m3's range first and the kernel is given the inverse, **descale**, factors.
 #
 # ## FlashAttention-3's FP8 forward
 #
 # The paper (Shah et al. 2024, arXiv 2407.08608, Section 3.3, "Accuracy: block quantization and
-# incoherent processing") keeps "one scalar per block": $Q$, $K$, $V$ are split into blocks of
-# $B_r \times d$ or $B_c \times d$, quantised separately, and "we can scale each block of S" at no
-# cost. The released kernel (Dao-AILab/flash-attention, `hopper/`, read at commit 0251105) takes
-# `q_descale`, `k_descale`, `v_descale` as float32 arrays of shape `(batch, heads_k)`
-# (`flash_api.cpp`): one per head, the per-tensor case. With them, and with $P$:
-#
-# - $q_\text{descale} \cdot k_\text{descale}$ is folded into the softmax scale
-#   (`flash_fwd_kernel_sm90.h`: `softmax_scale_log2 *= q_descale * k_descale`): $S$ is the fp32
-#   product of the FP8 tiles times one number;
-# - it subtracts 8 from the row max before `exp2`, "so that the value after exp2 is in the range
-#   of [0, 256]. This lets us use more of the FP8 range (instead of just [0, 1]) to reduce
-#   underflow" (`softmax.h`); $\ell$ is summed from that fp32 $P$, and the $2^8$ cancels in
-#   $\mathrm{acc}/\ell$;
-# - $P$ is converted to e4m3 in registers (`convert_type_out(tOrP_acc, tOrP)`,
-#   `mainloop_fwd_sm90_tma_gmma_ws.hpp`) for the FP8 $PV$, which accumulates in fp32;
-# - $v_\text{descale}$ multiplies $1/\ell$ at the end (`softmax.finalize(v_descale)`); the output
-#   is bfloat16 ("For FP8 input, output must have dtype BF16").
+# incoherent processing") keeps "one scalar per block": $Q$, $K$, $V$ are quantised in blocks of
+# $B_r \times d$ or $B_c \times d$, and "we can scale each block of S" at no cost. The released
+# kernel (Dao-AILab/flash-attention, `hopper/`, read at commit 0251105) takes `q_descale`,
+# `k_descale`, `v_descale` as float32 arrays of shape `(batch, heads_k)` (`flash_api.cpp`): one
+# per head, the per-tensor case. In it, $q_\text{descale} k_\text{descale}$ is folded into the
+# softmax scale (`flash_fwd_kernel_sm90.h`: `softmax_scale_log2 *= q_descale * k_descale`);
+# the row max is lowered by 8 before `exp2`, "so that the value after exp2 is in the range of
+# [0, 256]. This lets us use more of the FP8 range (instead of just [0, 1]) to reduce underflow"
+# (`softmax.h`), with $\ell$ summed from that fp32 $P$ (the $2^8$ cancels in $\mathrm{acc}/\ell$);
+# $P$ is converted to e4m3 in registers (`convert_type_out(tOrP_acc, tOrP)` in
+# `mainloop_fwd_sm90_tma_gmma_ws.hpp`) for the FP8 $PV$, accumulated in fp32; $v_\text{descale}$
+# multiplies $1/\ell$ at the end (`softmax.finalize(v_descale)`); the output is bfloat16.
 #
 # `fp8_attention` does the same with the paper's per-block factors ($V$'s applied to each
-# $P V_j$, as they differ between blocks), tiles of 128. Our descale factors are the smallest
-# powers of two that bring a block within 448, so dividing by one is exact and quantisation's
-# only error is e4m3's rounding (FlashAttention-3 takes any float32 factors). For a
-# floating-point format a power-of-two scale moves no significand: per-block and per-tensor
-# scaling store the same numbers unless a block would leave e4m3's range.
+# $P V_j$), tiles of 128. Our descale factors are the smallest powers of two that bring a block
+# within 448, so dividing by one is exact and quantisation's only error is e4m3's rounding
+# (FlashAttention-3 takes any float32 factors). A power-of-two scale moves no significand, so
+# per-block and per-tensor scaling store the same numbers unless a block would leave e4m3's
+# range.
 
 # %%
 BLOCK = 128
@@ -750,6 +739,13 @@ plt.show()
 # - float16 scores overflow to $\infty$ past 65504 (and give NaN), even after scaling; scores near
 #   1000 in float16 carry errors above 5% (about 15% on the machine that built this page).
 #   flash_lib, scoring in float32, is exact to the output's rounding in both cases.
+# - FP8: e4m3fn has $u = 2^{-4}$, range to 448 and no infinity; e5m2 $u = 2^{-3}$ and range to
+#   57344. FlashAttention-3's FP8 forward (S in fp32, $P$ shifted into $[0, 256]$ and rounded to
+#   e4m3 before $PV$, fp32 sums, descale factors folded into the scale) passes its own 2× rule
+#   with room to spare, a loose bar whose reference rounds most weights to 0; against float64 its
+#   RMSE is 9 to 16 times bfloat16's. Power-of-two block scales change nothing unless a block
+#   would leave e4m3's range; a Hadamard rotation with random signs of $q$ and $k$ leaves
+#   $qk^\top$ unchanged and, with outlier features, cuts the error by more than 1.5×.
 
 # %%
 assert np_agrees
