@@ -37,6 +37,7 @@ import time
 import ml_dtypes
 import numpy as np
 import matplotlib.pyplot as plt
+from threadpoolctl import threadpool_limits
 
 import flash_lib
 
@@ -463,9 +464,10 @@ for name, dt in {"float8_e4m3fn": E4M3, "float8_e5m2": E5M2}.items():
     top = np.unique(every[np.isfinite(every)])[-2:]  # the largest two numbers
     f = fp8[name] = dict(bits=(fi.nexp, fi.nmant), eps=float(fi.eps), max=float(fi.max),
                          tiny=float(fi.tiny), sub=float(fi.smallest_subnormal), top=top[1],
-                         gap=top[1] - top[0], nans=int(np.isnan(every).sum()), infs=int(np.isinf(every).sum()))
-    print(f"{name:<13} {f'{fi.nexp}, {fi.nmant}':>14} {f['eps']:>6g} {f['max']:>6g} {f['tiny']:>11g} "
-          f"{f['sub']:>13g} {f['gap']:>17g} {f['nans']:>4} {f['infs']:>4}")
+                         gap=top[1] - top[0], nans=int(np.isnan(every).sum()),
+                         infs=int(np.isinf(every).sum()))
+    print(f"{name:<13} {f'{fi.nexp}, {fi.nmant}':>14} {f['eps']:>6g} {f['max']:>6g} "
+          f"{f['tiny']:>11g} {f['sub']:>13g} {f['gap']:>17g} {f['nans']:>4} {f['infs']:>4}")
 big = np.array([464, 480, 1e5])
 print("464, 480, 1e5 ->", big.astype(E4M3), "in e4m3fn,", big.astype(E5M2), "in e5m2")
 e4, e5 = fp8["float8_e4m3fn"], fp8["float8_e5m2"]
@@ -481,8 +483,9 @@ assert np.isinf(big[2].astype(E5M2))
 # %% [markdown]
 # e4m3 has twice e5m2's precision ($u = 2^{-4}$, not $2^{-3}$) and far less range: past 448
 # there is no infinity to round to, and 480 becomes NaN. FlashAttention-3's forward takes e4m3
-# only ("FlashAttention only supports fp16, bf16, and fp8_e4m3 data type"), so each tensor is
-# scaled into e4m3's range first and the kernel is given the inverse, **descale**, factors.
+# only (`hopper/flash_api.cpp`: "FlashAttention only supports fp16, bf16, and fp8_e4m3 data
+# type"), so each tensor is scaled into e4m3's range first and the kernel is given the
+# inverse, **descale**, factors.
 #
 # ## FlashAttention-3's FP8 forward
 #
@@ -505,7 +508,7 @@ assert np.isinf(big[2].astype(E5M2))
 # within 448, so dividing by one is exact and quantisation's only error is e4m3's rounding
 # (FlashAttention-3 takes any float32 factors). A power-of-two scale moves no significand, so
 # per-block and per-tensor scaling store the same numbers unless a block would leave e4m3's
-# range.
+# normal range.
 
 # %%
 BLOCK = 128
@@ -515,7 +518,8 @@ def quantize(x, block=BLOCK, per_tensor=False, dtype=E4M3):
     """x (n, d) -> (x8, descale): each block of rows divided by the smallest power of two that
     brings its largest |entry| within dtype's max, then rounded; one descale per block."""
     fmax = float(ml_dtypes.finfo(dtype).max)
-    amax = np.array([np.abs(x if per_tensor else x[s:s + block]).max() for s in range(0, len(x), block)])
+    amax = np.array([np.abs(x if per_tensor else x[s:s + block]).max()
+                     for s in range(0, len(x), block)])
     e = np.frexp(amax / fmax)[1]  # amax / fmax < 2^e, but for the division's rounding:
     e = np.where(amax > np.ldexp(fmax, e), e + 1, e)  # exact comparisons settle it
     e = np.where(amax <= np.ldexp(fmax, e - 1), e - 1, e)
@@ -534,20 +538,22 @@ def fp8_attention(q8, k8, v8, descale, *, p_dtype=E4M3, acc=np.float32, block=BL
     tau = 1 / np.sqrt(q8.shape[-1])
     k, v = k8.astype(acc), v8.astype(acc)  # exact: every FP8 number is a float32
     out = np.empty((len(q8), v8.shape[-1]), acc)
-    for i, i0 in enumerate(range(0, len(q8), block)):
-        q = q8[i0:i0 + block].astype(acc)
-        m, l, o = np.full(len(q), -np.inf, acc), np.zeros(len(q), acc), np.zeros((len(q), v.shape[-1]), acc)
-        for j, j0 in enumerate(range(0, len(k8), block)):
-            s = (q @ k[j0:j0 + block].T) * acc(tau * q_desc[i] * k_desc[j])
-            m_new = np.maximum(m, s.max(axis=-1))
-            alpha = np.exp(m - m_new)
-            p = np.exp(s - m_new[:, None]) * acc(2**8)  # in [0, 256]
-            l = l * alpha + p.sum(axis=-1)  # from the unrounded P
-            if p_dtype is not None:
-                p = p.astype(p_dtype).astype(acc)
-            o = o * alpha[:, None] + (p @ v[j0:j0 + block]) * acc(v_desc[j])
-            m = m_new
-        out[i0:i0 + block] = o / l[:, None]
+    with threadpool_limits(limits=1, user_api="blas"):  # small tiles: one BLAS thread (ch. 8)
+        for i, i0 in enumerate(range(0, len(q8), block)):
+            q = q8[i0:i0 + block].astype(acc)
+            m, l = np.full(len(q), -np.inf, acc), np.zeros(len(q), acc)
+            o = np.zeros((len(q), v.shape[-1]), acc)
+            for j, j0 in enumerate(range(0, len(k8), block)):
+                s = (q @ k[j0:j0 + block].T) * acc(tau * q_desc[i] * k_desc[j])
+                m_new = np.maximum(m, s.max(axis=-1))
+                alpha = np.exp(m - m_new)
+                p = np.exp(s - m_new[:, None]) * acc(2**8)  # in [0, 256]
+                l = l * alpha + p.sum(axis=-1)  # from the unrounded P
+                if p_dtype is not None:
+                    p = p.astype(p_dtype).astype(acc)
+                o = o * alpha[:, None] + (p @ v[j0:j0 + block]) * acc(v_desc[j])
+                m = m_new
+            out[i0:i0 + block] = o / l[:, None]
     return out
 
 
@@ -697,8 +703,8 @@ ax.grid(True, axis="y", which="both", alpha=0.3)
 thresholds = np.logspace(-4, 1, 101)
 for (name, label), err in score_err.items():
     above = 1 - np.searchsorted(err, thresholds, side="right") / err.size
-    ax_s.loglog(thresholds, np.where(above > 0, above, np.nan), color="C1" if label == "FP8" else "C2",
-                ls="-" if name == "outliers" else ":", label=f"{label}, {name}")
+    ax_s.loglog(thresholds, np.where(above > 0, above, np.nan), ls="-" if name == "outliers" else ":",
+                color="C1" if label == "FP8" else "C2", label=f"{label}, {name}")
 ax_s.set_xlabel("|score error| from e4m3 quantisation (units of the scaled score τ q·k)")
 ax_s.set_ylabel("fraction of scores with a larger error")
 ax_s.set_title("The rotation shortens the tail of the score errors")
