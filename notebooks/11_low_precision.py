@@ -449,9 +449,10 @@ plt.show()
 # %% [markdown]
 # ## FP8: e4m3 and e5m2
 #
-# Hopper's tensor cores also multiply 8-bit floats, at twice the 16-bit rate. `ml_dtypes` has
-# both formats: `float8_e4m3fn` (4 exponent bits, 3 fraction bits; "fn": finite, no infinity)
-# and `float8_e5m2` (5 and 2, IEEE-like). From `ml_dtypes.finfo`, and from all 256 bit patterns:
+# Hopper's tensor cores also multiply 8-bit floats, at twice the 16-bit rate (chapter 16).
+# `ml_dtypes` has both formats: `float8_e4m3fn` (4 exponent bits, 3 fraction bits; "fn":
+# finite, no infinity) and `float8_e5m2` (5 and 2, IEEE-like). From `ml_dtypes.finfo`, and from
+# all 256 bit patterns:
 
 # %%
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
