@@ -185,8 +185,10 @@ def flash_bytes(n, d, b_q, itemsize):
 # ## Counted, and checked
 #
 # float16 in the model (`itemsize` = 2), $d = 64$, and $M$ = 163 KiB, the most shared memory one
-# thread block may use on an A100 (CUDA C++ Programming Guide, "Technical Specifications per
-# Compute Capability", 8.0). $b_q = b_k = 128$ fit, FlashAttention-2's forward tile for $d = 64$;
+# thread block may use on an A100: its SM has up to 164 KB, and "CUDA reserves 1 KB of shared
+# memory per thread block" (NVIDIA Ampere tuning guide; the CUDA C++ Programming Guide's
+# compute capability 8.x section: "Devices of compute capability 8.0 and 8.7 allow a single
+# thread block to address up to 163 KB"). $b_q = b_k = 128$ fit, FlashAttention-2's forward tile for $d = 64$;
 # 144 does not, and in 100 KiB, with $S$ in float32, 128 would not either. For $N$ = 256, 512 and 1000 (not a multiple of the tile) both
 # pipelines run instrumented; the
 # cell checks each output against `flash_lib` and each tally against the formulas above, to the
@@ -287,8 +289,9 @@ for b_q in (1, 16, 32, 64, 128, 256):
 # block holds all of $Q$. The textbook pipeline's $4N^2$ does not depend on $M$ at all.
 #
 # Below, the formulas (checked against the instrumented counts above) for $M$ from 16 KiB to
-# 228 KiB (an H100 SM's shared memory) with the largest square tile that fits, and for $N$ from
-# 512 to 65536 at $M$ = 163 KiB.
+# 227 KiB, the most one thread block may use on an H100 (228 KB per SM less CUDA's 1 KB per
+# block: NVIDIA Hopper tuning guide; CUDA C++ Programming Guide, compute capability 9.0), with
+# the largest square tile that fits, and for $N$ from 512 to 65536 at $M$ = 163 KiB.
 
 # %%
 def largest_tile(m_bytes, d, itemsize):
@@ -300,7 +303,7 @@ def largest_tile(m_bytes, d, itemsize):
 
 
 n_fixed = 16384
-sram_sizes = np.array([16, 32, 48, 64, 96, 128, 163, 192, 228]) * 1024  # each a different tile
+sram_sizes = np.array([16, 32, 48, 64, 96, 128, 163, 192, 227]) * 1024  # each a different tile
 tile_at = {int(m): largest_tile(m, d, itemsize) for m in sram_sizes}
 flash_vs_m = np.array([flash_bytes(n_fixed, d, tile_at[int(m)], itemsize) for m in sram_sizes])
 ns = 2 ** np.arange(9, 17)

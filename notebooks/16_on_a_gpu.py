@@ -74,11 +74,13 @@ print(f"triton {triton.__version__}; interpreted: {flash_triton.INTERPRETED}; "
 # | where | size (A100 / H100 SXM5) | what lives there in FlashAttention |
 # |---|---|---|
 # | **registers**, private to each thread | 256 KB per SM on both | $S$, $P$, the accumulator `acc`, $m$, $\ell$: fp32 |
-# | **shared memory** (SRAM), per SM, shared by one program's warps | up to 164 KB / 228 KB | the $K_j$, $V_j$ tiles being multiplied |
+# | **shared memory** (SRAM), per SM, shared by one program's warps | up to 164 KB / 228 KB per SM, 163 KB / 227 KB per program | the $K_j$, $V_j$ tiles being multiplied |
 # | **HBM**, the GPU's main memory | 40–80 GB at 1.6–2.0 TB/s / 80 GB at 3.35 TB/s | $Q, K, V$, the output, the lse |
 #
 # (NVIDIA A100 Tensor Core GPU datasheet and Ampere architecture whitepaper; NVIDIA H100 Tensor
-# Core GPU datasheet and Hopper architecture whitepaper.) The **tensor cores** multiply small
+# Core GPU datasheet and Hopper architecture whitepaper; the shared memory per program from the
+# CUDA C++ Programming Guide, compute capabilities 8.0 and 9.0, and NVIDIA's Ampere and Hopper
+# tuning guides: "CUDA reserves 1 KB of shared memory per thread block".) The **tensor cores** multiply small
 # matrix tiles in a few instructions; they are where nearly all of an A100's 312 TFLOP/s of
 # float16 arithmetic comes from. Everything else, the max, the exponentials, the sums, runs on
 # the ordinary fp32 units, and the exponential on the **special function units** (MUFU), which
@@ -249,13 +251,18 @@ for n_q, n_k in ((1024, 1024), (512, 1024), (1000, 1000)):
 #
 # ## FlashAttention-2's work partitioning
 #
-# FlashAttention (arXiv 2205.14135) reached 25–40% of an A100's peak; FlashAttention-2
-# (Dao 2023, arXiv 2307.08691) reached 50–73% of it (its abstract) with the same algorithm, by
-# changing where the work goes. Three changes, each visible in the kernel above.
+# FlashAttention (arXiv 2205.14135) reached 25–40% of an A100's peak and FlashAttention-2
+# (Dao 2023, arXiv 2307.08691) 50–73% of it, with the same algorithm, by changing where the
+# work goes: both ranges are FlashAttention-2's abstract. Its Section 4.1 measures them on an
+# A100 80GB SXM4 (Fig. 4 forward and backward, Fig. 5 forward, Fig. 6 backward): "up to 230
+# TFLOPs/s, 73% of the theoretical maximum", and up to 63% in the backward pass (Section 1).
+# Three changes, each visible in the kernel above.
 #
 # **Fewer non-matmul flops.** An A100 does 312 TFLOP/s of float16 matmul on its tensor cores but
-# 19.5 TFLOP/s of fp32 arithmetic elsewhere (NVIDIA A100 datasheet; FlashAttention-2, Section 3.1):
-# a non-matmul flop costs 16 matmul flops. FlashAttention-2 keeps `acc` *unnormalised* through the
+# 19.5 TFLOP/s of fp32 arithmetic elsewhere: FlashAttention-2, Section 3.1 ("the A100 GPU has a
+# max theoretical throughput of 312 TFLOPs/s of FP16/BF16 matmul, but only 19.5 TFLOPs/s of
+# non-matmul FP32"), from the NVIDIA A100 datasheet (FP16 Tensor Core 312 TFLOPS dense, 624
+# with sparsity; FP32 19.5 TFLOPS): a non-matmul flop costs 16 matmul flops. FlashAttention-2 keeps `acc` *unnormalised* through the
 # loop and divides by $\ell$ once at the end (the epilogue above), where FlashAttention-1
 # rescaled the output by $\ell_{\text{old}}/\ell_{\text{new}}$ at every tile; and it stores only
 # the lse for the backward, not both $m$ and $\ell$. What the exp and the rest weigh, per score,
@@ -371,8 +378,9 @@ for gpu in (A100, H100):
 #   is issued before the softmax of the current tile, so the tensor cores and the exp units work
 #   at once even inside one warpgroup, at the cost of more registers.
 # - **FP8**: Hopper's tensor cores run float8 at twice the float16 rate (1,979 vs 989 dense
-#   TFLOP/s, NVIDIA H100 datasheet). FlashAttention-3 quantises per block, with one descale
-#   factor per block of $Q$, $K$, $V$, and uses **incoherent processing**: multiplying $Q$ and $K$
+#   TFLOP/s, NVIDIA H100 datasheet). The paper quantises per block, with one descale factor per
+#   block of $Q$, $K$, $V$ (Section 3.3; the released kernel takes one per batch entry and head),
+#   rounds $P$ to e4m3 before $PV$, and uses **incoherent processing**: multiplying $Q$ and $K$
 #   by the same random orthogonal matrix (a Hadamard transform with random signs) leaves
 #   $Q K^\top$ unchanged but spreads outlier features across all of them, so the float8 rounding
 #   error shrinks.
@@ -382,7 +390,7 @@ for gpu in (A100, H100):
 # in FP8; and FP8 FlashAttention-3 with 2.6× lower numerical error than a baseline FP8 attention.
 # None of the three tricks changes the mathematics: they change when each tile's loads, matmuls
 # and exponentials happen, which is why flash_lib, a NumPy program, computes the same thing.
-# (The FP8 numerics themselves are not computed in this chapter.)
+# Chapter 11 computes the FP8 numerics: this forward in NumPy, its error, and the rotation's effect.
 
 # %% [markdown]
 # ## The backward kernels
