@@ -410,7 +410,7 @@ plt.show()
 # %% [markdown]
 # ## The order of merges
 #
-# [Chapter 3](03_merging_states.py) merged partial results $(o, \mathrm{lse})$ in any grouping;
+# {doc}`Chapter 3 <03_merging_states>` merged partial results $(o, \mathrm{lse})$ in any grouping;
 # in exact arithmetic all give the same result, so the grouping can only change the rounding. At
 # the extremes: **left to right**, $((p_1 \oplus p_2) \oplus p_3) \oplus \dots$ (a ring-attention
 # device's order), where the first part passes through $T - 1$ merges, and **a balanced tree**,
