@@ -118,13 +118,8 @@ masks = {
 }
 
 every_tile = tile_schedule(N, N, BLOCK, BLOCK)
-schedules, holding = {}, {}
 q, k, v = (rng.standard_normal((2, N, 16)) for _ in range(3))
-for name, (keywords, allowed) in masks.items():
-    schedules[name] = tile_schedule(N, N, BLOCK, BLOCK, **keywords)
-    holding[name] = [t for t in every_tile if allowed[t[0]:t[1], t[2]:t[3]].any()]
-    checks.run(name, q, k, v, dense_attention(q, k, v, scale=0.25, allowed=allowed),
-               block_q=BLOCK, block_k=BLOCK, **keywords)
+schedules, holding = checks.run_masks(masks, N, BLOCK, q, k, v)
 
 
 for name in masks:
@@ -144,12 +139,11 @@ for name in masks:
 # $$
 #
 # linear in $N$, against $n(n+1)/2$ for causal attention and $n^2$ for none. Each tile costs
-# $b^2$ score pairs, so away from the start the window computes $b^2 (w + 1)$ pairs per query
-# block, $N b\,(\lceil \text{left}/b \rceil + 1)$ in all, where it needs about
-# $N (\text{left} + 1)$. The cost grows as $N \cdot \text{left}$, but rounded up to whole key
-# blocks and with one more block of slack: at left = 256 and $b = 512$ that is $2Nb = 1024N$
-# pairs for $257N$ needed, which is why narrow windows want narrow key blocks. The counts below
-# are `tile_schedule`'s, for flash_lib's default 512 × 512 tiles.
+# $b^2$ score pairs, so away from the start the window computes
+# $N b\,(\lceil \text{left}/b \rceil + 1)$ pairs where it needs about $N (\text{left} + 1)$:
+# rounded up to whole key blocks, plus one block of slack. At left = 256 and $b = 512$ that is
+# $1024N$ pairs for $257N$ needed, which is why narrow windows want narrow key blocks. The counts
+# below are `tile_schedule`'s, for flash_lib's default 512 × 512 tiles.
 
 # %%
 def window_tiles(n_blocks, left, block):
@@ -289,12 +283,10 @@ plt.show()
 #
 # ### Before the mask, not after
 #
-# The order is not cosmetic. A masked score is $-\infty$, and $c \tanh(-\infty / c) = -c$: a
-# kernel that masks first and caps afterwards turns every masked score into the finite $-c$, and
-# masked keys get weight $e^{-c - m}$ in every row. The cell computes causal attention of the
-# example's 64 queries over its first 64 keys both ways with the dense construction, and
-# measures the weight that lands on masked keys: row $i$ may see $i + 1$ keys and must not see
-# $63 - i$.
+# A masked score is $-\infty$, and $c \tanh(-\infty / c) = -c$: a kernel that masks first and
+# caps afterwards turns every masked score into the finite $-c$, and masked keys get weight
+# $e^{-c - m}$ in every row. The cell computes causal attention of the example's 64 queries over
+# its first 64 keys both ways and measures the weight that lands on masked keys.
 
 # %%
 square = np.tril(np.ones((n_q, n_q), bool))
@@ -371,10 +363,9 @@ print(f"directional derivative: analytic {analytic:.6f}, central difference {num
 # the distance between query and key, with one slope per head. FlashAttention's convention
 # (`flash_attn_func`'s docstring): "A bias of (-alibi_slope * |i + seqlen_k - seqlen_q - j|) is
 # added to the attention score of query i and key j", slopes of shape `(nheads,)` or
-# `(batch_size, nheads)`. The distance is measured from the query's own position $i + o$, the
-# same bottom-right alignment as causal. The usual slopes form a geometric sequence,
-# $2^{-8(h+1)/H}$ for head $h$ of $H$, which is what attention-gym's `generate_alibi_bias` computes
-# (`torch.exp2(-((h + 1) * 8.0 / H))`).
+# `(batch_size, nheads)`: the distance from the query's own position $i + o$, bottom-right as
+# causal. The usual slopes are $2^{-8(h+1)/H}$ for head $h$ of $H$ (attention-gym's
+# `generate_alibi_bias`: `torch.exp2(-((h + 1) * 8.0 / H))`).
 #
 # attention-gym (`attn_gym/mods/alibi.py`) writes the bias differently, as
 # `score + (kv_idx - q_idx) * scale`, and FlashAttention's own CUDA kernel, when causal, adds

@@ -9,7 +9,7 @@ that the oracle itself is pinned.
 import matplotlib.pyplot as plt
 import numpy as np
 
-from flash_lib import flash_attention, naive_attention, rowwise_relative_error
+from flash_lib import flash_attention, naive_attention, rowwise_relative_error, tile_schedule
 
 # The limit for float64 agreements "to rounding": 1e-14, 45 machine epsilons. Every such
 # difference in chapters 14 and 15 was at most 3e-15 at every NPY_DISABLE_CPU_FEATURES level
@@ -57,6 +57,19 @@ class Checks(dict):
         self[name] = (worst(flash, naive), worst(naive, dense_out))
         print(f"{name:<34} flash vs naive {magnitude(self[name][0]):<16} "
               f"naive vs dense {magnitude(self[name][1])}")
+
+    def run_masks(self, masks, n, block, q, k, v):
+        """Both checks for each mask (name -> (keywords, the dense boolean mask written from its
+        definition)) over n tokens with block x block tiles, and the tiles: those tile_schedule
+        lists and those holding an allowed pair, per mask, to be compared."""
+        every_tile = tile_schedule(n, n, block, block)
+        schedules, holding = {}, {}
+        for name, (keywords, allowed) in masks.items():
+            schedules[name] = tile_schedule(n, n, block, block, **keywords)
+            holding[name] = [t for t in every_tile if allowed[t[0]:t[1], t[2]:t[3]].any()]
+            dense = dense_attention(q, k, v, scale=1 / np.sqrt(q.shape[-1]), allowed=allowed)
+            self.run(name, q, k, v, dense, block_q=block, block_k=block, **keywords)
+        return schedules, holding
 
     def plot(self, gradients, height):
         """Every flash-vs-naive difference (the outputs', then `gradients`: name -> error) in
