@@ -15,7 +15,7 @@
 # %% [markdown]
 # # 15. Attention variants: grouped heads and masks as functions
 #
-# [Chapter 14](14_variants.py) put the window, the soft cap and ALiBi into one kernel. This
+# {doc}`Chapter 14 <14_variants>` put the window, the soft cap and ALiBi into one kernel. This
 # chapter adds the last two variants of its score: masks written as functions (`mask_mod`) and
 # grouped-query heads, then FlexAttention, tested against PyTorch when it is installed. Every
 # variant goes through chapter 14's two checks against its oracle `dense_attention`, imported
@@ -84,13 +84,8 @@ masks = {
                                  (np.abs(i_idx - j_idx) <= 16) & ((i_idx - j_idx) % 4 == 0)),
 }
 every_tile = tile_schedule(N, N, BLOCK, BLOCK)
-schedules, holding = {}, {}
 q, k, v = (rng.standard_normal((2, N, 16)) for _ in range(3))
-for name, (keywords, allowed) in masks.items():
-    schedules[name] = tile_schedule(N, N, BLOCK, BLOCK, **keywords)
-    holding[name] = [t for t in every_tile if allowed[t[0]:t[1], t[2]:t[3]].any()]
-    checks.run(name, q, k, v, dense_attention(q, k, v, scale=0.25, allowed=allowed),
-               block_q=BLOCK, block_k=BLOCK, **keywords)
+schedules, holding = checks.run_masks(masks, N, BLOCK, q, k, v)
 
 
 def draw_tile_map(ax, allowed, visited, title):
