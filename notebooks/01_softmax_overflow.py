@@ -60,11 +60,10 @@ print(f"sum = {p_small.sum():.4f}")
 # %% [markdown]
 # ## Where $e^x$ overflows
 #
-# A floating-point format has a largest finite number, `np.finfo(dtype).max`. Since $e^x$ is
-# increasing, $e^x$ is finite exactly when $x \le \log(\text{max})$; beyond that, `np.exp`
-# returns `inf`. We compute that threshold for each format rather than remember it (float16 is
-# shown too: attention kernels keep its scores and sums in float32 for this reason, and so does
-# `flash_lib`).
+# A floating-point format has a largest finite number, `np.finfo(dtype).max`, so $e^x$ is finite
+# exactly when $x \le \log(\text{max})$; beyond that, `np.exp` returns `inf`. We compute that
+# threshold for each format (float16 too: attention kernels, `flash_lib` among them, keep its
+# scores and sums in float32 for this reason).
 
 # %%
 thresholds = {dt: float(np.log(np.finfo(dt).max)) for dt in (np.float64, np.float32, np.float16)}
@@ -84,16 +83,14 @@ print(f"float64: exp(x) underflows to 0 for x below -1075 log 2 = {underflow64:.
       f"exp({underflow64 - 0.1:.2f}) = {np.exp(underflow64 - 0.1)}")
 
 # %% [markdown]
-# So a single score above about 709 (float64) or 88 (float32) is enough. An attention score is
-# a dot product of two $d$-dimensional vectors times $1/\sqrt{d}$, and nothing in the formula
-# bounds it: with $d = 64$, query and key entries of size 4 already give a score of 128.
+# So a single score above about 709 (float64) or 88 (float32) is enough, and nothing bounds an
+# attention score: with $d = 64$, query and key entries of size 4 already give a score of 128.
 #
 # The textbook formula then computes $\infty / \infty = \text{NaN}$. The opposite extreme fails
 # too: if every score is below $-1075 \log 2 \approx -745.13$ (there $e^x$ is under half the
 # smallest positive float64, $2^{-1074}$, and rounds to 0; printed above), every $e^{x_j}$ is 0
-# and the formula
-# computes $0/0 = \text{NaN}$. (NumPy would print a `RuntimeWarning` for each; we silence them
-# with `np.errstate` here because we are looking at the results on purpose.)
+# and the formula computes $0/0 = \text{NaN}$. (We silence NumPy's `RuntimeWarning`s with
+# `np.errstate`: we are looking at the results on purpose.)
 
 # %%
 x_big = np.array([1000.0, 999.0, 998.0])
@@ -161,10 +158,9 @@ print(f"max |safe - unsafe| on rows in [-100, 100] within 8 eps = {8 * eps64:.1e
 # lose accuracy on large ones? Scores are logits: a difference of 1 between two scores is a factor
 # $e$ between their weights, so differences of scores are measured in **nats** (natural-log
 # units, as $\log$ here is always the natural log). We take one row of $n = 256$ scores spread
-# evenly at random over $[0, m]$ (the largest exactly at $m$), for $m$ from
-# $10^{-1}$ to $10^4$ nats plus a few values close to where the textbook version fails (found
-# below), in float64 and in
-# float32, and compute the normwise relative error
+# evenly at random over $[0, m]$ (the largest exactly at $m$), for $m$ from $10^{-1}$ to $10^4$
+# nats plus a few values close to where the textbook version fails, in float64 and float32, and
+# compute the normwise relative error
 #
 # $$\mathrm{err}(p) = \frac{\max_i |p_i - p^\ast_i|}{\max_i p^\ast_i}$$
 #
@@ -179,11 +175,10 @@ print(f"max |safe - unsafe| on rows in [-100, 100] within 8 eps = {8 * eps64:.1e
 # An output entry counts as **wrong** if it is NaN or infinite, or off by more than 4 machine
 # epsilons relative to the row's largest weight (the bound the safe softmax meets, below). A
 # format's **machine epsilon**, `np.finfo(dtype).eps`, is the gap between 1 and the next larger
-# number it holds: $2.2 \times 10^{-16}$ in float64, $1.2 \times 10^{-7}$ in float32. A
-# wrong entry can be finite: once $\sum_j e^{x_j}$ is $\infty$, every entry whose own $e^{x_i}$ is
-# finite comes out as $e^{x_i}/\infty = 0$. The second measure is therefore the share of the
-# row's true weight, $\sum_{i\ \text{wrong}} p^\ast_i$, that sits on wrong entries: 0 for a
-# correct row, 1 for a useless one.
+# number: $2.2 \times 10^{-16}$ in float64, $1.2 \times 10^{-7}$ in float32. A wrong entry can
+# be finite: once $\sum_j e^{x_j}$ is $\infty$, every finite $e^{x_i}$ comes out as
+# $e^{x_i}/\infty = 0$. The second measure is the share of the row's true weight,
+# $\sum_{i\ \text{wrong}} p^\ast_i$, on wrong entries: 0 for a correct row, 1 for a useless one.
 #
 # Where exactly does the textbook version fail? Its denominator is
 # $\sum_j e^{x_j} = e^{\mathrm{lse}}$ with the row's **log-sum-exp**

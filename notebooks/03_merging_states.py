@@ -29,7 +29,9 @@
 # - we use that one formula to divide a row's keys among several workers, three ways that are
 #   used in practice.
 #
-# How much the order of the merges changes the *rounding* is measured in chapter 7.
+# How much the order of the merges changes the *rounding* is measured in
+# {doc}`chapter 7 <07_exactness>`; {doc}`chapter 19 <19_beyond_one_machine>` runs these schemes on a
+# cluster.
 
 # %%
 import functools
@@ -287,18 +289,18 @@ print("merge(a, b) vs merge(b, a): largest difference",
 #   sequence and head against the keys and values of every earlier token, kept from step to step
 #   (the **KV cache**). A GPU needs many independent pieces of work at once; FlashAttention's
 #   are one per sequence, head and group of queries, so with one query most of the GPU idles.
-#   Flash-decoding
-#   attends to the chunks in parallel, writes one extra number per row and chunk (its lse), and
-#   combines the $T$ chunks in one final reduction (Dao, Haziza, Massa, Sizov, "Flash-Decoding for
-#   long-context inference", 2023, <https://crfm.stanford.edu/2023/10/12/flashdecoding.html>; in
-#   the FlashAttention package since version 2.2, "with a separate kernel to combine results"):
+#   Flash-decoding attends to the chunks in parallel, writes one extra number per row and chunk
+#   (its lse), and combines the $T$ chunks in one final reduction (Dao, Haziza, Massa, Sizov,
+#   "Flash-Decoding for long-context inference", 2023,
+#   <https://crfm.stanford.edu/2023/10/12/flashdecoding.html>; in the FlashAttention package
+#   since version 2.2, "with a separate kernel to combine results"):
 #   the $T$-way form of the merge, $\mathrm{lse} = \log \sum_i e^{\mathrm{lse}_i}$,
 #   $o = \sum_i e^{\mathrm{lse}_i - \mathrm{lse}} o_i$.
-# - **Ring attention** (Liu, Zaharia, Abbeel, arXiv 2310.01889) spreads the sequence over devices
-#   arranged in a ring: each keeps its block of queries while the blocks of keys and values travel
-#   around the ring, and each device folds every block that arrives into its running state.
-#   Device $p$ sees the blocks in the order $p, p + 1, \dots$ (modulo the ring size), a different
-#   order on every device, which is harmless because $\oplus$ commutes.
+# - **Ring attention** (Liu, Zaharia, Abbeel, "Ring Attention with Blockwise Transformers for
+#   Near-Infinite Context", arXiv 2310.01889) spreads the sequence over devices arranged in a
+#   ring: each keeps its block of queries while the blocks of keys and values travel around the
+#   ring, and each device folds every block that arrives into its running state. Each device sees
+#   the blocks in its own rotated order, which is harmless because $\oplus$ commutes.
 #
 # The same summaries merged by the global maximum are how Rabe & Staats compute attention in
 # chunks without $O(n^2)$ memory (arXiv 2112.05682), and the same state is the "attention state"

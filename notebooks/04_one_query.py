@@ -115,9 +115,8 @@ print(f"two-pass output vs naive_attention within {BOUND:.0e}: "
 # \text{acc}' = \alpha\, \text{acc} + \sum_{j \in B} p_j\, v_j .
 # $$
 #
-# The accumulator is the running sum $l$ with every term carrying its value vector; rescaling
-# multiplies every term by one number, which passes straight through the vectors. So chapter 2's
-# update of $l$ applies to $\text{acc}$ unchanged, with the same $\alpha$. Since $m' \ge m$,
+# The accumulator is the running sum $l$ with every term carrying its value vector, so chapter
+# 2's update of $l$ applies to $\text{acc}$ unchanged, with the same $\alpha$. Since $m' \ge m$,
 # $0 \le \alpha \le 1$: rescaling only ever shrinks, and $\alpha = 1$ exactly when the block does
 # not raise the max. The stream starts from $m = -\infty$, $l = 0$, $\text{acc} = 0$, so the first
 # block's $\alpha = e^{-\infty} = 0$ multiplies zeros.

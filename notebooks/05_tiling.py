@@ -175,18 +175,16 @@ for name, (e_out, e_lse) in scratch_errors.items():
 # `(q_start, q_stop, k_start, k_stop)` in the order `flash_attention` visits them; the kernel
 # iterates exactly this list. Query blocks form the outer loop and key blocks the inner one, the
 # order of FlashAttention-2 (arXiv 2307.08691, Algorithm 1 and Section 3.2): one query block's
-# $m$, $l$ and $\text{acc}$ stay in fast memory through its whole inner loop and are written out
-# once, and
-# different query blocks are independent, so they run in parallel (on a GPU, one thread block
-# each; flash_lib runs them on a small thread pool). The original FlashAttention
+# $m$, $l$ and $\text{acc}$ stay in fast memory through its inner loop and are written out once,
+# and query blocks are independent, so they run in parallel (on a GPU, one thread block each;
+# flash_lib runs them on a small thread pool). The original FlashAttention
 # (arXiv 2205.14135, Algorithm 1) had the loops the other way round and read and wrote every query
 # block's state once per key block.
 #
 # A small example with sizes that the blocks do not divide: $N_q = 10$, $N_k = 13$, `block_q = 4`,
-# `block_k = 5`. The last query block has 2 rows and the last key block 3 columns. The cell prints
-# the schedule, checks that it covers every (query, key) pair exactly once, and draws it: the
-# $N_q \times N_k$ score matrix with one small square per pair, the tiles numbered and coloured in
-# visiting order.
+# `block_k = 5`. The cell prints the schedule, checks that it covers every (query, key) pair
+# exactly once, and draws the $N_q \times N_k$ score matrix, one small square per pair, with the
+# tiles numbered and coloured in visiting order.
 
 # %%
 n_q, n_k, block_q, block_k = 10, 13, 4, 5
@@ -254,11 +252,8 @@ plt.show()
 # $b_q = b_k = 128$ and $d = d_v = 64$, common FlashAttention-2 tile sizes.
 #
 # In NumPy the key and value blocks are views into `k` and `v` and cost nothing, while $S$ and $P$
-# briefly coexist, so flash_lib's working set is a little different from the count, but just as
-# independent of $N$. One measurement confirms it: `flash_lib.measure_peak_bytes` (Python's
-# allocation tracer, `tracemalloc`) around one query block of 128 rows against $N_k$ from 1024 to
-# 16384 keys, minus the returned arrays. Chapter 8 measures memory properly, against $N$ and
-# block sizes.
+# briefly coexist, so flash_lib's working set differs a little from the count, but is just as
+# independent of $N$: {doc}`chapter 8 <08_memory>` measures it.
 
 # %%
 b_q, b_k, d, d_v = 128, 128, 64, 64
@@ -266,24 +261,6 @@ tile_elements = b_q * (d + b_k + d_v + 3) + b_k * (d + d_v)
 print("      N   naive: N^2 scores   flash: one tile   ratio")
 for n in (1024, 4096, 16384, 65536):
     print(f"{n:>7}   {n * n:>17,}   {tile_elements:>15,}   {n * n // tile_elements:>5,}")
-
-rng = np.random.default_rng(5)
-scratch_flash, scratch_naive = {}, {}
-for n_keys in (1024, 16384):
-    q = rng.standard_normal((b_q, d))
-    k = rng.standard_normal((n_keys, d))
-    v = rng.standard_normal((n_keys, d_v))
-    for name, fn, kwargs, scratch in (
-        ("flash", flash_lib.flash_attention, {"block_q": b_q, "block_k": b_k}, scratch_flash),
-        ("naive", flash_lib.naive_attention, {}, scratch_naive),
-    ):
-        (out, lse), peak = flash_lib.measure_peak_bytes(fn, q, k, v, return_lse=True, **kwargs)
-        scratch[n_keys] = peak - out.nbytes - lse.nbytes
-
-growth_flash = scratch_flash[16384] / scratch_flash[1024]
-growth_naive = scratch_naive[16384] / scratch_naive[1024]
-print(f"16x more keys: flash scratch grows {growth_flash:.1f}x, naive scratch {growth_naive:.0f}x")
-print(f"flash scratch / the count (float64): {scratch_flash[1024] / (8 * tile_elements):.1f}")
 
 # %% [markdown]
 # ## Equal to the textbook algorithm for every block size
@@ -381,8 +358,7 @@ print(f"{grid_err.size} block-size pairs, from {grid_tiles.min()} to {grid_tiles
 #   matches `flash_attention` and `naive_attention` to $10^{-13}$.
 # - `tile_schedule` visits $\lceil N_q/b_q \rceil \lceil N_k/b_k \rceil$ tiles, query blocks
 #   outer, covering every pair once.
-# - One tile holds $b_q(d + b_k + d_v + 3) + b_k(d + d_v)$ numbers, independent of $N$; measured,
-#   flash_lib's scratch stays flat as $N_k$ grows 16-fold while naive's grows 16-fold.
+# - One tile holds $b_q(d + b_k + d_v + 3) + b_k(d + d_v)$ numbers, independent of $N$.
 # - Every block size tried agrees with `naive_attention` to $10^{-13}$, and the error does not
 #   grow with the number of tiles.
 
@@ -394,8 +370,6 @@ assert np.all(coverage == 1)
 assert [t[0] for t in flash_lib.tile_schedule(10, 13, 4, 5)] == [0, 0, 0, 4, 4, 4, 8, 8, 8]
 assert tiles[-1] == (8, 10, 10, 13)  # partial in both directions
 assert 1024 * 1024 // tile_elements == 21 and 65536 * 65536 // tile_elements // 100 == 867
-assert growth_flash < 1.1 and 15 < growth_naive < 17
-assert 0.5 < scratch_flash[1024] / (8 * tile_elements) < 2
 for bq, bk, n_tiles, err_out, err_lse in case_results:  # BOUND: see its definition
     assert err_out <= BOUND and err_lse <= BOUND, (bq, bk, err_out, err_lse)
     assert n_tiles == -(-n_q // bq) * -(-n_k // bk)

@@ -91,11 +91,11 @@ print("masked-out keys set to +-1e150: largest change of the output",
 # %% [markdown]
 # ### Masked keys never leak, not even inf or NaN
 #
-# "The masked keys' contents cannot matter" needs more care than weight 0 when they are not
-# finite. A KV cache is allocated for the longest sequence; a shorter sequence leaves its unused
-# slots holding whatever was there, possibly inf or NaN, and a key-padding mask hides them. But
-# IEEE arithmetic makes $0 \cdot \text{NaN} = \text{NaN}$ and $0 \cdot \infty = \text{NaN}$, so
-# in a plain $PV$ product a weight of exactly 0 does not keep a NaN value out of a row. flash_lib's
+# "The masked keys' contents cannot matter" needs more than weight 0 when they are not finite.
+# A KV cache is allocated for the longest sequence; a shorter sequence leaves its unused slots
+# holding whatever was there, possibly inf or NaN, behind a key-padding mask. But
+# $0 \cdot \text{NaN} = 0 \cdot \infty = \text{NaN}$, so in a plain $PV$ product a weight of
+# exactly 0 does not keep a NaN value out of a row. flash_lib's
 # contract (its module docstring): **an inf or NaN in `k` or `v` at key $j$ reaches exactly the
 # rows allowed to attend key $j$, for every block size**; a row that may not attend it is computed
 # as if key $j$ did not exist. (The kernel finds the few key blocks whose values hold such numbers
@@ -150,11 +150,10 @@ print("weights on the padded slots:", np.unique(p_kv[~np.broadcast_to(cache_mask
 # $$
 #
 # The diagonal runs into the bottom-right corner of the $N_q \times N_k$ score matrix, and the
-# last query always sees every key. For $N_q = N_k$ this is the usual lower triangle. For
-# $N_q > N_k$ the first $N_q - N_k$ queries have no allowed key at all: empty rows, the subject of
-# the next section. `flash_attention(..., causal=True)` uses this rule; the cell builds the same
-# mask explicitly with `np.tril(..., k=Nk - Nq)`, checks that `causal=True` and `mask=` agree, and
-# prints it for a wide and a tall shape.
+# last query always sees every key. For $N_q = N_k$ this is the usual lower triangle; for
+# $N_q > N_k$ the first $N_q - N_k$ queries have no allowed key at all: empty rows, the next
+# section's subject. The cell builds the same mask with `np.tril(..., k=Nk - Nq)`, checks that
+# `causal=True` and `mask=` agree, and prints it for a wide and a tall shape.
 
 
 # %%
@@ -198,10 +197,9 @@ print(causal_bottom_right(5, 2).astype(int))
 #
 # $$k_{\text{stop}} - 1 > q_{\text{start}} + (N_k - N_q) .$$
 #
-# These are the two tests in flash_lib (its `_Band`: `key_blocks` stops the key loop at the first
-# tile that fails the first, `tile` builds the triangle only for tiles that pass the second; the
-# same two corners decide a sliding window's tiles); the tiles above the diagonal are never
-# computed, those wholly below it run unmasked. **Counting them.**
+# These are flash_lib's two tests (its `_Band`: `key_blocks` stops the key loop at the first tile
+# that fails the first, `tile` builds the triangle only for tiles that pass the second): tiles
+# above the diagonal are never computed, those wholly below it run unmasked. **Counting them.**
 # For $N_q = N_k = N$ and square blocks of size $b$ dividing $N$, $n = N / b$ blocks per side,
 # query block $r$ ($r = 0, \dots, n - 1$) has bottom-left pairs $i = (r + 1) b - 1$,
 # $j = c\,b$, allowed iff $c \le r$: it visits $r + 1$ key blocks, and causal visits
@@ -213,11 +211,11 @@ print(causal_bottom_right(5, 2).astype(int))
 # mask: $n$ tiles in all.
 #
 # The figure shows three cases with 8-wide blocks: $N_q = N_k = 40$; a prompt chunk of
-# $N_q = 24$ queries against $N_k = 40$ keys; and decoding, $N_q = 1$, where the one query sees
-# every key, so every tile is visited and none needs a mask. Shaded squares are allowed pairs,
-# numbered tiles are visited (in that order), hatched ones are skipped. The cell checks the two
-# corner tests against the mask itself: a tile is visited exactly when some pair in it is
-# allowed, and needs a mask exactly when some pair in it is not.
+# $N_q = 24$ queries against $N_k = 40$ keys; and decoding, $N_q = 1$, where every tile is
+# visited and none needs a mask. Shaded squares are allowed pairs, numbered tiles are visited (in
+# that order), hatched ones are skipped. The cell checks the two corner tests against the mask
+# itself: a tile is visited exactly when some pair in it is allowed, and needs a mask exactly
+# when some pair in it is not.
 
 # %%
 def tile_census(n_q, n_k, block_q, block_k):
@@ -299,11 +297,10 @@ print("m =", empty_row.max(), "  exp(s - m) =", p_empty)
 # Here is chapter 4's one-query stream with a mask and without any guard. A row's running max
 # stays $-\infty$ as long as every key it has seen was masked. In such a block both
 # $\alpha = e^{m - m'}$ and $p_j = e^{s_j - m'}$ are $e^{-\infty - (-\infty)}$: NaN, which then
-# stays in $l$ and $\text{acc}$ for good. That happens to fully masked rows, but
-# also to any row whose *first* key block happens to be fully masked, for example left padding,
-# even though such a row has allowed keys and a well-defined answer. The textbook two-pass
-# softmax gets that row right, because it subtracts the row's global max; the NaN is the stream's
-# own doing.
+# stays in $l$ and $\text{acc}$ for good. That happens to fully masked rows, and also to any row
+# whose *first* key block is fully masked (left padding), although it has allowed keys and a
+# well-defined answer. The two-pass softmax, which subtracts the row's global max, gets that row
+# right: the NaN is the stream's own doing.
 #
 # Four queries over 12 keys in blocks of 4: row 0 sees every key, row 1 no key (a padding
 # query), row 2 is left-padded (keys 0 to 4 masked), row 3 has a random mask that allows some key
@@ -383,13 +380,12 @@ for i in range(n_q):
 #
 # At the end, $l = 0$ exactly when the row had no allowed key: otherwise its largest allowed score
 # contributes $e^{0} = 1$ and no term is negative, so $l \ge 1$. For those rows flash_lib's
-# `_finalize` returns the output $0$ and $\text{lse} = -\infty$ without ever computing $0/0$ or
-# $\log 0$. Both values are the exact ones for an empty set of keys: the empty weighted sum is $0$,
-# and $\text{lse} = \log \sum_{j \in \emptyset} e^{s_j} = \log 0 = -\infty$. The lse convention also
-# composes: chapter 3's `merge_attention` weights a part by $e^{\text{lse}}$, so an empty part
-# merges as weight $e^{-\infty} = 0$ and changes nothing (the cell below merges this chapter's empty
-# row with a non-empty one). Other libraries store other values for that lse, with consequences
-# chapter 21 shows.
+# `_finalize` returns the output $0$ and $\text{lse} = -\infty$ without computing $0/0$ or
+# $\log 0$: the exact values for an empty set of keys, the empty weighted sum and
+# $\log \sum_{j \in \emptyset} e^{s_j} = \log 0$. That lse also composes: chapter 3's
+# `merge_attention` weights a part by $e^{\text{lse}}$, so an empty part merges as weight 0 and
+# changes nothing (the cell below merges this chapter's empty row with a non-empty one). Other
+# libraries store other values, with consequences {doc}`chapter 21 <21_other_libraries>` shows.
 #
 # The cell runs the guarded stream, `flash_attention` (with `block_k = 4`, so that row 2's first
 # tile is fully masked) and `naive_attention` under `np.errstate(invalid="raise", divide="raise",

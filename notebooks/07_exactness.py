@@ -20,21 +20,22 @@
 # chapter:
 #
 # - we measure, row by row, the error of `flash_attention` and `naive_attention` against a
-#   higher-precision truth, in float64 and float32, on two families of rows: a fixed span of the
-#   scores with growing magnitude, and a fixed magnitude with growing span;
-# - we see that the error follows the **magnitude** of the scores, not their span, and derive a
-#   bound for it, with every constant in it derived: rounding a dot product errs in proportion to
-#   the sizes of its terms;
-# - we check a concrete claim: on rows whose scores reach $10^6$, flash and naive agree to
-#   $10^{-9}$ in float64;
-# - we find flash's error of the same order as naive's: within the same bound on every row, and
-#   at most twice naive's, FlashAttention's own bar;
-# - we watch the unsafe softmax of chapter 1 return inf or NaN once a row's largest score passes
-#   chapter 1's threshold $\log(\text{max})$;
-# - we measure what the order of merging partial results (chapter 3) does to the rounding: a
-#   chain of merges against a balanced tree.
+#   higher-precision truth, in float64 and float32, on rows of fixed span and growing magnitude,
+#   and of fixed magnitude and growing span;
+# - the error follows the **magnitude** of the scores, not their span, and we derive a bound for
+#   it: rounding a dot product errs in proportion to the sizes of its terms;
+# - a concrete claim: on rows whose scores reach $10^6$, flash and naive agree to $10^{-9}$ in
+#   float64;
+# - flash's error is of the same order as naive's: within the same bound on every row, and at
+#   most twice naive's, FlashAttention's own bar;
+# - the unsafe softmax of chapter 1 returns inf or NaN once a row's largest score passes
+#   $\log(\text{max})$;
+# - the order of merging partial results (chapter 3) changes the rounding: a chain of merges
+#   against a balanced tree.
 
 # %%
+import functools
+
 import numpy as np
 import matplotlib.pyplot as plt
 
@@ -53,9 +54,8 @@ rng = np.random.default_rng(7)
 #
 # The reference is `flash_lib.precise_attention`: the same formula in `np.longdouble` (a 64-bit
 # mantissa on x86-64, 2048 times finer than float64) or, where that is no wider than float64,
-# in `mpmath` at 40 digits. It is given exactly the arrays the kernel was given. For float32 that
-# means the float32 arrays, which it widens exactly: the rounding of the inputs to float32 is
-# then not counted, only the kernel's own arithmetic is.
+# in `mpmath` at 40 digits. It is given exactly the arrays the kernel was given (for float32,
+# widened exactly), so only the kernel's own arithmetic is counted.
 #
 # ## Two families of rows
 #
@@ -66,7 +66,7 @@ rng = np.random.default_rng(7)
 #
 # the size of the terms its dot products add up. A wide row must *compete* to be a hard case:
 # several keys within $O(1)$ of the maximum (if one key won by a wide margin the softmax would
-# be one-hot and exact; we come back to this at the end). Every key gets a first feature 1; its
+# be one-hot and exact; see the end). Every key gets a first feature 1; its
 # second feature is exactly 1 for 64 "competing" keys and uniform in $[-1, 1)$ for the other 64;
 # the other 30 features are standard normal. A query with first two features $A/\tau$ and
 # $B/\tau$ and the others standard normal times $\sigma$ then scores
@@ -82,8 +82,7 @@ rng = np.random.default_rng(7)
 #   $2 \times 10^4$, $\sigma = \min(1, \text{span}/5)$.
 #
 # Sizes stay small ($N_k = 128$, $d = 32$) because the truth is computed in `longdouble`,
-# without BLAS (the optimised linear-algebra library behind NumPy's matrix products, here
-# OpenBLAS).
+# without BLAS (OpenBLAS, behind NumPy's matrix products).
 
 # %%
 n_k, d = 128, 32
@@ -127,12 +126,10 @@ def magnitude_and_span(q, k):
 # ## Three kernels and the truth
 #
 # `flash_attention` runs with `block_q=32`, `block_k=16`, so that each row crosses 8 key blocks
-# and is rescaled by $e^{m - m'}$ whenever a block raises its running maximum $m$ (with the
-# default blocks the 128 keys would fit in one tile). How often that happens depends on where a
-# row's competitors sit; the cell counts it from the exact scores (in float32 a row of magnitude
-# $10^9$ has scores rounded by far more than its span, and the count would be the CPU's).
-# `naive_attention` is the textbook
-# reference; the unsafe kernel is chapter 1's softmax without the maximum subtracted.
+# and is rescaled by $e^{m - m'}$ whenever a block raises its running maximum $m$. The cell
+# counts how often from the exact scores (in float32 a row of magnitude $10^9$ has scores
+# rounded by far more than its span, and the count would be the CPU's). `naive_attention` is the
+# textbook reference; the unsafe kernel is chapter 1's softmax without the maximum subtracted.
 
 # %%
 def unsafe_attention(q, k, v):
@@ -184,8 +181,9 @@ for dt in (np.float64, np.float32):
 #    $\hat s_{ij}$ and $\hat m_i$ are, in this chapter's families, within a factor 2 of each
 #    other (the competitors sit within a few nats of a maximum of 10 or more), so by **Sterbenz's
 #    lemma** ($y/2 \le x \le 2y$ implies that $x - y$ is computed exactly) $\hat s_{ij} - \hat m_i$
-#    adds no error there; elsewhere it adds one rounding, $u\,|\hat s_{ij} - \hat m_i|$. It cannot remove the error already in $\hat s_{ij}$, either: subtracting the
-#    maximum prevents overflow; it does not restore digits the scores never had.
+#    adds no error there; elsewhere it adds one rounding, $u\,|\hat s_{ij} - \hat m_i|$. Nor
+#    can it remove the error already in $\hat s_{ij}$: it prevents overflow, it does not restore
+#    digits the scores never had.
 # 3. **The weights.** $e^{\hat s_{ij} - \hat m_i} = e^{s_{ij} - m_i}\, e^{\delta_{ij} -
 #    \delta_{i,\max}}$: the two score errors, each at most $\gamma_{d+2}\mu_i$, become a
 #    **relative** error of the weight of at most $2\gamma_{d+2}\mu_i$.
@@ -207,11 +205,10 @@ for dt in (np.float64, np.float32):
 #
 # The first term is the whole story at large magnitudes, and it has no span in it. This also
 # reconciles chapter 1, where the safe softmax stayed within a few eps at every size of score:
-# there the scores were *given*, exact floating-point numbers, so step 1 did not exist and only
-# step 5 remained. The bound is a worst case (every rounding in the same direction, and $\kappa_i$ at
-# its largest); the measured errors follow $u\,\mu_i$ instead, two to three orders of magnitude
-# below it. The cell checks the bound on every row and that the errors sit within a factor 10 of
-# $u\,\mu_i$; the picture below draws both next to the measured errors.
+# there the scores were *given*, exact floating-point numbers, so only step 5 remained. The bound
+# is a worst case (every rounding in the same direction, $\kappa_i$ at its largest); the
+# measured errors follow $u\,\mu_i$ instead, two to three orders of magnitude below it. The cell
+# checks the bound on every row and that the errors sit within a factor 10 of $u\,\mu_i$.
 
 # %%
 # exp's error in ulps on the installed NumPy, against a wider exp: float32 on [-87, 0], float64
@@ -256,11 +253,11 @@ for dt, fams in rows.items():
 # %% [markdown]
 # ## The picture
 #
-# Both families, one panel each, both dtypes in each. Left: the fixed-span rows against their
-# magnitude $\mu_i$, with the unsafe softmax where it is finite and a dotted line where the
-# largest score (about $\mu$ in this family) reaches chapter 1's threshold $\log(\text{max})$,
-# past which $e^s$ overflows. Right: the fixed-magnitude rows ($\mu \approx 10^4$) against their
-# span. The dashed lines are $u\,\mu$ for each dtype, the thin solid ones flash's derived bound.
+# Left: the fixed-span rows against their magnitude $\mu_i$, with the unsafe softmax where it
+# is finite and a dotted line where the largest score (about $\mu$ here) reaches
+# $\log(\text{max})$, past which $e^s$ overflows. Right: the fixed-magnitude rows
+# ($\mu \approx 10^4$) against their span. Dashed: $u\,\mu$ per dtype; thin solid: flash's
+# derived bound.
 
 # %%
 fig, (ax_mu, ax_span) = plt.subplots(1, 2, figsize=(11, 4.8), sharey=True)
@@ -307,12 +304,10 @@ plt.show()
 
 # %% [markdown]
 # At a fixed span of about 10 the errors grow in proportion to the magnitude, from a few $u$ to
-# order 1 in float32; at a fixed magnitude of $10^4$ they stay where they are while the span
-# grows over six decades. In float64 a magnitude of $10^6$ costs about $10^{-10}$; in float32 a
-# magnitude of $10^3$ already costs about $10^{-4}$, and past $10^7$ the output means nothing.
-# The unsafe softmax follows the same law until its largest score passes $\log(\text{max})$ of
-# its format (chapter 1): in this family, where the span is about 10, at a magnitude of about
-# the same size.
+# order 1 in float32; at a fixed magnitude of $10^4$ they stay put while the span grows over six
+# decades. In float64 a magnitude of $10^6$ costs about $10^{-10}$; in float32 a magnitude of
+# $10^3$ already costs about $10^{-4}$, and past $10^7$ the output means nothing. The unsafe
+# softmax follows the same law until its largest score passes $\log(\text{max})$ (chapter 1).
 
 # %%
 for dt, fams in rows.items():
@@ -326,17 +321,14 @@ for dt, fams in rows.items():
 # %% [markdown]
 # ## The claim: flash agrees with naive to $10^{-9}$ on scores of magnitude $10^6$
 #
-# The claim, in float64: on rows whose scores reach a magnitude
-# of $10^6$, flash and naive agree to $10^{-9}$ (the derived bound allows each about $10^{-8}$
-# there; measured against the truth, both are near $10^{-10}$).
-#
-# How close flash comes to naive depends on the CPU: where BLAS adds a score's $d$ terms in the
-# same order in flash's tiles as in naive's whole matrix (OpenBLAS's Haswell kernel), the two
-# compute the same scores and differ by about $10^{-15}$; where it does not (its SkylakeX kernel),
-# by about $10^{-10}$ here. What holds everywhere is the triangle inequality: on every row they
-# differ by at most the sum of their two derived bounds (divided by $1 - $ naive's, as the
-# difference is relative to naive's row). The cell checks both and draws what this machine
-# measured.
+# In float64, on rows whose scores reach a magnitude of $10^6$, flash and naive agree to
+# $10^{-9}$ (the derived bound allows each about $10^{-8}$ there; against the truth, both are
+# near $10^{-10}$). How close flash comes to naive depends on the CPU: where BLAS adds a score's
+# $d$ terms in the same order in flash's tiles as in naive's whole matrix (OpenBLAS's Haswell
+# kernel), they differ by about $10^{-15}$; where it does not (SkylakeX), by about $10^{-10}$.
+# What holds everywhere is the triangle inequality: on every row they differ by at most the sum
+# of their two derived bounds (divided by $1 - $ naive's, as the difference is relative to
+# naive's row). The cell checks both and draws what this machine measured.
 
 # %%
 r64 = {key: np.concatenate([r[key] for r in rows[np.float64].values()])
@@ -418,27 +410,19 @@ plt.show()
 # %% [markdown]
 # ## The order of merges
 #
-# Chapter 3 merged partial results $(o, \mathrm{lse})$ over disjoint sets of keys in any order:
-# every grouping gives the same result in exact arithmetic, so the grouping can only change the
-# rounding. Two groupings of $T$ parts are at the extremes:
-#
-# - **left to right**, $((p_1 \oplus p_2) \oplus p_3) \oplus \dots$: what a ring-attention device
-#   does, one arriving block after another; the last part's result has passed through $T - 1$
-#   merges, each of which rounds the running output once more;
-# - **a balanced tree**, merging neighbours pairwise round after round: every result passes
-#   through only $\lceil \log_2 T \rceil$ merges (the reason pairwise summation beats a running
-#   sum).
-#
-# Roundings of random sign add up like a random walk, so the chain's error should grow with $T$
-# (about as $\sqrt{T}$) and the tree's stay flat. The experiment: 32 queries over 2048 keys
-# ($d = 32$, float64), the keys dealt at random into $T = 1, 2, 4, \dots, 256$ equal parts, three
-# deals per $T$; each part attended with `flash_attention`, the parts merged with
-# `flash_lib.merge_attention` both ways, the result measured against `precise_attention` with this
-# chapter's metric.
+# {doc}`Chapter 3 <03_merging_states>` merged partial results $(o, \mathrm{lse})$ in any grouping;
+# in exact arithmetic all give the same result, so the grouping can only change the rounding. At
+# the extremes: **left to right**, $((p_1 \oplus p_2) \oplus p_3) \oplus \dots$ (a ring-attention
+# device's order), where the first part passes through $T - 1$ merges, and **a balanced tree**,
+# neighbours merged pairwise round after round, only $\lceil \log_2 T \rceil$ (why pairwise
+# summation beats a running sum). Roundings of random sign add up like a random walk, so the
+# chain's error should grow with $T$ (about as $\sqrt{T}$) and the tree's stay flat. The
+# experiment: 32 queries over 2048 keys ($d = 32$, float64), dealt at random into
+# $T = 1, 2, 4, \dots, 256$ equal parts, three deals per $T$, each part attended with
+# `flash_attention`, merged with `flash_lib.merge_attention` both ways, and measured against
+# `precise_attention`.
 
 # %%
-import functools
-
 n_keys_m, n_q_m, d_m = 2048, 32, 32
 q_m, k_m, v_m = (rng.standard_normal((n, d_m)) for n in (n_q_m, n_keys_m, n_keys_m))
 truth_m = flash_lib.precise_attention(q_m, k_m, v_m)
@@ -511,10 +495,10 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Merging left to right, the error grows with the number of parts; in a balanced tree it stays
-# where a single call puts it. Even 255 merges in a chain stay within a few tens of machine
-# epsilons (below 100 on every deal), so for exactness the order does not matter; for the last
-# digits, a tree is better.
+# Left to right, the error grows with the number of parts; in a balanced tree it stays where a
+# single call puts it. Even 255 merges in a chain stay within a few tens of machine epsilons
+# (below 100 on every deal): for exactness the order does not matter; for the last digits, a
+# tree is better.
 
 # %% [markdown]
 # ## Random inputs would have hidden all this
@@ -543,25 +527,22 @@ print(f"scaled random rows spanning at least 1e6: {wide_random_rows.sum()}, larg
 #   magnitude $\mu$ of the scores: at a fixed span it grows in proportion to $\mu$, at a fixed
 #   magnitude it does not grow with the span.
 # - The reason, with every constant derived: a dot product errs by $\gamma_{d+2}\,\mu$, exp turns
-#   that absolute error into a relative error of each weight, and normalising doubles it at
-#   most; the bound $\kappa_i(4\gamma_{d+2}\mu_i + 2\gamma_{N_k+2T_k+2} + 4u)$ holds on every row,
-#   in both dtypes and both families, and the measured errors follow $u\,\mu$, within a factor 10.
-#   In these families subtracting the maximum is exact for the competing keys (Sterbenz's lemma),
-#   so it adds no error, and it cannot remove any.
+#   that into a relative error of each weight, and normalising at most doubles it; the bound
+#   $\kappa_i(4\gamma_{d+2}\mu_i + 2\gamma_{N_k+2T_k+2} + (2e + 2)u)$ holds on every row, in both
+#   dtypes and families, and the measured errors follow $u\,\mu$ within a factor 10. In these
+#   families subtracting the maximum is exact for the competing keys (Sterbenz's lemma), and it
+#   cannot remove any error.
 # - The claim holds: in float64, on rows of magnitude up to $10^6$, flash and naive agree to
-#   $10^{-9}$, and flash is within $10^{-9}$ of the truth; on every row the two differ by at most
-#   the sum of their derived bounds. How much less depends on the CPU: $10^{-15}$ where BLAS sums
-#   tiles and the whole matrix in the same order, $10^{-10}$ where it does not.
+#   $10^{-9}$ and flash is within $10^{-9}$ of the truth; on every row the two differ by at most
+#   the sum of their derived bounds.
 # - Flash's error is the same order as naive's: both within the same derived bound on every row,
 #   and flash's largest error at most twice naive's (FlashAttention's bar) in both dtypes and
 #   families. Which one is smaller on a given row depends on BLAS's order of summation.
 # - In float32, rows of magnitude $10^7$ or more come out with errors of order 0.1 to 1.
 # - The unsafe softmax returns inf or NaN on every row whose largest score is above
-#   $\log(\text{max})$ of its format (chapter 1) and is finite below that minus $\log N_k$
-#   (where even the sum of all $N_k$ terms cannot overflow).
+#   $\log(\text{max})$ of its format and is finite below that minus $\log N_k$.
 # - Merging $T$ partial results left to right, the error grows with $T$: at $T = 256$ it is more
-#   than twice a balanced tree's, whose mean error stays within a factor 2 of a single call's at
-#   every $T$.
+#   than twice a balanced tree's, whose mean error stays within a factor 2 of a single call's.
 # - Scaled random inputs hide the error law: their wide rows become one-hot and come out exact.
 
 # %%

@@ -60,11 +60,10 @@ rng = np.random.default_rng(8)
 # pass), so that the $N$ row statistics count as output, not scratch. Inputs are float32 with
 # $d = d_v = 32$; memory does not depend on the values, and small $d$ keeps the run fast.
 #
-# Two settings keep the run quick and the numbers reproducible. `FLASH_LIB_THREADS=1` (above)
-# makes flash process its query blocks one after another, so what we see is one worker's
-# memory; $T$ workers hold up to $T$ times that, still independent of $N$. And the BLAS library
-# runs single-threaded (`threadpool_limits`): handing each small tile product to several threads
-# only costs time here, and changes no allocation that `tracemalloc` sees.
+# Two settings keep the numbers reproducible and the run quick. `FLASH_LIB_THREADS=1` (above)
+# makes flash process its query blocks one after another: one worker's memory, of which $T$
+# workers hold up to $T$ times, still independent of $N$. And BLAS runs single-threaded
+# (`threadpool_limits`), which changes no allocation that `tracemalloc` sees.
 
 # %%
 d = dv = 32
@@ -183,9 +182,9 @@ print(f"naive at N = 16384, extrapolated: about {extrapolated_gib:.0f} GiB "
       f"(flash with 512×512 tiles: under 2 MiB)")
 
 # %% [markdown]
-# A GPU kernel works the same way: the tile lives in on-chip memory (shared memory and
-# registers) of one thread block, so the same bound is what limits `block_q` and `block_k`
-# there. What never appears in memory, on any device, is the $N \times N$ matrix.
+# On a GPU the tile lives in one thread block's on-chip memory, so the same bound limits
+# `block_q` and `block_k` there ({doc}`chapter 9 <09_memory_traffic>`). What never appears in
+# memory, on any device, is the $N \times N$ matrix.
 
 # %% [markdown]
 # ## What we showed

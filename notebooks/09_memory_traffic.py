@@ -49,13 +49,11 @@ rng = np.random.default_rng(10)
 # %% [markdown]
 # ## Two memories
 #
-# Chapter 5 introduced them: a GPU's main memory, **HBM**, and the on-chip **SRAM** of each
-# streaming multiprocessor (SM), shared by the threads of one **thread block**. On an NVIDIA A100
-# the HBM holds 40 or 80 GB and is read and written at about 2 TB/s; each of its 108 SMs has
-# 192 KB of SRAM, an order of magnitude faster (FlashAttention, arXiv 2205.14135, Section 2.1).
-# FlashAttention-2 gives each thread block one block of queries (arXiv 2307.08691, Section 3.2).
-# Data must be loaded from HBM into SRAM to be computed on, and results stored back. The model of
-# this chapter:
+# {doc}`Chapter 5 <05_tiling>` introduced them: a GPU's main memory, **HBM**, and the on-chip
+# **SRAM** of each streaming multiprocessor (SM), shared by the threads of one **thread block**.
+# On an NVIDIA A100 the HBM holds 40 or 80 GB and is read and written at about 2 TB/s; each of
+# its 108 SMs has 192 KB of SRAM, an order of magnitude faster (FlashAttention, arXiv
+# 2205.14135, Section 2.1). The model of this chapter:
 #
 # - the inputs $Q, K, V$ ($N \times d$ each, $N_q = N_k = N$, $d_v = d$) start in HBM and the
 #   output $O$ must end there; every element loaded from or stored to HBM costs `itemsize` bytes
@@ -188,11 +186,11 @@ def flash_bytes(n, d, b_q, itemsize):
 # thread block may use on an A100: its SM has up to 164 KB, and "CUDA reserves 1 KB of shared
 # memory per thread block" (NVIDIA Ampere tuning guide; the CUDA C++ Programming Guide's
 # compute capability 8.x section: "Devices of compute capability 8.0 and 8.7 allow a single
-# thread block to address up to 163 KB"). $b_q = b_k = 128$ fit, FlashAttention-2's forward tile for $d = 64$;
-# 144 does not, and in 100 KiB, with $S$ in float32, 128 would not either. For $N$ = 256, 512 and 1000 (not a multiple of the tile) both
-# pipelines run instrumented; the
-# cell checks each output against `flash_lib` and each tally against the formulas above, to the
-# byte. The output's error is printed against a limit, and drawn as measured: its last digits
+# thread block to address up to 163 KB"). $b_q = b_k = 128$ fit, FlashAttention-2's forward tile
+# for $d = 64$; 144 does not, and in 100 KiB, with $S$ in float32, 128 would not either. For
+# $N$ = 256, 512 and 1000 (not a multiple of the tile) both pipelines run instrumented; the cell
+# checks each output against `flash_lib` and each tally against the formulas above, to the
+# byte. The output's error is printed against a limit and drawn as measured: its last digits
 # depend on the CPU, the bytes do not.
 
 # %%
@@ -401,11 +399,10 @@ plt.show()
 # The textbook pipeline sits far left of the ridge: it could spend at most a fifth of its time
 # computing, the rest waiting for $S$ and $P$. The tiled kernel's intensity is its $b_q$, which
 # is why FlashAttention wants the widest query block its SRAM allows; at $b_q = 128$ it is close
-# to the ridge. The model leaves out much of what a real kernel meets: the GPU's 40 MB L2 cache,
-# which serves repeated loads of $K_j, V_j$ by thread blocks running at the same time; the `exp`
-# and other non-matmul work, which runs on slower units than the tensor cores; and the limits on
-# how many thread blocks an SM can run at once. What it gets right is the order of things: the
-# textbook pipeline is bound by memory, and tiling in two dimensions removes that bound.
+# to the ridge. The model leaves out the GPU's 40 MB L2 cache (which serves repeated loads of
+# $K_j, V_j$ by concurrent thread blocks), the `exp` and other work off the tensor cores, and
+# the limits on how many thread blocks an SM runs at once. What it gets right is the order of
+# things: the textbook pipeline is bound by memory, and tiling in two dimensions removes that.
 
 # %% [markdown]
 # ## The CPU counterpart, measured here
@@ -489,14 +486,13 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# What to look for (the ratios printed above are this build's, on a machine shared with other
-# jobs): copy and subtract, which only move data, get several times slower per element once an
-# array outgrows the last-level cache; `exp`, limited by arithmetic, less so. The textbook
-# kernel's time per score, dominated by its `exp` and each NumPy call's fixed cost, grows less
-# than the copy's. On a CPU, with its large caches, the N² arrays cost
-# mostly memory *capacity* (chapter 8); on a GPU, whose SRAM is a thousand times smaller than its
-# HBM and whose arithmetic is much faster per byte, they cost *time* as well, which is what
-# FlashAttention was built to remove.
+# What to look for (the ratios printed above are this build's, on a shared machine): copy and
+# subtract, which only move data, get several times slower per element once an array outgrows
+# the last-level cache; `exp`, limited by arithmetic, less so, and the textbook kernel's time
+# per score, dominated by its `exp` and each NumPy call's fixed cost, grows less than the
+# copy's. On a CPU, with its large caches, the N² arrays cost mostly memory *capacity*
+# ({doc}`chapter 8 <08_memory>`); on a GPU, whose SRAM is a thousand times smaller than its HBM and
+# whose arithmetic is much faster per byte, they cost *time* as well.
 #
 # ## What we showed
 #

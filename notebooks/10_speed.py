@@ -32,14 +32,11 @@
 #
 # Timings depend on the machine and on what else runs on it. They are printed in two cells, the
 # only ones whose output the notebook's test (nbval) ignores, and drawn in the plots; the prose
-# quotes no time as a fact, and the numbers printed "on the machine that built this page" are
-# whatever that machine measured. For the same reason nothing here *asserts* a speed: on a
-# shared machine a timing can be off by a factor of two, and a test that fails when a neighbour
-# is busy tests the neighbour.
-# What is asserted is what timing cannot change (every kernel's output) and one bound that any
-# honest timing meets (no kernel beats the machine's own matrix-product rate). `make bench` runs
-# the full benchmark (`bench/bench_flash.py`: larger $N$, float64 and float32, PyTorch, memory,
-# causal).
+# quotes no time as a fact, and nothing *asserts* a speed: on a shared machine a timing can be
+# off by a factor of two, and a test that fails when a neighbour is busy tests the neighbour.
+# What is asserted is what timing cannot change: every kernel's output, and the tile counts.
+# `make bench` runs the full benchmark (`bench/bench_flash.py`: larger $N$, float64 and
+# float32, PyTorch, memory, causal).
 
 # %%
 import os
@@ -253,12 +250,11 @@ plt.show()
 #
 # Each tile costs flash a fixed number of NumPy calls, a few microseconds of Python each,
 # whatever the tile's size, plus arithmetic in proportion to its area. Small tiles are mostly
-# overhead, which larger tiles amortise; but the scores tile (`block_q` × `block_k` floats,
-# 1 MiB at 512 × 512) is read and written by several passes, which are fastest while it fits in
-# the caches close to the core. Where the balance lies depends on the machine, so we measure it:
-# the grid below, at $N = 1024$, drawn with the fastest tiles this build found in the title.
-# (Only flash runs here, and it holds BLAS at one thread, so no library's threads are left
-# spinning between the calls: a short settle suffices.)
+# overhead; but the scores tile (1 MiB at 512 × 512 floats) is read and written by several
+# passes, which are fastest while it fits in the caches close to the core. Where the balance
+# lies depends on the machine, so we measure it: the grid below, at $N = 1024$, with the fastest
+# tiles this build found in the title. (Only flash runs here, holding BLAS at one thread, so a
+# short settle suffices.)
 
 # %%
 n_grid = 1024

@@ -15,14 +15,13 @@
 # %% [markdown]
 # # 12. The backward pass
 #
-# FlashAttention exists for training, and training needs gradients. The backward pass is half
-# of the algorithm, and it is where the memory saving matters most: the textbook backward needs
+# FlashAttention exists for training, and training needs gradients. The textbook backward needs
 # the softmax matrix $P$, $N_q \times N_k$ numbers per head per layer, kept from the forward
-# pass until the backward pass uses it. FlashAttention keeps only the output $O$ and one number
-# per row, the lse, and recomputes $P$ tile by tile. This chapter derives the gradients and the
-# backward's $D$ from the output alone, rebuilds $P$ from the lse, reads FlashAttention-2's tile
-# loop in `flash_lib`, and handles the empty row. Chapter 13 writes the backward from scratch and
-# counts its cost.
+# pass; FlashAttention keeps only the output $O$ and one number per row, the lse, and recomputes
+# $P$ tile by tile. This chapter derives the gradients and the backward's $D$ from the output
+# alone, rebuilds $P$ from the lse, reads FlashAttention-2's tile loop in `flash_lib`, and
+# handles the empty row. {doc}`Chapter 13 <13_backward_cost>` writes the backward from scratch and
+# counts its cost and memory.
 
 # %%
 import inspect
@@ -268,9 +267,9 @@ plt.show()
 #
 # The loops are the forward's, swapped. $dK_j$ and $dV_j$ are sums over query blocks, so with key
 # blocks outside they stay in fast memory for the whole inner loop and are written once, and
-# different key blocks never touch the same $dK$, $dV$ rows: they run in parallel with no
-# sharing. $dQ_i$ is a sum over key blocks, so every key block adds a share to it. FlashAttention-2
-# adds those shares with atomic adds, in whatever order the thread blocks finish; Triton's fused
+# different key blocks run in parallel with no sharing. $dQ_i$ is a sum over key blocks, so
+# every key block adds a share to it. FlashAttention-2 adds those shares with atomic adds, in
+# whatever order the thread blocks finish; Triton's fused
 # attention tutorial (`python/tutorials/06-fused-attention.py`) instead runs a second loop, one
 # query block against all key blocks, that recomputes $P$ once more for $dQ$.
 #
@@ -452,15 +451,12 @@ print("dq, dk, dv bit-identical on 1, 2 and 4 workers:", threads_identical)
 #
 # and the NaN spreads through $dV_j \mathrel{+}= P_{ij}^\top dO_i$ into every key's $dv$, and
 # through $dS_{ij}$ into $dQ_i$ and every $dK_j$ (`attention_backward_tile` zeroes $dS$ at masked
-# pairs, so there only $dv$ shows it; pytorch/pytorch#41508 reports such NaN gradients). The guard in `flash_attention_backward`: replace an lse
-# of $-\infty$ by $+\infty$ before the tile loop. Then $e^{S_{ij} - \infty} = 0$ for every score
-# the row could hold: its weights, its $dS$ and its $dq$ row are exactly 0, and it adds nothing
-# to $dk$, $dv$. $+\infty$ is what FlashAttention 2 stores as such a row's lse
-# (`normalize_softmax_lse` in `csrc/flash_attn/src/softmax.h`: `Split ? -INFINITY :
-# INFINITY`, $-\infty$ only for split-KV partials), so its backward needs no guard; FlashAttention
-# 3 stores $-\infty$ and maps it to 0 before its backward
-# (`hopper/flash_bwd_preprocess_kernel.h`, commit `13a724d`), which works too, since every score
-# of an empty row is $-\infty$.
+# pairs, so there only $dv$ shows it; pytorch/pytorch#41508 reports such NaN gradients). The
+# guard in `flash_attention_backward`: replace an lse of $-\infty$ by $+\infty$ before the tile
+# loop. Then $e^{S_{ij} - \infty} = 0$ for every score the row could hold: its weights, its $dS$
+# and its $dq$ row are exactly 0, and it adds nothing to $dk$, $dv$. Which lse other libraries
+# store for an empty row, and how each one's backward copes, is in
+# {doc}`chapter 21 <21_other_libraries>`.
 #
 # The cell shows the NaN (NumPy's "invalid value" warning silenced for these lines), then runs
 # the real tile function on one tile covering a masked problem whose row 3 is empty, with the raw

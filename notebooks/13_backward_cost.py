@@ -176,13 +176,13 @@ print(f"causal / full: {cost[True][0] / cost[False][0]:.4f} = (n+1)/2n for n = {
 # ## Recompute rather than read back
 #
 # The textbook backward reads $P$, $N^2$ numbers, back from slow memory; FlashAttention's
-# recomputes it from $Q$, $K$ and the lse, one more matrix product per tile ($S$ above), and
-# arXiv 2205.14135 (Section 3.1) argues that the extra flops cost less than the bytes they save.
-# In chapter 9's GPU model (float16, 2 bytes; A100: 2.039 TB/s, 312 Tflop/s), per score:
-# recomputing costs $2d$ flops, reading $P$ once costs 2 bytes, and the textbook's forward had to
-# write it too.
+# recomputes it from $Q$, $K$ and the lse, one more matrix product per tile, and arXiv 2205.14135
+# (Section 3.1) argues that the extra flops cost less than the bytes they save. In
+# {doc}`chapter 9 <09_memory_traffic>`'s GPU model (float16; A100: 2.039 TB/s, 312 Tflop/s), per
+# score: recomputing costs $2d$ flops, reading $P$ once 2 bytes, and the textbook's forward had
+# to write it too.
 #
-# **Bytes.** Chapter 9 counted the forward's HBM traffic; the backward's, in the same model:
+# **Bytes.** The backward's HBM traffic, in chapter 9's model:
 #
 # - textbook, each product its own kernel with its inputs read once (chapter 9's best case):
 #   $dV = P^\top dO$ reads $P$; $dP = dO V^\top$ writes $dP$; $dS = P \circ (dP - D)$ reads $P$,
@@ -243,30 +243,26 @@ for n_io, (fb, tb, ff) in io_rows.items():
 
 # %% [markdown]
 # Both grow as $N^2$ at a fixed tile; the textbook's $7N^2$ against flash's $4N^2 d/b_k \approx
-# 2N^2$ (here $b_k = 2d$) is 3.1 to 3.4 times more at these $N$, tending to 3.5, and the gap widens as the SRAM allows larger tiles,
-# where the textbook's does not move. The flash backward moves about twice the forward's bytes,
-# as it does 2.5 times the flops: its arithmetic intensity is about that of the forward.
+# 2N^2$ (here $b_k = 2d$) is 3.1 to 3.4 times more at these $N$, tending to 3.5, and the gap
+# widens as the SRAM allows larger tiles. The flash backward moves about twice the forward's
+# bytes and does 2.5 times its flops: about the forward's arithmetic intensity.
 
 
 # %% [markdown]
 # ## What training keeps for the backward
 #
-# Between the forward and the backward pass, every layer keeps what its backward will need:
-# the textbook attention keeps $P$, $N_q N_k$ numbers per head per layer, because $dV = P^\top dO$
-# and $dS = P \circ (dP - D)$ use it; FlashAttention keeps $O$ (which the layer after
-# attention usually keeps anyway, as its input) and the lse, $N_q$ numbers. During the backward pass
-# itself, `naive_attention_backward` holds $P$, $dP$ and $dS$ whole, while
-# `flash_attention_backward` holds one tile of each, plus $D$ and the lse (with chapter 12's
-# empty-row guard applied), $N_q$ numbers each.
+# Between the forward and the backward pass, every layer keeps what its backward will need: the
+# textbook attention keeps $P$, $N_q N_k$ numbers per head per layer ($dV = P^\top dO$ and
+# $dS = P \circ (dP - D)$ use it); FlashAttention keeps $O$ (usually kept anyway, as the next
+# layer's input) and the lse, $N_q$ numbers. During the backward itself,
+# `naive_attention_backward` holds $P$, $dP$ and $dS$ whole, `flash_attention_backward` one tile
+# of each, plus $D$ and the guarded lse, $N_q$ numbers each.
 #
-# The cell measures both, in float32 with $d = d_v = 16$, $N = N_q = N_k$:
-#
-# - kept: the bytes of the arrays each forward returns for its backward, `(O, P)` from a textbook
-#   forward and `(O, lse)` from `flash_attention(..., return_lse=True)`;
-# - held during the backward: `flash_lib.measure_peak_bytes` (tracemalloc, chapter 8) around each
-#   backward call, minus the gradients it returns. Flash runs with 256 × 256 tiles on one worker
-#   and BLAS on one thread (chapter 8 says why); the naive kernel stops at $N = 4096$ (its
-#   $P$, $dP$, $dS$ then weigh 64 MiB each).
+# The cell measures both, in float32 with $d = d_v = 16$, $N = N_q = N_k$: what each forward
+# returns for its backward (`(O, P)` from a textbook forward, `(O, lse)` from `flash_attention`),
+# and the scratch each backward holds, measured as {doc}`chapter 8 <08_memory>` measures the
+# forward's (256 × 256 tiles, one worker, BLAS on one thread). The naive kernel stops at
+# $N = 4096$ (its $P$, $dP$, $dS$ then weigh 64 MiB each).
 
 # %%
 d = dv = 16
@@ -347,10 +343,9 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Left: the textbook forward keeps $P$, one number per score, so its line has slope 2; flash keeps
-# $O$ and the lse, $N (d_v + 1)$ numbers, a slope of 1. Right: the naive backward holds about
-# four $N \times N$ arrays at its peak (the scores, $P$, $dP$, $dS$), a slope of 2; flash holds
-# its tiles, flat in $N$, plus $D$ and the lse, 8 bytes per row, the only part that grows.
+# Left: the textbook keeps $P$ (slope 2), flash $O$ and the lse, $N (d_v + 1)$ numbers (slope
+# 1). Right: the naive backward holds about four $N \times N$ arrays at its peak (the scores,
+# $P$, $dP$, $dS$); flash holds its tiles, flat in $N$, plus $D$ and the lse, 8 bytes per row.
 
 # %% [markdown]
 # ## Checking the gradient by finite differences

@@ -16,15 +16,11 @@
 # # 14. Attention variants: window, softcap, ALiBi
 #
 # Production attention kernels take more than a boolean mask: a sliding window, a soft cap on
-# the scores, ALiBi's distance penalty, grouped-query heads, and lately any mask written as a
-# function. Each of them is one line in the score or in the mask, plus, for the masks, a rule
-# for which tiles need not be computed at all. This chapter places each variant in the
-# computation of a score, then takes the window (and its cost), softcap (and its gradient) and
-# ALiBi; chapter 15 adds grouped-query heads and masks written as functions.
-#
-# Every variant is checked twice: `flash_attention` against `naive_attention` with the same
-# keywords, and `naive_attention` against a dense construction written out in this chapter from
-# the formulas, in its own order of operations, so that the oracle itself is pinned.
+# the scores, ALiBi's distance penalty, grouped-query heads, masks written as functions. Each is
+# one line in the score or in the mask, plus, for the masks, a rule for which tiles need not be
+# computed. This chapter places each variant in the computation of a score, then takes the
+# window (and its cost), softcap (and its gradient) and ALiBi; chapter 15 takes grouped-query
+# heads and masks written as functions.
 #
 # **Sources.** FlashAttention's conventions are quoted from Dao-AILab/flash-attention, read at
 # commit `0251105a`: the docstrings of `flash_attn_func` in `flash_attn/flash_attn_interface.py`,
@@ -60,78 +56,32 @@
 # scores, and the mask comes last.
 #
 # In flash_lib the first three steps are `_scores` (one matmul per tile, then the cap and the
-# bias in place) and the fourth is `_allowed`; the online softmax of chapter 5 runs unchanged on
-# what they produce. The dense construction below writes the four steps out for the whole matrix;
-# every check of this chapter compares `naive_attention` with it and `flash_attention` with
-# `naive_attention`.
+# bias in place) and the fourth is `_allowed`; chapter 5's online softmax runs unchanged on what
+# they produce. Every variant is checked twice: `flash_attention` against `naive_attention`, and
+# `naive_attention` against `dense_attention`, the four steps written out for the whole matrix
+# in another order of operations, so that the oracle itself is pinned. That oracle, the checks
+# and their limit are a small module, `notebooks/_oracle.py`, printed below; chapter 15 imports
+# it.
 
 # %%
 import inspect
-import warnings
 
 import matplotlib.pyplot as plt
 import numpy as np
 
-import flash_lib
+import _oracle
+from _oracle import ROUNDING, Checks, dense_attention, magnitude, worst
 from flash_lib import (
     flash_attention,
     flash_attention_backward,
-    measure_peak_bytes,
     naive_attention,
     naive_attention_backward,
-    rowwise_relative_error,
     tile_schedule,
 )
 
 rng = np.random.default_rng(13)
-
-
-def dense_attention(q, k, v, *, scale, allowed=None, bias=None, softcap=None):
-    """The four steps for the whole score matrix: scale, cap, add the bias, mask; a softmax
-    whose empty rows are 0. Written from the formulas, independently of flash_lib, and in
-    another order: P is normalised before it meets V (naive divides P V by the row sums)."""
-    s = scale * (q @ np.swapaxes(k, -1, -2))
-    if softcap is not None:
-        s = softcap * np.tanh(s / softcap)
-    if bias is not None:
-        s = s + bias
-    if allowed is not None:
-        s = np.where(allowed, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    p = np.exp(s - np.where(np.isfinite(m), m, 0))
-    l = p.sum(axis=-1, keepdims=True)
-    return (p / np.where(l == 0, 1, l)) @ v
-
-
-def worst(a, b):
-    """chapter 7's metric, the worst row"""
-    return float(rowwise_relative_error(a, b).max())
-
-
-# The limit for float64 agreements "to rounding" in this chapter: 1e-14, 45 machine epsilons.
-# Every such difference below was at most 3e-15 at every NPY_DISABLE_CPU_FEATURES level
-# (CONTRIBUTING.md), and any error of a variant (a window off by one, a wrong head, a missing
-# cap, a kernel off by one part in a million) is far above it.
-ROUNDING = 1e-14
-
-
-def magnitude(x, limit=ROUNDING):
-    """A stable way to print an error: the stated limit it is under (its last digits, and
-    whether it is exactly 0, are the CPU's rounding, so they are not printed), or, for a real
-    error, the number."""
-    return f"< {limit:.0e}" if x < limit else f"{x:.1e} (not < {limit:.0e})"
-
-
-checks = {}  # variant -> (flash vs naive, naive vs the dense construction)
-
-
-def check(name, q, k, v, dense_out, block_q=16, block_k=16, **keywords):
-    """flash vs naive and naive vs dense for one variant; printed and kept for the asserts."""
-    naive = naive_attention(q, k, v, **keywords)
-    flash = flash_attention(q, k, v, block_q=block_q, block_k=block_k, **keywords)
-    checks[name] = (worst(flash, naive), worst(naive, dense_out))
-    print(f"{name:<34} flash vs naive {magnitude(checks[name][0]):<16} "
-          f"naive vs dense {magnitude(checks[name][1])}")
+checks = Checks()
+print(inspect.getsource(_oracle))
 
 
 # %% [markdown]
@@ -155,9 +105,8 @@ def check(name, q, k, v, dense_out, block_q=16, block_k=16, **keywords):
 #   `generate_sliding_window(12)` (`q_idx - kv_idx <= 12` ANDed with causal).
 #
 # Each mask is also written out as a dense boolean matrix from its definition. The cell checks
-# that the tiles `tile_schedule` returns are exactly the ones holding an allowed pair, and that
-# flash, naive and a dense softmax over the written-out mask agree; chapter 15 draws the
-# window's tile map beside the masks written as functions.
+# that the tiles `tile_schedule` returns are exactly the ones holding an allowed pair, and runs
+# both checks; chapter 15 draws the window's tile map beside the masks written as functions.
 
 # %%
 N, BLOCK = 64, 8
@@ -169,13 +118,8 @@ masks = {
 }
 
 every_tile = tile_schedule(N, N, BLOCK, BLOCK)
-schedules, holding = {}, {}
 q, k, v = (rng.standard_normal((2, N, 16)) for _ in range(3))
-for name, (keywords, allowed) in masks.items():
-    schedules[name] = tile_schedule(N, N, BLOCK, BLOCK, **keywords)
-    holding[name] = [t for t in every_tile if allowed[t[0]:t[1], t[2]:t[3]].any()]
-    check(name, q, k, v, dense_attention(q, k, v, scale=0.25, allowed=allowed), block_q=BLOCK,
-          block_k=BLOCK, **keywords)
+schedules, holding = checks.run_masks(masks, N, BLOCK, q, k, v)
 
 
 for name in masks:
@@ -195,12 +139,11 @@ for name in masks:
 # $$
 #
 # linear in $N$, against $n(n+1)/2$ for causal attention and $n^2$ for none. Each tile costs
-# $b^2$ score pairs, so away from the start the window computes $b^2 (w + 1)$ pairs per query
-# block, $N b\,(\lceil \text{left}/b \rceil + 1)$ in all, where it needs about
-# $N (\text{left} + 1)$. The cost grows as $N \cdot \text{left}$, but rounded up to whole key
-# blocks and with one more block of slack: at left = 256 and $b = 512$ that is $2Nb = 1024N$
-# pairs for $257N$ needed, which is why narrow windows want narrow key blocks. The counts below
-# are `tile_schedule`'s, for flash_lib's default 512 × 512 tiles.
+# $b^2$ score pairs, so away from the start the window computes
+# $N b\,(\lceil \text{left}/b \rceil + 1)$ pairs where it needs about $N (\text{left} + 1)$:
+# rounded up to whole key blocks, plus one block of slack. At left = 256 and $b = 512$ that is
+# $1024N$ pairs for $257N$ needed, which is why narrow windows want narrow key blocks. The counts
+# below are `tile_schedule`'s, for flash_lib's default 512 × 512 tiles.
 
 # %%
 def window_tiles(n_blocks, left, block):
@@ -294,12 +237,12 @@ tau, CAP = 1 / np.sqrt(d), 5.0
 raw = tau * (q_sc @ k_sc.T)
 capped = CAP * np.tanh(raw / CAP)
 
-check("softcap 5", q_sc, k_sc, v_sc, dense_attention(q_sc, k_sc, v_sc, scale=tau, softcap=CAP),
-      softcap=CAP)
+checks.run("softcap 5", q_sc, k_sc, v_sc,
+           dense_attention(q_sc, k_sc, v_sc, scale=tau, softcap=CAP), softcap=CAP)
 causal_sc = np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + (n_k - n_q)
-check("softcap 5, causal", q_sc, k_sc, v_sc,
-      dense_attention(q_sc, k_sc, v_sc, scale=tau, softcap=CAP, allowed=causal_sc),
-      softcap=CAP, causal=True)
+checks.run("softcap 5, causal", q_sc, k_sc, v_sc,
+           dense_attention(q_sc, k_sc, v_sc, scale=tau, softcap=CAP, allowed=causal_sc),
+           softcap=CAP, causal=True)
 
 
 def row_peaks(s):
@@ -340,12 +283,10 @@ plt.show()
 #
 # ### Before the mask, not after
 #
-# The order is not cosmetic. A masked score is $-\infty$, and $c \tanh(-\infty / c) = -c$: a
-# kernel that masks first and caps afterwards turns every masked score into the finite $-c$, and
-# masked keys get weight $e^{-c - m}$ in every row. The cell computes causal attention of the
-# example's 64 queries over its first 64 keys both ways with the dense construction, and
-# measures the weight that lands on masked keys: row $i$ may see $i + 1$ keys and must not see
-# $63 - i$.
+# A masked score is $-\infty$, and $c \tanh(-\infty / c) = -c$: a kernel that masks first and
+# caps afterwards turns every masked score into the finite $-c$, and masked keys get weight
+# $e^{-c - m}$ in every row. The cell computes causal attention of the example's 64 queries over
+# its first 64 keys both ways and measures the weight that lands on masked keys.
 
 # %%
 square = np.tril(np.ones((n_q, n_q), bool))
@@ -358,9 +299,9 @@ leaked = float(leak_by_row.max())
 print(f"capped after the mask: masked scores become {wrong[~square].max():g}, and up to "
       f"{leaked:.0%} of a row's weight (median row {np.median(leak_by_row):.1%}) goes to keys "
       f"it may not see")
-check("softcap 5, causal, Nq = Nk", q_sc, k_sc[:n_q], v_sc[:n_q],
-      dense_attention(q_sc, k_sc[:n_q], v_sc[:n_q], scale=tau, softcap=CAP, allowed=square),
-      softcap=CAP, causal=True)
+checks.run("softcap 5, causal, Nq = Nk", q_sc, k_sc[:n_q], v_sc[:n_q],
+           dense_attention(q_sc, k_sc[:n_q], v_sc[:n_q], scale=tau, softcap=CAP, allowed=square),
+           softcap=CAP, causal=True)
 
 # %% [markdown]
 # ### The backward pass through the cap
@@ -422,10 +363,9 @@ print(f"directional derivative: analytic {analytic:.6f}, central difference {num
 # the distance between query and key, with one slope per head. FlashAttention's convention
 # (`flash_attn_func`'s docstring): "A bias of (-alibi_slope * |i + seqlen_k - seqlen_q - j|) is
 # added to the attention score of query i and key j", slopes of shape `(nheads,)` or
-# `(batch_size, nheads)`. The distance is measured from the query's own position $i + o$, the
-# same bottom-right alignment as causal. The usual slopes form a geometric sequence,
-# $2^{-8(h+1)/H}$ for head $h$ of $H$, which is what attention-gym's `generate_alibi_bias` computes
-# (`torch.exp2(-((h + 1) * 8.0 / H))`).
+# `(batch_size, nheads)`: the distance from the query's own position $i + o$, bottom-right as
+# causal. The usual slopes are $2^{-8(h+1)/H}$ for head $h$ of $H$ (attention-gym's
+# `generate_alibi_bias`: `torch.exp2(-((h + 1) * 8.0 / H))`).
 #
 # attention-gym (`attn_gym/mods/alibi.py`) writes the bias differently, as
 # `score + (kv_idx - q_idx) * scale`, and FlashAttention's own CUDA kernel, when causal, adds
@@ -510,16 +450,16 @@ print(f"FlashAttention's causal form − ours: spread within a row {max(row_spre
 # %%
 qa, ka, va = (rng.standard_normal((2, HEADS, n, 16)) for n in (n_qa, n_ka, n_ka))
 bias = -slopes[:, None, None] * np.abs(ia + offset - ja)  # (heads, Nq, Nk)
-check("alibi", qa, ka, va, dense_attention(qa, ka, va, scale=0.25, bias=bias),
-      alibi_slopes=slopes, block_q=5, block_k=7)
-check("alibi, causal", qa, ka, va, dense_attention(qa, ka, va, scale=0.25, bias=bias,
-                                                  allowed=causal_a),
-      alibi_slopes=slopes, causal=True, block_q=5, block_k=7)
-check("alibi (B, H) slopes, causal", qa, ka, va,
-      dense_attention(qa, ka, va, scale=0.25, allowed=causal_a,
-                      bias=-np.stack([slopes, slopes[::-1]])[..., None, None]
-                      * np.abs(ia + offset - ja)),
-      alibi_slopes=np.stack([slopes, slopes[::-1]]), causal=True, block_q=5, block_k=7)
+checks.run("alibi", qa, ka, va, dense_attention(qa, ka, va, scale=0.25, bias=bias),
+           alibi_slopes=slopes, block_q=5, block_k=7)
+checks.run("alibi, causal", qa, ka, va,
+           dense_attention(qa, ka, va, scale=0.25, bias=bias, allowed=causal_a),
+           alibi_slopes=slopes, causal=True, block_q=5, block_k=7)
+checks.run("alibi (B, H) slopes, causal", qa, ka, va,
+           dense_attention(qa, ka, va, scale=0.25, allowed=causal_a,
+                           bias=-np.stack([slopes, slopes[::-1]])[..., None, None]
+                           * np.abs(ia + offset - ja)),
+           alibi_slopes=np.stack([slopes, slopes[::-1]]), causal=True, block_q=5, block_k=7)
 
 flash_alibi_causal, lse_alibi = flash_attention(qa, ka, va, alibi_slopes=slopes, causal=True,
                                                 return_lse=True)
@@ -552,26 +492,8 @@ print(f"lse of attention-gym's form minus ours, by head: "
 # What each comparison of flash_lib's kernel against `naive_attention` measured on this machine.
 
 # %%
-# The figure shows the differences measured on the machine that built this page, in machine
-# epsilons (their last digits are its rounding); each section printed the limit they are under.
-eps64 = np.finfo(np.float64).eps
-measured = {name: e_flash for name, (e_flash, _) in checks.items()}
-for name, (e_flash, _) in grad_errors.items():
-    measured[f"softcap 5, causal: {name}"] = e_flash
-fig, ax = plt.subplots(figsize=(8, 4.2))
-rows = np.arange(len(measured))[::-1]
-ax.plot(np.array(list(measured.values())) / eps64, rows, "o", color="C0",
-        label="flash vs naive, this machine")
-ax.axvline(ROUNDING / eps64, color="C3", ls="--", label=f"the limit asserted, {ROUNDING:.0e}")
-ax.set_xscale("log")
-ax.set_xlim(0.5, 100)
-ax.set_yticks(rows, [n if ":" in n else f"{n}: out" for n in measured], fontsize=8)
-ax.set_xlabel("largest error of a row, relative (machine epsilons, 2.2e-16)")
-ax.set_title("flash_attention(_backward) against naive, every variant of this chapter")
-ax.legend(fontsize=8, loc="lower right")
-ax.grid(True, axis="x", which="major", alpha=0.3)
-fig.tight_layout()
-plt.show()
+checks.plot({f"softcap 5, causal: {name}": e_flash for name, (e_flash, _) in grad_errors.items()},
+            height=4.2)
 
 # %% [markdown]
 # ## What we showed
@@ -587,10 +509,8 @@ plt.show()
 #   causal masking, a shifted lse, different attention without it.
 
 # %%
-# ROUNDING = 1e-14 is 45 float64 epsilons: rounding over at most 256 keys stayed below 3e-15
-# at every NPY_DISABLE_CPU_FEATURES level; any error of a variant (a window off by one, a
-# missing cap) is far above. naive and the dense construction normalise in different orders,
-# so they agree to rounding, not bit for bit.
+# ROUNDING: see _oracle.py. naive and the dense construction normalise in different orders, so
+# they agree to rounding, not bit for bit.
 for name, (e_flash, e_dense) in checks.items():
     assert e_flash < ROUNDING and e_dense < ROUNDING, (name, e_flash, e_dense)
 for name in masks:

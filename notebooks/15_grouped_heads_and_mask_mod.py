@@ -15,11 +15,11 @@
 # %% [markdown]
 # # 15. Attention variants: grouped heads and masks as functions
 #
-# Chapter 14 put the window, the soft cap and ALiBi into one kernel. This chapter adds the last
-# two variants of that chapter's score, in the same order and with the same two checks
-# (`flash_attention` against `naive_attention`, `naive_attention` against a dense construction
-# written here): masks written as functions (`mask_mod`), grouped-query heads, and FlexAttention,
-# tested against PyTorch when it is installed.
+# {doc}`Chapter 14 <14_variants>` put the window, the soft cap and ALiBi into one kernel. This
+# chapter adds the last two variants of its score: masks written as functions (`mask_mod`) and
+# grouped-query heads, then FlexAttention, tested against PyTorch when it is installed. Every
+# variant goes through chapter 14's two checks against its oracle `dense_attention`, imported
+# from `notebooks/_oracle.py` (chapter 14 prints it).
 #
 # Sources as in chapter 14: attention-gym (`attn_gym/masks/`, commit `7fdb85d`), FlashAttention's
 # `flash_attn_interface.py` (commit `0251105a`), PyTorch 2.13.0's
@@ -32,66 +32,18 @@ import warnings
 import matplotlib.pyplot as plt
 import numpy as np
 
-import flash_lib
+from _oracle import ROUNDING, Checks, dense_attention, magnitude, worst
 from flash_lib import (
     flash_attention,
     flash_attention_backward,
     measure_peak_bytes,
     naive_attention,
     naive_attention_backward,
-    rowwise_relative_error,
     tile_schedule,
 )
 
 rng = np.random.default_rng(15)
-
-
-def dense_attention(q, k, v, *, scale, allowed=None, bias=None, softcap=None):
-    """The four steps for the whole score matrix: scale, cap, add the bias, mask; a softmax
-    whose empty rows are 0. Written from the formulas, independently of flash_lib, and in
-    another order: P is normalised before it meets V (naive divides P V by the row sums)."""
-    s = scale * (q @ np.swapaxes(k, -1, -2))
-    if softcap is not None:
-        s = softcap * np.tanh(s / softcap)
-    if bias is not None:
-        s = s + bias
-    if allowed is not None:
-        s = np.where(allowed, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    p = np.exp(s - np.where(np.isfinite(m), m, 0))
-    l = p.sum(axis=-1, keepdims=True)
-    return (p / np.where(l == 0, 1, l)) @ v
-
-
-def worst(a, b):
-    """chapter 7's metric, the worst row"""
-    return float(rowwise_relative_error(a, b).max())
-
-
-# The limit for float64 agreements "to rounding" in this chapter: 1e-14, 45 machine epsilons.
-# Every such difference below was at most 3e-15 at every NPY_DISABLE_CPU_FEATURES level
-# (CONTRIBUTING.md), and any error of a variant (a window off by one, a wrong head, a missing
-# cap, a kernel off by one part in a million) is far above it.
-ROUNDING = 1e-14
-
-
-def magnitude(x, limit=ROUNDING):
-    """A stable way to print an error: the stated limit it is under (its last digits, and
-    whether it is exactly 0, are the CPU's rounding, so they are not printed), or, for a real
-    error, the number."""
-    return f"< {limit:.0e}" if x < limit else f"{x:.1e} (not < {limit:.0e})"
-
-
-checks = {}  # variant -> (flash vs naive, naive vs the dense construction)
-
-
-def check(name, q, k, v, dense_out, block_q=16, block_k=16, **keywords):
-    """flash vs naive and naive vs dense for one variant; printed and kept for the asserts."""
-    naive = naive_attention(q, k, v, **keywords)
-    flash = flash_attention(q, k, v, block_q=block_q, block_k=block_k, **keywords)
-    checks[name] = (worst(flash, naive), worst(naive, dense_out))
-    print(f"{name:<34} flash vs naive {magnitude(checks[name][0]):<16} "
-          f"naive vs dense {magnitude(checks[name][1])}")
+checks = Checks()
 
 
 # %% [markdown]
@@ -132,13 +84,8 @@ masks = {
                                  (np.abs(i_idx - j_idx) <= 16) & ((i_idx - j_idx) % 4 == 0)),
 }
 every_tile = tile_schedule(N, N, BLOCK, BLOCK)
-schedules, holding = {}, {}
 q, k, v = (rng.standard_normal((2, N, 16)) for _ in range(3))
-for name, (keywords, allowed) in masks.items():
-    schedules[name] = tile_schedule(N, N, BLOCK, BLOCK, **keywords)
-    holding[name] = [t for t in every_tile if allowed[t[0]:t[1], t[2]:t[3]].any()]
-    check(name, q, k, v, dense_attention(q, k, v, scale=0.25, allowed=allowed), block_q=BLOCK,
-          block_k=BLOCK, **keywords)
+schedules, holding = checks.run_masks(masks, N, BLOCK, q, k, v)
 
 
 def draw_tile_map(ax, allowed, visited, title):
@@ -229,12 +176,13 @@ h_q, h_kv = 6, 2
 qg = rng.standard_normal((2, h_q, 24, 16))
 kg, vg = rng.standard_normal((2, h_kv, 40, 16)), rng.standard_normal((2, h_kv, 40, 16))
 k_rep, v_rep = np.repeat(kg, h_q // h_kv, axis=1), np.repeat(vg, h_q // h_kv, axis=1)
-check("gqa 6 / 2, causal", qg, kg, vg, dense_attention(qg, k_rep, v_rep, scale=0.25,
-                                                       allowed=np.tril(np.ones((24, 40), bool), 16)),
-      enable_gqa=True, causal=True)
-check("mqa 6 / 1", qg, kg[:, :1], vg[:, :1],
-      dense_attention(qg, np.repeat(kg[:, :1], 6, axis=1), np.repeat(vg[:, :1], 6, axis=1),
-                      scale=0.25), enable_gqa=True)
+checks.run("gqa 6 / 2, causal", qg, kg, vg,
+           dense_attention(qg, k_rep, v_rep, scale=0.25,
+                           allowed=np.tril(np.ones((24, 40), bool), 16)),
+           enable_gqa=True, causal=True)
+checks.run("mqa 6 / 1", qg, kg[:, :1], vg[:, :1],
+           dense_attention(qg, np.repeat(kg[:, :1], 6, axis=1), np.repeat(vg[:, :1], 6, axis=1),
+                           scale=0.25), enable_gqa=True)
 tiled_grouping = worst(flash_attention(qg, kg, vg, enable_gqa=True),
                        naive_attention(qg, np.tile(kg, (1, 3, 1, 1)), np.tile(vg, (1, 3, 1, 1))))
 print(f"against the h mod Hkv grouping (np.tile): error {tiled_grouping:.1f}, a different answer")
@@ -412,25 +360,7 @@ else:
 # What each comparison of flash_lib's kernel against `naive_attention` measured on this machine.
 
 # %%
-# The figure shows the differences measured on the machine that built this page, in machine
-# epsilons (their last digits are its rounding); each section printed the limit they are under.
-eps64 = np.finfo(np.float64).eps
-measured = {name: e_flash for name, (e_flash, _) in checks.items()}
-measured["gqa 6 / 2, causal: dq, dk, dv"] = gqa_grad_error
-fig, ax = plt.subplots(figsize=(8, 3.2))
-rows = np.arange(len(measured))[::-1]
-ax.plot(np.array(list(measured.values())) / eps64, rows, "o", color="C0",
-        label="flash vs naive, this machine")
-ax.axvline(ROUNDING / eps64, color="C3", ls="--", label=f"the limit asserted, {ROUNDING:.0e}")
-ax.set_xscale("log")
-ax.set_xlim(0.5, 100)
-ax.set_yticks(rows, [n if ":" in n else f"{n}: out" for n in measured], fontsize=8)
-ax.set_xlabel("largest error of a row, relative (machine epsilons, 2.2e-16)")
-ax.set_title("flash_attention(_backward) against naive, every variant of this chapter")
-ax.legend(fontsize=8, loc="lower right")
-ax.grid(True, axis="x", which="major", alpha=0.3)
-fig.tight_layout()
-plt.show()
+checks.plot({"gqa 6 / 2, causal: dq, dk, dv": gqa_grad_error}, height=3.2)
 
 # %% [markdown]
 # ## What we showed
@@ -443,8 +373,8 @@ plt.show()
 #   flash_lib's output to below $10^{-12}$ (asserted where PyTorch is installed).
 
 # %%
-# ROUNDING = 1e-14, as in chapter 14: naive and the dense construction normalise in different
-# orders, so they agree to rounding, not bit for bit.
+# ROUNDING: see _oracle.py. naive and the dense construction normalise in different orders, so
+# they agree to rounding, not bit for bit.
 for name, (e_flash, e_dense) in checks.items():
     assert e_flash < ROUNDING and e_dense < ROUNDING, (name, e_flash, e_dense)
 for name in masks:

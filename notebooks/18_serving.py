@@ -183,16 +183,12 @@ plt.show()
 # ## Decoding: split-KV with one query
 #
 # At each step of generation the model has one new token per sequence: one query against every
-# key so far. Chapter 5's kernel parallelises over query blocks, and with $N_q = 1$ there is one:
-# a single worker would walk all $L$ keys while the others wait. Flash-decoding (Dao et al.,
-# 2023) splits the *keys* instead, into chunks attended independently, and combines the partial
-# results with chapter 3's merge, exact because the chunks are disjoint:
-#
-# $$\mathrm{out} = \frac{e^{\mathrm{lse}_a - m}\,\mathrm{out}_a + e^{\mathrm{lse}_b - m}\,\mathrm{out}_b}{e^{\mathrm{lse}_a - m} + e^{\mathrm{lse}_b - m}} .$$
-#
-# `flash_attention_with_kvcache` walks the valid keys in chunks of `KV_CHUNK` this way, each
-# gathered into a buffer of its own: the scratch is a chunk, whatever the cache's length. The
-# last chunk goes with the queries, where flash_lib's own bottom-right alignment is the cache's.
+# key so far, a single query block, so a kernel that parallelises over query blocks runs on one
+# worker. Flash-decoding splits the *keys* instead, into chunks attended independently and
+# merged exactly ({doc}`chapter 3 <03_merging_states>`). `flash_attention_with_kvcache` walks the
+# valid keys in chunks of `KV_CHUNK` this way, each gathered into a buffer of its own: the
+# scratch is a chunk, whatever the cache's length. The last chunk goes with the queries, where
+# flash_lib's own bottom-right alignment is the cache's.
 # Below, one query over caches of 2,048 to 32,768 keys, against gathering the whole valid cache
 # first and calling `flash_attention` once (the natural first version, which FlashAttention's
 # paged kernels avoid).

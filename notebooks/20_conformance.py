@@ -85,8 +85,8 @@ for bug in [None, *BUGS]:
 
 # %% [markdown]
 # Seven of the nine bugs pass. Only the two that corrupt the online recurrence itself (the
-# missing rescale and the stale max) show on random inputs, and only because 16-key blocks make
-# the running max rise often; a kernel with one key block per row would pass those too.
+# missing rescale and the stale max) show, and only because 16-key blocks make the running max
+# rise often; with one key block per row they would pass too.
 #
 # ## The conformance check
 #
@@ -193,19 +193,17 @@ for dtype, (runs, within, ratio, floor) in flash_stats.items():
           f"{flash_check.FACTOR:g} x naive's + {floor_eps:.0f} eps: {within}")
 
 # %% [markdown]
-# Every case run met the bound. How close each came depends on the CPU, and the plot below shows
-# every case run: each kernel's error against naive's, with the bound as a line, and in each
-# panel's title the largest ratio and the floor needed on the machine that built this page.
-# Over NumPy's AVX-512, AVX2 and baseline loops and OpenBLAS's SkylakeX and Haswell kernels, the
-# largest ratio was 1.2 to 1.4 and the floor needed at most 5.3 eps (float64; 3.8 in float32),
-# the 7 × 1 tiles' thousand rescales. With OpenBLAS's older Sandybridge kernel (no fused
-# multiply-add) the ratio reached 2.0 (float64) and 2.3 (float32), and the floor of 8 eps carried
-# the difference (47 eps against 2 × 20.7 + 8): neither the factor nor the floor is the bound
-# alone; their sum is. In float16 every kernel's error is, nearly everywhere, the
-# final rounding to float16 (half an ulp of each output), the same for naive, so a floor of one
-# eps suffices; where it is more (`float16_overflow`, whose scores near $10^5$ carry their
-# float32 rounding into the weights, up to 19 eps with the Haswell kernel), naive's error is
-# just as large.
+# Every case run met the bound. The plot below shows each kernel's error against naive's, with
+# the bound as a line, and in each panel's title the largest ratio and the floor needed on the
+# machine that built this page. Over NumPy's AVX-512, AVX2 and baseline loops and OpenBLAS's
+# SkylakeX and Haswell kernels, the largest ratio was 1.2 to 1.4 and the floor needed at most
+# 5.3 eps (float64; 3.8 in float32), from the 7 × 1 tiles' thousand rescales. With OpenBLAS's
+# older Sandybridge kernel (no fused multiply-add) the ratio reached 2.0 (float64) and 2.3
+# (float32), and the floor of 8 eps carried the difference (47 eps against 2 × 20.7 + 8):
+# neither the factor nor the floor is the bound alone; their sum is. In float16 every kernel's
+# error is, nearly everywhere, the final rounding to float16 (half an ulp), the same for naive,
+# so a floor of one eps suffices; where it is more (`float16_overflow`, up to 19 eps with the
+# Haswell kernel), naive's error is just as large.
 
 # %%
 # One dtype per row: three panels side by side would be drawn at two thirds of their size.
@@ -244,12 +242,10 @@ plt.show()
 # ## The gallery: each classic bug, and what catches it
 #
 # Every bug from the list above runs through the full check, every case in every dtype ("memory"
-# for the $O(N^2)$ kernel, whose allocations `tracemalloc` sees like any NumPy kernel's). For
-# each, the cell prints how many case runs fail, and one failing case with the diagnosis the
-# report gives for it: the case that exposes that bug most directly. (One diagnosis, the
-# rescale probe's below, quotes the kernel's rounding error on one row, which the probe found
-# within the bound; its last digits depend on the CPU, so it is printed as what the probe
-# established.)
+# for the $O(N^2)$ kernel). For each, the cell prints how many case runs fail, and the diagnosis
+# the report gives for the case that exposes that bug most directly. (The rescale probe's
+# diagnosis quotes a rounding error whose last digits are the CPU's, so it is printed as what
+# the probe established.)
 
 # %%
 def shown(diagnosis):
@@ -318,17 +314,16 @@ print(next(f.diagnosis for f in half.failures if f.case == "random_mask"))
 # `scaled_dot_product_attention`: it forces the backend with `sdpa_kernel` (so the call fails
 # rather than silently falling back to another), and for `causal=True` passes PyTorch's own
 # bottom-right bias `torch.nn.attention.bias.causal_lower_right`, since `is_causal=True` is
-# top-left in PyTorch (the reference code in its documentation builds
-# `torch.ones(L, S).tril(diagonal=0)`). Pass `device="cuda"` to check the GPU backends.
+# top-left ({doc}`chapter 21 <21_other_libraries>` cites each library's conventions). Pass
+# `device="cuda"` to check the GPU backends.
 
 # %%
 print(inspect.getsource(flash_check.torch_sdpa))
 
 # %% [markdown]
 # PyTorch runs here when it is installed (`pip install -e '.[bench]'`, as `.ci/run` does), and so
-# does JAX (`.[jax]`); whether they are differs from install to install, so the one cell below
-# that prints their results (and their versions) is not compared by the notebook's test, and the
-# claims about them are asserted only where they ran.
+# does JAX (`.[jax]`); the cell that prints their results is not compared by the notebook's
+# test, and the claims about them are asserted only where they ran.
 
 # %%
 try:
@@ -403,29 +398,26 @@ for name, report in real.items():
 #   except one: NaN and infinities in $v$ at padded keys that no row may attend reach the rows
 #   (both backends mask the weights, and $0 \cdot \text{NaN} = \text{NaN}$ in $P V$), the
 #   fully masked row among them. A key-value cache whose unused slots hold garbage must be
-#   zeroed before calling it. On every other case their errors are within the same bound as
-#   flash_lib's.
-# - **`is_causal=True`**: top-left, flagged on every case with $N_q \ne N_k$ (decoding, the wide
-#   and tall causal cases), and right on the square one, where the conventions agree.
-# - **PyTorch's CPU flash op with its lse**: its lse of an empty row is 0.0, and its outputs
-#   pass. In float16, where PyTorch 2.13 computes in float32 and stores the weights in float16,
-#   its lse can be up to about $5 \cdot 10^{-5}$ off (relative), far beyond float32 rounding on
-#   the same inputs (naive's lse, computed in float32, is within $10^{-7}$): harmless for a
-#   float16 backward, whose $P = e^{s - \text{lse}}$ is rounded to $10^{-3}$ anyway, but not
-#   float32 arithmetic. Which cases fail depends on the CPU. Measured here (with
-#   `ATEN_CPU_CAPABILITY` to choose PyTorch's code path), the error comes from the vector loop
-#   that computes the weights $e^{s - m}$ to within about $10^{-4}$ (enough for the float16
-#   weights it stores, not for their sum), in 8 lanes with AVX2 and 16 with AVX-512; the keys
-#   past the last full vector of a 512-key block are done one at a time, exactly, and PyTorch's
-#   scalar build (`default`) passes every case. So `late_max`, whose weight sits on its last 8
-#   keys (of 1100: 76 in the last block), fails with AVX2, whose exact tail is the last 4 keys,
-#   and passes with AVX-512, whose tail is the last 12; cases whose weight is spread over many
-#   keys fail on both.
-# - **JAX**: a fully masked row gets uniform weights, the mean of all values (its mask value is
-#   `-0.7 * finfo(dtype).max`, not $-\infty$); float64 inputs come out only as exact as float32,
-#   because `jax.nn.dot_product_attention` always computes its softmax in float32 (the comment
-#   "Softmax and it is always carried out in fp32" in `_dot_product_attention_core`,
-#   `jax/_src/nn/functions.py`); its `is_causal=True` is top-left.
+#   zeroed before calling it.
+# - **`is_causal=True`**: flagged on every case with $N_q \ne N_k$ (decoding, the wide and tall
+#   causal cases), right on the square one, where the conventions agree.
+# - **PyTorch's CPU flash op with its lse** (0.0 for an empty row): its outputs pass. In
+#   float16, where PyTorch 2.13 computes in float32 and stores the weights in float16, its lse
+#   can be up to about $5 \cdot 10^{-5}$ off (relative), far beyond float32 rounding (naive's
+#   lse, computed in float32, is within $10^{-7}$): harmless for a float16 backward, whose
+#   $P = e^{s - \text{lse}}$ is rounded to $10^{-3}$ anyway. Which cases fail depends on the
+#   CPU. Measured here (with `ATEN_CPU_CAPABILITY` to choose PyTorch's code path), the error
+#   comes from the vector loop that computes the weights $e^{s - m}$ to within about $10^{-4}$,
+#   in 8 lanes with AVX2 and 16 with AVX-512; the keys past the last full vector of a 512-key
+#   block are done one at a time, exactly, and the scalar build (`default`) passes every case.
+#   So `late_max`, whose weight sits on its last 8 keys (of 1100: 76 in the last block), fails
+#   with AVX2, whose exact tail is the last 4 keys, and passes with AVX-512, whose tail is the
+#   last 12; cases whose weight is spread over many keys fail on both.
+# - **JAX**: a fully masked row gets uniform weights ({doc}`chapter 21 <21_other_libraries>`
+#   says why); float64 inputs come out only as exact as float32, because
+#   `jax.nn.dot_product_attention` always computes its softmax in float32 (the comment "Softmax
+#   and it is always carried out in fp32" in `_dot_product_attention_core`,
+#   `jax/_src/nn/functions.py`).
 
 # %% [markdown]
 # ## What we showed
@@ -440,8 +432,7 @@ for name, report in real.items():
 #   pass every case in every dtype.
 # - The bound, twice naive's error in the same dtype plus a floor of 8 eps (float64, float32) or
 #   1 eps (float16), holds on every case run of the four correct kernels measured, on every CPU
-#   configuration we tried; neither part alone would (the largest ratio reached 2.3 with
-#   OpenBLAS's Sandybridge kernel, and errors reach a few tens of eps where naive's does too).
+#   configuration we tried; neither part alone would.
 # - Where installed: PyTorch SDPA (math, flash) passes everything but garbage at padded keys,
 #   its `is_causal=True` is flagged top-left when $N_q \ne N_k$; JAX's empty rows are flagged as
 #   uniform weights and its float64 as float32-accurate.

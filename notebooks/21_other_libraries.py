@@ -19,15 +19,8 @@
 # allowed key returns (its output, and its lse), and where the causal diagonal sits when
 # $N_q \ne N_k$. This appendix says what FlashAttention, PyTorch (SDPA, its CPU flash kernel,
 # FlexAttention) and JAX do, each with its source, and why the differences matter when results
-# are merged (chapter 3) or fed to a backward pass. In this chapter:
-#
-# - the lse of an empty row in each library: FlashAttention writes $+\infty$ (and $-\infty$ for
-#   split-KV partials), PyTorch's CPU flash kernel 0.0, FlexAttention $-\infty$, flash_lib
-#   $-\infty$; what each does to a merge and to $P = e^{s - \text{lse}}$;
-# - the output of an empty row: 0 in FlashAttention and PyTorch SDPA since 2.5 (with caveats per
-#   backend and code path), the mean of all values in JAX;
-# - causal alignment: bottom-right in FlashAttention $\ge$ 2.1 and flash_lib, top-left in
-#   PyTorch's `is_causal` and JAX.
+# are merged ({doc}`chapter 3 <03_merging_states>`) or fed to a backward pass
+# ({doc}`chapter 12 <12_backward>`); the summary table is at the end.
 #
 # **How the statements are checked.** FlashAttention needs a CUDA GPU, so its behaviour is quoted
 # from its source (Dao-AILab/flash-attention, read at commit `0251105a`, August 2026). PyTorch and
