@@ -102,6 +102,15 @@ def numpy_loops():
             "disabled": os.environ.get("NPY_DISABLE_CPU_FEATURES", ""), "loops": loops}
 
 
+def loop_name(target):
+    """A NumPy dispatch target as a reader knows it: ``"X86_V3"`` -> ``"AVX2 (X86_V3)"``."""
+    names = {"X86_V4": "AVX-512", "X86_V3": "AVX2", "AVX512_ICL": "AVX-512 (Ice Lake)",
+             "AVX512_SPR": "AVX-512 (Sapphire Rapids)", "AVX512_SKX": "AVX-512"}
+    if target.startswith("baseline"):
+        return f"baseline {target[len('baseline'):]}".strip()
+    return f"{names[target]} ({target})" if target in names else target
+
+
 def openblas_kernel():
     """OpenBLAS's kernel here (threadpoolctl's ``architecture``, e.g. ``SkylakeX``), or None."""
     kernels = sorted({p.get("architecture") or "?" for p in threadpool_info()
@@ -350,14 +359,16 @@ def workers(n_q, n_k, block_q, threads=None, batch=1):
 
 
 def floor_seconds(per_tile, n, *, block_q=flash_lib.DEFAULT_BLOCK_Q,
-                  block_k=flash_lib.DEFAULT_BLOCK_K, causal=False, threads=None):
+                  block_k=flash_lib.DEFAULT_BLOCK_K, causal=False, threads=None,
+                  backward=False):
     """The floor of a call at ``Nq = Nk = n``: ``per_tile`` (seconds) × the tiles it visits
-    (``flash_lib.tile_schedule``) / the worker threads it runs on (:func:`workers`).
+    (``flash_lib.tile_schedule``) / the worker threads it runs on (:func:`workers`: the forward
+    shares out query blocks, the backward key blocks).
 
-    The backward walks the same tiles (key blocks outside) on as many workers: one formula serves
-    both. Full tiles only: at ``n`` a multiple of the block sizes every tile is one."""
+    A lower bound: it assumes the threads share the tiles evenly and slow each other not at all.
+    Full tiles only: at ``n`` a multiple of the block sizes every tile is one."""
     tiles = len(flash_lib.tile_schedule(n, n, block_q, block_k, causal=causal))
-    return per_tile * tiles / workers(n, n, min(block_q, block_k), threads)
+    return per_tile * tiles / workers(n, n, block_k if backward else block_q, threads)
 
 
 # --------------------------------------------------------------------------------------------
@@ -452,16 +463,36 @@ def _share(times, names):
 
 
 def run_level(level, args):
-    """:func:`measure` in a child process with NumPy's loops at ``level`` (``LEVELS``); the
-    features the parent already disabled stay disabled."""
+    """:func:`measure` in a child process with NumPy's loops at ``level`` (:func:`level_env`)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--json", "-", "--seconds",
+           str(args.seconds), "--dtypes", *args.dtypes]
+    done = subprocess.run(cmd, env=level_env(level), capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
+def level_env(level):
+    """The environment of a child process whose NumPy runs the loops of ``level`` (``LEVELS``):
+    the features this process's environment already disables stay disabled (a child never runs
+    faster loops than its parent), and OpenBLAS picks its native kernel."""
     env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
     disabled = set(os.environ.get("NPY_DISABLE_CPU_FEATURES", "").split())
     disabled |= set((LEVELS[level] or "").split())
     if disabled:
         env["NPY_DISABLE_CPU_FEATURES"] = " ".join(sorted(disabled))
-    cmd = [sys.executable, os.path.abspath(__file__), "--json", "-", "--seconds",
-           str(args.seconds), "--dtypes", *args.dtypes]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    return env
+
+
+def floor_at_level(level, dtypes=("float64", "float32"), seconds=0.5):
+    """:func:`forward_floor` of each dtype in a child process running NumPy's ``level`` loops:
+    ``{"loops": numpy_loops(), "forward": {dtype: {op: s}}}`` as the child measured them.
+    x86-64 only (the levels are x86's): elsewhere, None."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    cmd = [sys.executable, os.path.abspath(__file__), "--floor-only", "--json", "-",
+           "--seconds", str(seconds), "--dtypes", *dtypes]
+    done = subprocess.run(cmd, env=level_env(level), capture_output=True, text=True, check=True)
     return json.loads(done.stdout)
 
 
@@ -474,8 +505,16 @@ def main(argv=None):
     p.add_argument("--seconds", type=float, default=2.0,
                    help="timing budget per dtype and variant (default %(default)s)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON ('-': stdout only)")
+    p.add_argument("--floor-only", action="store_true",
+                   help="only the forward floor of each dtype (what floor_at_level asks a child)")
     args = p.parse_args(argv)
-    if args.levels:
+    if args.floor_only:
+        results = {"loops": numpy_loops(), "cpu": cpu_name(), "load": list(os.getloadavg()),
+                   "forward": {name: forward_floor(DTYPES[name], seconds=args.seconds)
+                               for name in args.dtypes}}
+        if args.json != "-":
+            print(json.dumps(results, indent=1))
+    elif args.levels:
         results = {}
         for level in LEVELS:
             print(f"\n######## NumPy loops: {level}", flush=True)
