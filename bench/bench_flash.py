@@ -331,7 +331,8 @@ def floor_section(args):
         best = {}
         for _ in range(2):  # forward and backward alternately, so a busy moment hits both
             for direction in directions:
-                timer = tile_ops.forward_floor if direction == "forward" else tile_ops.backward_floor
+                timer = {"forward": tile_ops.forward_floor,
+                         "backward": tile_ops.backward_floor}[direction]
                 t = timer(DTYPES[name], args.block_q, args.block_k, D,
                           seconds=args.floor_seconds / 2 / len(directions))
                 old = best.get(direction, {})

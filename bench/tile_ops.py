@@ -376,47 +376,63 @@ def floor_seconds(per_tile, n, *, block_q=flash_lib.DEFAULT_BLOCK_Q,
 # --------------------------------------------------------------------------------------------
 
 
+#: The variants timed by :func:`measure`: label -> keyword arguments of the tile's ops.
+FORWARD_VARIANTS = {
+    "exp (kernel today)": {},
+    "exp2, log2(e) folded": {"exp": "exp2"},
+    "temporaries": {"temporaries": True},
+    "row sum in p·[v 1]": {"sum_in_matmul": True},
+    "exp2 + row sum in p·[v 1]": {"exp": "exp2", "sum_in_matmul": True},
+}
+BACKWARD_VARIANTS = {label: FORWARD_VARIANTS[label]
+                     for label in ("exp (kernel today)", "exp2, log2(e) folded", "temporaries")}
+
+
+def kernel_per_tile(dtype, block_q=flash_lib.DEFAULT_BLOCK_Q, block_k=flash_lib.DEFAULT_BLOCK_K,
+                    seconds=1.0):
+    """flash_lib's own forward and backward on one thread at N = 4 blocks (16 tiles): best
+    seconds per tile, ``{"forward": s, "backward": s}``, to set against the floors."""
+    try:
+        from timing import best_times  # run as a script, beside it
+    except ImportError:
+        from bench.timing import best_times
+
+    n = 4 * block_q
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((n, D)).astype(dtype) for _ in range(4))
+    kw = dict(block_q=block_q, block_k=block_k)
+    out, lse = flash_lib.flash_attention(q, k, v, return_lse=True, **kw)
+    tiles = len(flash_lib.tile_schedule(n, n, block_q, block_k))
+
+    def forward():
+        with flash_lib.threads(1):
+            flash_lib.flash_attention(q, k, v, return_lse=True, **kw)
+
+    def backward():
+        with flash_lib.threads(1):
+            flash_lib.flash_attention_backward(q, k, v, out, lse, dout, **kw)
+
+    best, _ = best_times({"forward": forward, "backward": backward}, seconds, settle=0.05)
+    return {name: s / tiles for name, s in best.items()}
+
+
 def measure(dtypes=("float64", "float32"), seconds=1.0, block_q=flash_lib.DEFAULT_BLOCK_Q,
             block_k=flash_lib.DEFAULT_BLOCK_K):
     """Everything this script reports, for this process's NumPy loops: a JSON-able dict."""
     out = {"loops": numpy_loops(), "cpu": cpu_name(), "openblas": openblas_kernel(),
            "block_q": block_q, "block_k": block_k, "d": D, "dtypes": {}}
-    variants = {
-        "exp (kernel today)": {},
-        "exp2, log2(e) folded": {"exp": "exp2"},
-        "temporaries": {"temporaries": True},
-        "row sum in p·[v 1]": {"sum_in_matmul": True},
-        "exp2 + row sum in p·[v 1]": {"exp": "exp2", "sum_in_matmul": True},
-    }
     for name in dtypes:
         dtype = DTYPES[name]
         res = {"forward": {}, "backward": {}}
         # Two passes over all variants, so that a busy moment does not decide a comparison.
         for _ in range(2):
-            for label, var in variants.items():
-                t = forward_floor(dtype, block_q, block_k, seconds=seconds / 2, **var)
-                old = res["forward"].get(label, {})
-                res["forward"][label] = {op: min(t[op], old.get(op, math.inf)) for op in t}
-            for label, var in (("exp (kernel today)", {}), ("exp2, log2(e) folded", {"exp": "exp2"}),
-                               ("temporaries", {"temporaries": True})):
-                t = backward_floor(dtype, block_q, block_k, seconds=seconds / 2, **var)
-                old = res["backward"].get(label, {})
-                res["backward"][label] = {op: min(t[op], old.get(op, math.inf)) for op in t}
-        # The kernel itself on one thread at N = 4 blocks: its time per tile against the floor.
-        n = 4 * block_q
-        rng = np.random.default_rng(0)
-        q, k, v = (rng.standard_normal((n, D)).astype(dtype) for _ in range(3))
-        tiles = len(flash_lib.tile_schedule(n, n, block_q, block_k))
-        with flash_lib.threads(1):
-            fn = lambda: flash_lib.flash_attention(q, k, v, block_q=block_q, block_k=block_k)  # noqa: E731
-            fn()
-            best = math.inf
-            start = time.perf_counter()
-            while time.perf_counter() - start < seconds / 2:
-                t0 = time.perf_counter()
-                fn()
-                best = min(best, time.perf_counter() - t0)
-        res["kernel_one_thread_per_tile"] = best / tiles
+            for direction, timer, variants in (("forward", forward_floor, FORWARD_VARIANTS),
+                                               ("backward", backward_floor, BACKWARD_VARIANTS)):
+                for label, var in variants.items():
+                    t = timer(dtype, block_q, block_k, seconds=seconds / 2, **var)
+                    old = res[direction].get(label, {})
+                    res[direction][label] = {op: min(s, old.get(op, math.inf)) for op, s in t.items()}
+        res["kernel_one_thread_per_tile"] = kernel_per_tile(dtype, block_q, block_k, seconds)
         out["dtypes"][name] = res
     out["load"] = list(os.getloadavg())
     return out
@@ -443,12 +459,13 @@ def report(res):
             var = pooled(r[direction])
             base = var["exp (kernel today)"]
             floor = sum(base.values())
-            print(f"\n{name} {direction}: " + ", ".join(f"{op} {1e6 * t:.0f}" for op, t in base.items())
+            print(f"\n{name} {direction}: "
+                  + ", ".join(f"{op} {1e6 * t:.0f}" for op, t in base.items())
                   + f"; floor {1e6 * floor:.0f} µs (matmuls {100 * _share(base, MATMULS):.0f}%, "
                   f"exp {100 * _share(base, EXPONENTIALS):.0f}%)")
-            if direction == "forward":
-                k1 = r["kernel_one_thread_per_tile"]
-                print(f"  the kernel on one thread: {1e6 * k1:.0f} µs a tile, {k1 / floor:.3f} × floor")
+            k1 = r["kernel_one_thread_per_tile"][direction]
+            print(f"  flash_lib's {direction} on one thread: {1e6 * k1:.0f} µs a tile, "
+                  f"{k1 / floor:.3f} × floor")
             for label, t in var.items():
                 total = sum(t.values())
                 own = ", ".join(f"{op} {1e6 * x:.0f}" for op, x in t.items() if op not in base
@@ -474,7 +491,8 @@ def level_env(level):
     """The environment of a child process whose NumPy runs the loops of ``level`` (``LEVELS``):
     the features this process's environment already disables stay disabled (a child never runs
     faster loops than its parent), and OpenBLAS picks its native kernel."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
     disabled = set(os.environ.get("NPY_DISABLE_CPU_FEATURES", "").split())
     disabled |= set((LEVELS[level] or "").split())
     if disabled:

@@ -366,12 +366,14 @@ plt.show()
 
 # %% [markdown]
 # The matmuls are most of the floor, and the rest splits between the exponential and four cheap
-# passes. Which share `exp` takes is the CPU's business. On the AMD EPYC (Zen 4, AVX-512) this
-# chapter was written on, one float64 tile's floor measured 1.83 ms with NumPy's AVX-512 loops,
-# the exponential 0.20 ms of it (11%). With those loops off, as on an AVX2 CPU, float32's `exp`
-# stays vectorised (0.28 ms of 1.15, 24%), but float64's runs one element at a time: 1.14 ms of a
-# 2.77 ms tile, 41%, more than either matmul. float64 attention on an AVX2 CPU is bound by `exp`;
-# the bars above show what the machine that built this page measured.
+# passes. Which share `exp` takes depends on the CPU. On the AMD EPYC (Zen 4, AVX-512, 2 cores)
+# this chapter was written on, one float64 tile's floor measured 1.83 ms with NumPy's AVX-512
+# loops, the exponential 0.20 ms of it (11%). With those loops off
+# (`NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR"`, what NumPy runs on an AVX2 CPU),
+# float32's `exp` stays vectorised (0.28 ms of 1.15, 24%), but float64's computes one element at a
+# time: 1.1 ms of a 2.8 ms tile, 38 to 41% in four runs, more than either matmul. float64
+# attention on an AVX2 CPU is bound by `exp`; the bars above show what the machine that built
+# this page measured.
 
 # %% [markdown]
 # ## Tile size
