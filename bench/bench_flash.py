@@ -338,31 +338,23 @@ def floor_section(args):
                 old = best.get(direction, {})
                 best[direction] = {op: min(s, old.get(op, math.inf)) for op, s in t.items()}
         FLOOR[name] = best
-        # The kernel itself on one thread, 4 × 4 tiles: what it adds to the floor with no second
-        # thread to wait for or share the caches with (Python between the calls, the masks'
-        # bookkeeping), measured where the machine's load matters least.
-        n = 4 * args.block_q
-        q, k, v = inputs(n, DTYPES[name])
-        tiles = len(flash_lib.tile_schedule(n, n, args.block_q, args.block_k))
-
-        def one_thread():
-            with flash_lib.threads(1):
-                flash_lib.flash_attention(q, k, v, block_q=args.block_q, block_k=args.block_k)
-
-        kernel_tile = best_times({"one": one_thread}, args.floor_seconds / 2)[0]["one"] / tiles
+        # flash_lib itself on one thread, 4 × 4 tiles: what it adds to the floor with no second
+        # thread to wait for or share the caches with (Python between the calls, bookkeeping),
+        # measured where the machine's load matters least.
+        one_thread = tile_ops.kernel_per_tile(DTYPES[name], args.block_q, args.block_k,
+                                              args.floor_seconds / 2)
         for direction, ops in best.items():
             total = sum(ops.values())
             matmuls = sum(s for op, s in ops.items() if op in tile_ops.MATMULS)
             log(f"{name} {direction}: " + ", ".join(f"{op} {1e6 * s:.0f}" for op, s in ops.items())
                 + f"; floor {1e6 * total:.0f} µs a tile (matmuls {100 * matmuls / total:.0f}%, "
                 f"exp {100 * ops['exp'] / total:.0f}%)")
+            log(f"  flash_lib's {direction} on one thread, N = {4 * args.block_q}: "
+                f"{1e6 * one_thread[direction]:.0f} µs a tile, "
+                f"{one_thread[direction] / total:.3f} × this floor")
             RECORDS.append(dict(kind="floor", dtype=name, direction=direction, block_q=args.block_q,
-                                block_k=args.block_k, d=D, ops=ops, per_tile_s=total))
-        forward = sum(best["forward"].values())
-        log(f"{name} forward kernel on one thread, N = {n}: {1e6 * kernel_tile:.0f} µs a tile, "
-            f"{kernel_tile / forward:.3f} × its floor")
-        RECORDS.append(dict(kind="floor-one-thread", dtype=name, n=n, kernel_per_tile_s=kernel_tile,
-                            ratio=kernel_tile / forward))
+                                block_k=args.block_k, d=D, ops=ops, per_tile_s=total,
+                                one_thread_kernel_per_tile_s=one_thread[direction]))
 
 
 def floor_of(name, n, args, causal=False, backward=False):

@@ -348,6 +348,47 @@ def backward_floor(dtype, block_q=flash_lib.DEFAULT_BLOCK_Q, block_k=flash_lib.D
     return _time_ops(backward_ops(dtype, block_q, block_k, d, **variant), seconds, min_reps)
 
 
+def concurrent_floor(dtype, block_q=flash_lib.DEFAULT_BLOCK_Q, block_k=flash_lib.DEFAULT_BLOCK_K,
+                     d=D, *, threads=2, seconds=1.0, min_reps=20, backward=False, **variant):
+    """:func:`forward_floor` (or :func:`backward_floor`) on ``threads`` threads at once, each on
+    its own tile, starting each repetition together (a barrier): ``[{op: s}]``, one per thread.
+
+    Against the one-thread floor, it shows what the cores cost each other when they run the
+    same calls side by side (shared caches and memory, the clock a busier chip runs at, the GIL
+    each call takes back on return), with nothing of the kernel's own Python or scheduling."""
+    import threading
+
+    make = backward_ops if backward else forward_ops
+    op_lists = [make(dtype, block_q, block_k, d, **variant) for _ in range(threads)]
+    barrier = threading.Barrier(threads)
+    stop = threading.Event()
+    results = [None] * threads
+
+    def run(i):
+        best, reps, start = {}, 0, time.perf_counter()
+        while True:
+            barrier.wait()
+            if stop.is_set():
+                break
+            for name, fn in op_lists[i]:
+                t0 = time.perf_counter()
+                fn()
+                t = time.perf_counter() - t0
+                best[name] = min(best.get(name, math.inf), t)
+            reps += 1
+            if i == 0 and reps >= min_reps and time.perf_counter() - start >= seconds:
+                stop.set()
+        results[i] = best
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        pool = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+        for th in pool:
+            th.start()
+        for th in pool:
+            th.join()
+    return results
+
+
 def workers(n_q, n_k, block_q, threads=None, batch=1):
     """The worker threads ``flash_lib``'s forward uses for this call (``_flash_runtime.run_blocks``:
     one when the call has fewer than ``PARALLEL_MIN_SCORES`` scores, else up to one per block)."""
@@ -433,6 +474,10 @@ def measure(dtypes=("float64", "float32"), seconds=1.0, block_q=flash_lib.DEFAUL
                     old = res[direction].get(label, {})
                     res[direction][label] = {op: min(s, old.get(op, math.inf)) for op, s in t.items()}
         res["kernel_one_thread_per_tile"] = kernel_per_tile(dtype, block_q, block_k, seconds)
+        res["concurrent"] = {
+            direction: concurrent_floor(dtype, block_q, block_k, seconds=seconds,
+                                        backward=direction == "backward")
+            for direction in ("forward", "backward")}
         out["dtypes"][name] = res
     out["load"] = list(os.getloadavg())
     return out
@@ -466,6 +511,9 @@ def report(res):
             k1 = r["kernel_one_thread_per_tile"][direction]
             print(f"  flash_lib's {direction} on one thread: {1e6 * k1:.0f} µs a tile, "
                   f"{k1 / floor:.3f} × floor")
+            side = [sum(times.values()) for times in r["concurrent"][direction]]
+            print(f"  the floor on {len(side)} threads side by side: "
+                  + ", ".join(f"{1e6 * s:.0f} µs ({s / floor:.3f} × floor)" for s in side))
             for label, t in var.items():
                 total = sum(t.values())
                 own = ", ".join(f"{op} {1e6 * x:.0f}" for op, x in t.items() if op not in base
