@@ -9,17 +9,19 @@ everything else (Python between the calls, threads waiting, caches). ``bench/ben
 reports it for every row, and chapter 10 draws it.
 
 Method: the operations of one tile run in the kernel's order, on arrays laid out as
-``flash_lib`` lays them out (a ``block_q × block_k`` scores buffer reused in place, the kernel's
-scaled q and k), and each call is timed on its own with ``time.perf_counter``, repetition after
+``flash_lib`` lays them out (a ``block_q × block_k`` scores buffer reused in place, scores scaled
+by τ = 1/√d), and each call is timed on its own with ``time.perf_counter``, repetition after
 repetition; each operation keeps its best (minimum) time. Timing them in sequence keeps what
 each call finds in the caches what it finds in the kernel, and interleaves them, so that a busy
 moment hits them alike. BLAS is held at one thread, as inside the kernel.
 
-The alternatives of issue 21's item 2 are timed the same way, as variants of the forward tile:
-``exp2`` with ``log2(e)`` folded into the score scale, the subtraction and exponential with
-temporaries instead of in place, and the row sum taken by the ``p·v`` matmul (a column of ones
-appended to ``v``). Which NumPy loop ran each ufunc is read from NumPy itself
-(``numpy.lib.introspect.opt_func_info``), not guessed.
+The alternatives of issue 21's item 2 are timed the same way, as variants of the tile:
+``exp2`` with ``log2(e)`` folded into the score scale, the elementwise steps with temporaries
+instead of in place (forward and backward), and, in the forward, the row sum taken by the
+``p·v`` matmul (a column of ones appended to ``v``). Beside them the script times flash_lib's own
+forward and backward on one thread (per tile: what the kernel adds to the floor) and the floor
+on two threads side by side (what the cores cost each other). Which NumPy loop ran each ufunc is
+read from NumPy itself (``numpy.lib.introspect.opt_func_info``), not guessed.
 
 Usage::
 
@@ -29,7 +31,8 @@ Usage::
     .venv/bin/python bench/tile_ops.py --json out.json
 
 Importable (the repository root is on ``sys.path`` in the editable install) as ``bench.tile_ops``:
-:func:`forward_floor`, :func:`backward_floor`, :func:`floor_seconds`, :func:`numpy_loops`.
+:func:`forward_floor`, :func:`backward_floor`, :func:`floor_seconds`, :func:`floor_at_level`,
+:func:`numpy_loops`.
 """
 
 from __future__ import annotations
