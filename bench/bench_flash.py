@@ -896,8 +896,10 @@ def targets(args, rows, big, backward, variants, torch_reason, packed=None):
                                                    for r in timed) + ")")
         for n in (4096, 8192):
             r = next((r for r in backward if r.get("dtype") == name and r["n"] == n), None)
-            if r is not None:
-                limit = bound("fwd_bwd_vs_floor", name)
+            limit = bound("fwd_bwd_vs_floor", name)
+            if r is None:
+                log(f"fwd+bwd <= {limit}x its floor, {name}, N = {n}: n/a")
+            else:
                 ratio = r["flash_s"] / r["floor_s"]
                 log(f"fwd+bwd <= {limit}x its floor, {name}, N = {n}: {verdict(ratio <= limit)} "
                     f"{ratio:.3f} (floor {1e3 * r['floor_s']:.1f} ms)")
