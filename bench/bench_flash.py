@@ -349,12 +349,16 @@ def floor_section(args):
             log(f"{name} {direction}: " + ", ".join(f"{op} {1e6 * s:.0f}" for op, s in ops.items())
                 + f"; floor {1e6 * total:.0f} µs a tile (matmuls {100 * matmuls / total:.0f}%, "
                 f"exp {100 * ops['exp'] / total:.0f}%)")
+            faults = one_thread[f"{direction} page faults"]
             log(f"  flash_lib's {direction} on one thread, N = {4 * args.block_q}: "
                 f"{1e6 * one_thread[direction]:.0f} µs a tile, "
-                f"{one_thread[direction] / total:.3f} × this floor")
+                f"{one_thread[direction] / total:.3f} × this floor"
+                + ("" if faults is None else f"; {faults:.0f} minor page faults a tile (fresh "
+                   "arrays taken from the OS: 512 for a 2 MiB tile)"))
             RECORDS.append(dict(kind="floor", dtype=name, direction=direction, block_q=args.block_q,
                                 block_k=args.block_k, d=D, ops=ops, per_tile_s=total,
-                                one_thread_kernel_per_tile_s=one_thread[direction]))
+                                one_thread_kernel_per_tile_s=one_thread[direction],
+                                one_thread_page_faults_per_tile=faults))
 
 
 def floor_of(name, n, args, causal=False, backward=False):

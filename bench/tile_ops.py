@@ -435,7 +435,8 @@ BACKWARD_VARIANTS = {label: FORWARD_VARIANTS[label]
 def kernel_per_tile(dtype, block_q=flash_lib.DEFAULT_BLOCK_Q, block_k=flash_lib.DEFAULT_BLOCK_K,
                     seconds=1.0):
     """flash_lib's own forward and backward on one thread at N = 4 blocks (16 tiles): best
-    seconds per tile, ``{"forward": s, "backward": s}``, to set against the floors."""
+    seconds per tile, ``{"forward": s, "backward": s}``, to set against the floors, and the
+    minor page faults per tile of each (``"forward page faults"``, ...; :func:`page_faults`)."""
     try:
         from timing import best_times  # run as a script, beside it
     except ImportError:
@@ -457,7 +458,24 @@ def kernel_per_tile(dtype, block_q=flash_lib.DEFAULT_BLOCK_Q, block_k=flash_lib.
             flash_lib.flash_attention_backward(q, k, v, out, lse, dout, **kw)
 
     best, _ = best_times({"forward": forward, "backward": backward}, seconds, settle=0.05)
-    return {name: s / tiles for name, s in best.items()}
+    result = {name: s / tiles for name, s in best.items()}
+    result.update({f"{name} page faults": page_faults(fn) / tiles
+                   for name, fn in (("forward", forward), ("backward", backward))})
+    return result
+
+
+def page_faults(fn):
+    """Minor page faults during one call of ``fn`` (after one untimed call), or None where
+    ``resource`` is missing (Windows). A fresh tile-sized array that the allocator took from the
+    OS is faulted in page by page (4 KiB each) on its first write: a count, not a timing."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    fn()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fn()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
 def measure(dtypes=("float64", "float32"), seconds=1.0, block_q=flash_lib.DEFAULT_BLOCK_Q,
@@ -512,8 +530,10 @@ def report(res):
                   + f"; floor {1e6 * floor:.0f} µs (matmuls {100 * _share(base, MATMULS):.0f}%, "
                   f"exp {100 * _share(base, EXPONENTIALS):.0f}%)")
             k1 = r["kernel_one_thread_per_tile"][direction]
+            faults = r["kernel_one_thread_per_tile"][f"{direction} page faults"]
             print(f"  flash_lib's {direction} on one thread: {1e6 * k1:.0f} µs a tile, "
-                  f"{k1 / floor:.3f} × floor")
+                  f"{k1 / floor:.3f} × floor"
+                  + ("" if faults is None else f"; {faults:.0f} minor page faults a tile"))
             side = [sum(times.values()) for times in r["concurrent"][direction]]
             print(f"  the floor on {len(side)} threads side by side: "
                   + ", ".join(f"{1e6 * s:.0f} µs ({s / floor:.3f} × floor)" for s in side))
