@@ -26,7 +26,7 @@ naive matrix would not fit the memory budget).
 
 Usage::
 
-    .venv/bin/python bench/bench_flash.py                 # the full run (`make bench`), ~4 min
+    .venv/bin/python bench/bench_flash.py                 # the full run (`make bench`), 6-8 min
     .venv/bin/python bench/bench_flash.py --quick         # N <= 4096, float64: a smoke demo
     .venv/bin/python bench/bench_flash.py --sweep-blocks  # flash time over a grid of block sizes
     .venv/bin/python bench/bench_flash.py --sizes 2048 8192 --dtypes float32 --no-torch
