@@ -8,6 +8,12 @@ Measured side by side in one run, for d = 64 and N queries = N keys:
 * the scratch memory of each kernel: ``flash_lib.measure_peak_bytes`` minus the returned array;
 * flash time / ``torch.nn.functional.scaled_dot_product_attention`` time, when PyTorch is
   installed (``pip install -e '.[bench]'``; its CPU build is enough);
+* flash time / its floor on this machine (``bench/tile_ops.py``): one tile's unavoidable NumPy
+  operations (the forward's two matmuls, row max, subtract, exp, row sum, rescale of acc; the
+  backward's five matmuls and its elementwise passes), timed one by one on one thread at the
+  start of the run, summed, times the tiles visited (``flash_lib.tile_schedule``), over the
+  worker threads the kernel runs on. What the kernel spends beyond it is Python between the
+  calls, threads waiting on each other, and cache or memory contention between the threads;
 * causal attention at one or two N, and N = 32768 float64 for flash alone;
 * a packed ragged batch, lengths (4096, 64 × 16), through ``flash_serving.flash_attention_varlen``
   against the same batch padded to 4096 with a key mask: tiles visited and time;
@@ -20,7 +26,7 @@ naive matrix would not fit the memory budget).
 
 Usage::
 
-    .venv/bin/python bench/bench_flash.py                 # the full run (`make bench`), ~4 min
+    .venv/bin/python bench/bench_flash.py                 # the full run (`make bench`), 6-8 min
     .venv/bin/python bench/bench_flash.py --quick         # N <= 4096, float64: a smoke demo
     .venv/bin/python bench/bench_flash.py --sweep-blocks  # flash time over a grid of block sizes
     .venv/bin/python bench/bench_flash.py --sizes 2048 8192 --dtypes float32 --no-torch
@@ -54,6 +60,7 @@ import numpy as np
 
 import flash_lib
 import flash_serving
+import tile_ops  # bench/tile_ops.py, beside this script
 from timing import best_times  # bench/timing.py, beside this script
 
 D = 64
@@ -242,6 +249,15 @@ def machine_info(torch, torch_reason):
         + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
     log(f"numpy {np.__version__}, BLAS {blas.get('name')} {blas.get('version')}")
+    loops = tile_ops.numpy_loops()
+    log(f"CPU {tile_ops.cpu_name()}; NumPy's loops (numpy.lib.introspect.opt_func_info, "
+        f"float32/float64): " + ", ".join(f"{u} {loops['loops'][u]['float32']}/"
+                                          f"{loops['loops'][u]['float64']}"
+                                          for u in tile_ops.UFUNCS))
+    log(f"  CPU features NumPy dispatches to here: {' '.join(loops['found']) or 'none'} of "
+        f"{' '.join(loops['dispatch'])} (baseline {' '.join(loops['baseline'])}); "
+        f"NPY_DISABLE_CPU_FEATURES={loops['disabled'] or '(unset)'}")
+    RECORDS.append({"section": "numpy_loops", **loops})
     try:
         import threadpoolctl
 
@@ -299,9 +315,68 @@ def openblas_kernels():
                     "forced": forced})
 
 
+#: Per dtype name, the best one-thread seconds of each operation of one tile (tile_ops):
+#: {"forward": {op: s}, "backward": {op: s}}; measured by floor_section at the start.
+FLOOR = {}
+
+
+def floor_section(args):
+    """Time one tile's unavoidable operations, op by op on one thread, for each dtype (forward,
+    and backward when the run has fwd+bwd rows): the per-tile floor every row is divided by."""
+    log(f"\n# the floor: one {args.block_q} × {args.block_k} tile, d = {D}, its operations timed "
+        f"one by one on one thread, in the kernel's order (bench/tile_ops.py); best of "
+        f"repetitions, µs. A row's floor = this sum × its tiles / its worker threads")
+    directions = ["forward"] + (["backward"] if args.backward_sizes else [])
+    for name in args.dtypes:
+        best = {}
+        for _ in range(2):  # forward and backward alternately, so a busy moment hits both
+            for direction in directions:
+                timer = {"forward": tile_ops.forward_floor,
+                         "backward": tile_ops.backward_floor}[direction]
+                t = timer(DTYPES[name], args.block_q, args.block_k, D,
+                          seconds=args.floor_seconds / 2 / len(directions))
+                old = best.get(direction, {})
+                best[direction] = {op: min(s, old.get(op, math.inf)) for op, s in t.items()}
+        FLOOR[name] = best
+        # flash_lib itself on one thread, 4 × 4 tiles: what it adds to the floor with no second
+        # thread to wait for or share the caches with (Python between the calls, bookkeeping),
+        # measured where the machine's load matters least.
+        one_thread = tile_ops.kernel_per_tile(DTYPES[name], args.block_q, args.block_k,
+                                              args.floor_seconds / 2)
+        for direction, ops in best.items():
+            total = sum(ops.values())
+            matmuls = sum(s for op, s in ops.items() if op in tile_ops.MATMULS)
+            log(f"{name} {direction}: " + ", ".join(f"{op} {1e6 * s:.0f}" for op, s in ops.items())
+                + f"; floor {1e6 * total:.0f} µs a tile (matmuls {100 * matmuls / total:.0f}%, "
+                f"exp {100 * ops['exp'] / total:.0f}%)")
+            faults = one_thread[f"{direction} page faults"]
+            log(f"  flash_lib's {direction} on one thread, N = {4 * args.block_q}: "
+                f"{1e6 * one_thread[direction]:.0f} µs a tile, "
+                f"{one_thread[direction] / total:.3f} × this floor"
+                + ("" if faults is None else f"; {faults:.0f} minor page faults a tile (fresh "
+                   "arrays taken from the OS: 512 for a 2 MiB tile)"))
+            RECORDS.append(dict(kind="floor", dtype=name, direction=direction, block_q=args.block_q,
+                                block_k=args.block_k, d=D, ops=ops, per_tile_s=total,
+                                one_thread_kernel_per_tile_s=one_thread[direction],
+                                one_thread_page_faults_per_tile=faults))
+
+
+def floor_of(name, n, args, causal=False, backward=False):
+    """The floor (seconds) of a forward call (or, ``backward=True``, forward + backward) at N."""
+    if name not in FLOOR:
+        return None
+    kw = dict(block_q=args.block_q, block_k=args.block_k, causal=causal)
+    total = tile_ops.floor_seconds(sum(FLOOR[name]["forward"].values()), n, **kw)
+    if backward:
+        total += tile_ops.floor_seconds(sum(FLOOR[name]["backward"].values()), n, **kw,
+                                        backward=True)
+    return total
+
+
 MAIN_COLUMNS = [
     ("dtype", 7), ("N", 6), ("flash ms", 9), ("naive ms", 9), ("torch ms", 9),
-    ("flash/naive", 11), ("flash/torch", 11), ("GEMM GFLOP/s", 12), ("flash GFLOP/s", 13),
+    ("flash/naive", 11), ("flash/torch", 11), ("floor ms", 9), ("flash/floor", 11),
+    ("GEMM GFLOP/s", 12), ("flash GFLOP/s", 13),
     ("flash %GEMM", 11), ("naive %GEMM", 11), ("torch %GEMM", 11), ("flash scratch", 13),
     ("naive scratch", 13), ("max rel err", 11),
 ]
@@ -316,6 +391,8 @@ def main_table(args, torch):
     log(f"# scratch = peak bytes (tracemalloc) - output bytes; naive runs where its scratch "
         f"would be <= {args.naive_max_gib:g} GiB")
     log("# max rel err: over rows i, max|flash_i - naive_i| / max|naive_i| (rowwise_relative_error)")
+    log(f"# floor: the per-tile floor above × tiles / workers ({flash_lib.thread_count()} threads "
+        f"at most); flash/floor: what the kernel spends beyond it")
     table = Table(MAIN_COLUMNS)
     table.header()
     rows = []
@@ -350,9 +427,11 @@ def main_table(args, torch):
             t_flash, t_naive, t_torch = best["flash"], best.get("naive"), best.get("torch")
             gflop = 4 * n * n * D / 1e9
             gemm_rate = GEMM_PEAK[name]
+            floor = floor_of(name, n, args)
             rec = dict(kind="main", dtype=name, n=n, d=D, block_q=args.block_q,
                        block_k=args.block_k, rounds=rounds, flash_s=t_flash, naive_s=t_naive,
-                       torch_s=t_torch, flash_gflops=gflop / t_flash, gemm_gflops=gemm_rate,
+                       torch_s=t_torch, floor_s=floor, flash_gflops=gflop / t_flash,
+                       gemm_gflops=gemm_rate,
                        flash_scratch=flash_scratch, naive_scratch=naive_scratch,
                        naive_needs=None if naive_scratch is not None else naive_need,
                        max_rel_err=err)
@@ -367,7 +446,9 @@ def main_table(args, torch):
 
             table.row(name, n, f"{1e3 * t_flash:.1f}", fmt(t_naive and 1e3 * t_naive, ".1f"),
                       fmt(t_torch and 1e3 * t_torch, ".1f"), fmt(ratio(t_naive), ".3f"),
-                      fmt(ratio(t_torch), ".3f"), f"{gemm_rate:.1f}", f"{gflop / t_flash:.2f}",
+                      fmt(ratio(t_torch), ".3f"), fmt(floor and 1e3 * floor, ".1f"),
+                      fmt(floor and t_flash / floor, ".3f"), f"{gemm_rate:.1f}",
+                      f"{gflop / t_flash:.2f}",
                       f"{pct(t_flash):.1f}%", fmt(pct(t_naive), ".1f") + ("%" if t_naive else ""),
                       fmt(pct(t_torch), ".1f") + ("%" if t_torch else ""),
                       fmt_bytes(flash_scratch),
@@ -382,7 +463,7 @@ def main_table(args, torch):
 CAUSAL_COLUMNS = [
     ("dtype", 7), ("N", 6), ("causal ms", 9), ("full ms", 9), ("causal/full", 11),
     ("tiles ratio", 11), ("naive c. ms", 11), ("flash/naive", 11), ("torch c. ms", 11),
-    ("flash/torch", 11), ("max rel err", 11),
+    ("flash/torch", 11), ("floor ms", 9), ("flash/floor", 11), ("max rel err", 11),
 ]
 
 
@@ -392,7 +473,8 @@ def causal_table(args, torch):
     dtype = DTYPES[name]
     log("\n# causal (bottom-right = top-left for Nq = Nk): flash causal vs flash non-causal, "
         "naive causal, torch causal")
-    log("# 'tiles ratio' = tiles visited with causal / without: the ideal causal/full")
+    log("# 'tiles ratio' = tiles visited with causal / without: the ideal causal/full; the floor "
+        "counts the visited tiles as full ones (the diagonal's masking is on top)")
     table = Table(CAUSAL_COLUMNS)
     table.header()
     for n in args.causal_sizes:
@@ -419,20 +501,24 @@ def causal_table(args, torch):
         tiles = (len(flash_lib.tile_schedule(n, n, args.block_q, args.block_k, causal=True))
                  / len(flash_lib.tile_schedule(n, n, args.block_q, args.block_k)))
         t_c, t_naive, t_torch = best["causal"], best.get("naive"), best.get("torch")
+        floor = floor_of(name, n, args, causal=True)
         RECORDS.append(dict(kind="causal", dtype=name, n=n, rounds=rounds, flash_causal_s=t_c,
+                            floor_s=floor,
                             flash_full_s=best["full"], naive_causal_s=t_naive,
                             torch_causal_s=t_torch, tiles_ratio=tiles, max_rel_err=err))
         table.row(name, n, f"{1e3 * t_c:.1f}", f"{1e3 * best['full']:.1f}",
                   f"{t_c / best['full']:.3f}", f"{tiles:.3f}",
                   fmt(t_naive and 1e3 * t_naive, ".1f", "skipped"),
                   fmt(t_naive and t_c / t_naive, ".3f"), fmt(t_torch and 1e3 * t_torch, ".1f"),
-                  fmt(t_torch and t_c / t_torch, ".3f"), f"{err:.1e}")
+                  fmt(t_torch and t_c / t_torch, ".3f"), fmt(floor and 1e3 * floor, ".1f"),
+                  fmt(floor and t_c / floor, ".3f"), f"{err:.1e}")
 
 
 BACKWARD_COLUMNS = [
     ("dtype", 7), ("N", 6), ("flash ms", 9), ("naive ms", 9), ("torch ms", 9),
-    ("flash/naive", 11), ("flash/torch", 11), ("flash GFLOP/s", 13), ("flash %GEMM", 11),
-    ("flash scratch", 13), ("naive scratch", 13), ("max rel err", 11),
+    ("flash/naive", 11), ("flash/torch", 11), ("floor ms", 9), ("flash/floor", 11),
+    ("flash GFLOP/s", 13), ("flash %GEMM", 11), ("flash scratch", 13), ("naive scratch", 13),
+    ("max rel err", 11),
 ]
 
 
@@ -461,6 +547,7 @@ def backward_table(args, torch):
         "backward: the recomputed S, dP, dV, dK, dQ); scratch = peak - (out, lse, dq, dk, dv)")
     log("# max rel err: largest rowwise relative error of dq, dk, dv against naive's (or against "
         "sampled rows of naive where it would not fit)")
+    log("# floor: the forward's and the backward's per-tile floors above × tiles / workers")
     table = Table(BACKWARD_COLUMNS)
     table.header()
     rows = []
@@ -503,8 +590,10 @@ def backward_table(args, torch):
             t_flash, t_naive, t_torch = best["flash"], best.get("naive"), best.get("torch")
             gflop = 14 * n * n * D / 1e9
             gemm_rate = GEMM_PEAK[name]
+            floor = floor_of(name, n, args, backward=True)
             rec = dict(kind="backward", dtype=name, n=n, rounds=rounds, flash_s=t_flash,
-                       naive_s=t_naive, torch_s=t_torch, flash_gflops=gflop / t_flash,
+                       naive_s=t_naive, torch_s=t_torch, floor_s=floor,
+                       flash_gflops=gflop / t_flash,
                        gemm_gflops=gemm_rate, flash_scratch=flash_scratch,
                        naive_scratch=naive_scratch, max_rel_err=err)
             RECORDS.append(rec)
@@ -512,7 +601,8 @@ def backward_table(args, torch):
             table.row(name, n, f"{1e3 * t_flash:.1f}", fmt(t_naive and 1e3 * t_naive, ".1f"),
                       fmt(t_torch and 1e3 * t_torch, ".1f"),
                       fmt(t_naive and t_flash / t_naive, ".3f"),
-                      fmt(t_torch and t_flash / t_torch, ".3f"), f"{gflop / t_flash:.2f}",
+                      fmt(t_torch and t_flash / t_torch, ".3f"), fmt(floor and 1e3 * floor, ".1f"),
+                      fmt(floor and t_flash / floor, ".3f"), f"{gflop / t_flash:.2f}",
                       f"{100 * gflop / t_flash / gemm_rate:.1f}%", fmt_bytes(flash_scratch),
                       fmt_bytes(naive_scratch) if naive_scratch is not None else "skipped",
                       fmt(err, ".1e"))
@@ -709,6 +799,17 @@ TARGETS = {
         "tile on one thread: matmuls 570 µs, max 45, subtract 35, exp 85, row sum 41), so a kernel "
         "adding little beyond them runs at this share of GEMM; float32's elementwise passes weigh "
         "more"),
+    "forward_vs_floor": Target(
+        "forward: flash time / its floor (one tile's operations timed one by one on one thread, "
+        "× tiles / threads), N = 4096 and 8192",
+        {"float64": 1.10, "float32": 1.10},
+        "issue 21: what a NumPy kernel cannot avoid is its calls' own work; within 10% of it, the "
+        "Python between the calls, the threads and the caches cost little"),
+    "fwd_bwd_vs_floor": Target(
+        "fwd+bwd: flash time / the forward's and the backward's floors, N = 4096 and 8192",
+        {"float64": 1.10, "float32": 1.10},
+        "issue 21: the same for training (the backward's five matmuls and its elementwise "
+        "passes)"),
     "forward_vs_torch": Target(
         "forward: flash time / PyTorch SDPA time (its fused CPU kernel), N = 4096 and 8192",
         {"float64": 0.8, "float32": 0.85},
@@ -778,6 +879,10 @@ def targets(args, rows, big, backward, variants, torch_reason, packed=None):
             pct = 100 * r["flash_gflops"] / r["gemm_gflops"]
             log(f"flash >= {gemm_min}% of GEMM, {name}, N = {n}: {verdict(pct >= gemm_min)} "
                 f"{pct:.1f}%")
+            limit = bound("forward_vs_floor", name)
+            ratio = r["flash_s"] / r["floor_s"]
+            log(f"flash <= {limit}x its floor, {name}, N = {n}: {verdict(ratio <= limit)} "
+                f"{ratio:.3f} (floor {1e3 * r['floor_s']:.1f} ms)")
             if torch_reason is not None:
                 log(f"flash <= {torch_max}x torch SDPA, {name}, N = {n}: n/a: {torch_reason}")
             else:
@@ -795,6 +900,13 @@ def targets(args, rows, big, backward, variants, torch_reason, packed=None):
                                                    for r in timed) + ")")
         for n in (4096, 8192):
             r = next((r for r in backward if r.get("dtype") == name and r["n"] == n), None)
+            limit = bound("fwd_bwd_vs_floor", name)
+            if r is None:
+                log(f"fwd+bwd <= {limit}x its floor, {name}, N = {n}: n/a")
+            else:
+                ratio = r["flash_s"] / r["floor_s"]
+                log(f"fwd+bwd <= {limit}x its floor, {name}, N = {n}: {verdict(ratio <= limit)} "
+                    f"{ratio:.3f} (floor {1e3 * r['floor_s']:.1f} ms)")
             if r is None or r["torch_s"] is None:
                 log(f"fwd+bwd <= {torch_max}x torch, {name}, N = {n}: n/a")
             else:
@@ -938,6 +1050,9 @@ def parse_args(argv):
                         "many GiB (default %(default)s)")
     p.add_argument("--seconds", type=float, default=2.5,
                    help="timing budget of one size, all kernels together (default %(default)s)")
+    p.add_argument("--floor-seconds", type=float, default=2.0,
+                   help="timing budget of one dtype's per-tile floor, forward and backward "
+                        "together (default %(default)s)")
     p.add_argument("--gemm-n", type=int, default=2048,
                    help="matrix size of the GEMM-rate measurement (default %(default)s)")
     p.add_argument("--sweep-blocks", action="store_true",
@@ -980,6 +1095,7 @@ def main(argv=None):
             best_times({"gemm": gemm(name, args.gemm_n)}, args.seconds, min_rounds=3)
             log(f"GEMM {args.gemm_n}² {name}: {GEMM_PEAK[name]:.1f} GFLOP/s "
                 f"(best so far; timed again in every round below)")
+        floor_section(args)
         rows = main_table(args, torch)
         if args.causal_sizes:
             causal_table(args, torch)
