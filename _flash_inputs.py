@@ -60,6 +60,8 @@ class Problem:
     softcap: float | None
     alibi: np.ndarray | None  # the slopes, shaped (..., 1, 1) to broadcast against a tile
     mask_mod: object  # callable or None
+    sinks: np.ndarray | None  # float64, shaped (..., 1) to broadcast against a block's rows
+    sinks_shape: tuple | None  # the caller's shape of sinks: dsinks is summed back to it
     batch: tuple
     out_dtype: np.dtype
     acc: np.dtype  # the compute dtype
@@ -301,7 +303,7 @@ def split_scale(scale):
 
 
 def check_inputs(*, q, k, v, mask, causal, scale, window, softcap, alibi_slopes, enable_gqa,
-                 mask_mod, band_of):
+                 mask_mod, band_of, sinks=None):
     """Validate and normalise the arguments of every kernel; return a :class:`Problem`.
 
     ``band_of(n_q, n_k, causal, window)`` builds the band (flash_lib's ``_Band.of``)."""
@@ -327,7 +329,9 @@ def check_inputs(*, q, k, v, mask, causal, scale, window, softcap, alibi_slopes,
                    scale_k=scale_k, softcap=checked_softcap(softcap, acc),
                    alibi=checked_alibi(alibi_slopes, user_batch, groups, acc, n_q, n_k),
                    mask_mod=checked_mask_mod(mask_mod), batch=batch, out_dtype=out_dtype, acc=acc,
-                   groups=groups, shapes=shapes, user_batch=user_batch)
+                   groups=groups, shapes=shapes, user_batch=user_batch,
+                   sinks=checked_sinks(sinks, user_batch, groups, acc),
+                   sinks_shape=None if sinks is None else np.shape(sinks))
 
 
 def check_arrays(q, k, v, mask=None, *, enable_gqa=False):
@@ -478,6 +482,27 @@ def checked_alibi(slopes, batch, groups, acc, n_q, n_k):
                      limit_why=f" as slope · distance, distance up to {max(1, n_q - 1, n_k - 1)}")
     slopes = slopes[..., None, None]  # broadcasts against a tile's (rows, keys)
     return split_heads(slopes, -3, groups) if groups else slopes
+
+
+def checked_sinks(sinks, batch, groups, acc):
+    """The sinks as float64, shaped (..., 1) to broadcast against a block's rows (the grouped
+    query split applied as for the ALiBi slopes); each finite in the compute dtype ``acc``."""
+    if sinks is None:
+        return None
+    sinks = np.asarray(sinks)
+    if sinks.dtype.kind not in "fiu":
+        raise TypeError(f"sinks must be an array of real numbers, got dtype {sinks.dtype}")
+    if not broadcasts_to(sinks.shape, batch):
+        raise ValueError(
+            f"sinks of shape {sinks.shape} does not broadcast to the leading (batch, head) dims "
+            f"{batch}: give one logit per head, e.g. shape (H,) or (B, H)"
+        )
+    with np.errstate(over="ignore"):  # a longdouble beyond float64, or a float64 beyond acc
+        finite = np.isfinite(sinks.astype(np.float64)) & np.isfinite(sinks.astype(acc))
+    if not finite.all():
+        raise ValueError(f"sinks must be finite numbers in the compute dtype {acc}, got {sinks}")
+    sinks = sinks.astype(np.float64)[..., None]  # broadcasts against a block's rows
+    return split_heads(sinks, -2, groups) if groups else sinks
 
 
 def checked_mask_mod(mask_mod):
