@@ -281,7 +281,7 @@ def test_philox_reproduces_random123s_known_answers(counter, key, expected):
     assert tuple(int(w) for w in _flash_dropout.philox4x32(counter, key)) == expected
     buffers = [np.empty((1, 1), np.uint64) for _ in range(6)]
     c0, c1, c2, c3 = (np.full((1, 1), c, np.uint64) for c in counter)
-    _flash_dropout._rounds(buffers, c0, c1, c2, c3, key[0] | key[1] << 32)
+    _flash_dropout._rounds(buffers, (c0, c1, c2, c3), key[0] | key[1] << 32)
     assert tuple(int(w[0, 0]) for w in buffers[:4]) == expected
 
 
