@@ -10,9 +10,12 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import threading
 from dataclasses import dataclass
 
 import numpy as np
+
+import _flash_dropout as dropout
 
 try:  # bfloat16 is not a NumPy dtype; ml_dtypes (a dependency) provides it.
     import ml_dtypes
@@ -60,6 +63,11 @@ class Problem:
     softcap: float | None
     alibi: np.ndarray | None  # the slopes, shaped (..., 1, 1) to broadcast against a tile
     mask_mod: object  # callable or None
+    sinks: np.ndarray | None  # float64, shaped (..., 1) to broadcast against a block's rows
+    sinks_shape: tuple | None  # the caller's shape of sinks: dsinks is summed back to it
+    dropout_p: float = 0.0
+    dropout_seed: int | None = None
+    dropout_offset: tuple = (0, 0)  # global position of query row 0 and key 0
     batch: tuple
     out_dtype: np.dtype
     acc: np.dtype  # the compute dtype
@@ -109,6 +117,22 @@ class Problem:
             )
         return split_heads(allowed, -3, self.groups) if self.groups else allowed
 
+    def keep_tile(self, q_start, q_stop, k_start, k_stop):
+        """The dropout keep mask of one tile, bool ``batch + (rows, keys)``; None without dropout.
+        Keyed by the global positions (the offset added) and the flat batch index, which with
+        grouped queries is the same over (…, Hkv, groups) as over the caller's (…, Hq)."""
+        if not self.dropout_p:
+            return None
+        i, j = self.dropout_offset
+        keep = dropout.keep(self.dropout_seed, dropout.threshold(self.dropout_p),
+                            math.prod(self.batch), (i + q_start, i + q_stop),
+                            (j + k_start, j + k_stop), self._dropout_scratch)
+        return keep.reshape(self.batch + keep.shape[-2:])
+
+    def dropout_scale(self, dtype):
+        """``1 / (1 - p)`` in ``dtype``: the kept weights' factor, so that E[P ∘ Z / (1 - p)] = P."""
+        return dtype.type(1) / (dtype.type(1) - dtype.type(self.dropout_p))
+
     def merge_heads(self, x):
         """A result with the grouped-query split (…, Hkv, groups, Nq, …) back to (…, Hq, Nq, …)."""
         if not self.groups or x is None:
@@ -120,6 +144,10 @@ class Problem:
     def input_shapes(self, dq, dk, dv):
         """Gradients in the caller's shapes of q, k, v (undoing the grouped-query split)."""
         return tuple(g.reshape(shape) for g, shape in zip((dq, dk, dv), self.shapes))
+
+    @functools.cached_property
+    def _dropout_scratch(self):
+        return threading.local()  # each worker's Philox buffers, for this call only
 
     @functools.cached_property
     def _nonfinite(self):
@@ -301,7 +329,8 @@ def split_scale(scale):
 
 
 def check_inputs(*, q, k, v, mask, causal, scale, window, softcap, alibi_slopes, enable_gqa,
-                 mask_mod, band_of):
+                 mask_mod, band_of, sinks=None, dropout_p=0.0, dropout_seed=None,
+                 dropout_offset=(0, 0)):
     """Validate and normalise the arguments of every kernel; return a :class:`Problem`.
 
     ``band_of(n_q, n_k, causal, window)`` builds the band (flash_lib's ``_Band.of``)."""
@@ -327,7 +356,10 @@ def check_inputs(*, q, k, v, mask, causal, scale, window, softcap, alibi_slopes,
                    scale_k=scale_k, softcap=checked_softcap(softcap, acc),
                    alibi=checked_alibi(alibi_slopes, user_batch, groups, acc, n_q, n_k),
                    mask_mod=checked_mask_mod(mask_mod), batch=batch, out_dtype=out_dtype, acc=acc,
-                   groups=groups, shapes=shapes, user_batch=user_batch)
+                   groups=groups, shapes=shapes, user_batch=user_batch,
+                   sinks=checked_sinks(sinks, user_batch, groups, acc),
+                   sinks_shape=None if sinks is None else np.shape(sinks),
+                   **checked_dropout(dropout_p, dropout_seed, dropout_offset, n_q, n_k))
 
 
 def check_arrays(q, k, v, mask=None, *, enable_gqa=False):
@@ -451,19 +483,25 @@ def broadcasts_to(shape, target):
         return False
 
 
+def per_head(name, x, batch, unit):
+    """``x`` as an array of real numbers broadcastable to the leading (batch, head) dims."""
+    x = np.asarray(x)
+    if x.dtype.kind not in "fiu":
+        raise TypeError(f"{name} must be an array of real numbers, got dtype {x.dtype}")
+    if not broadcasts_to(x.shape, batch):
+        raise ValueError(
+            f"{name} of shape {x.shape} does not broadcast to the leading (batch, head) dims "
+            f"{batch}: give one {unit} per head, e.g. shape (H,) or (B, H)"
+        )
+    return x
+
+
 def checked_alibi(slopes, batch, groups, acc, n_q, n_k):
     """The slopes, shaped (..., 1, 1), each checked by :func:`checked_real`: a bias
     ``-slope · distance`` (distance up to ``max(Nq, Nk) - 1``) must not overflow ``acc``."""
     if slopes is None:
         return None
-    slopes = np.asarray(slopes)
-    if slopes.dtype.kind not in "fiu":
-        raise TypeError(f"alibi_slopes must be an array of real numbers, got dtype {slopes.dtype}")
-    if not broadcasts_to(slopes.shape, batch):
-        raise ValueError(
-            f"alibi_slopes of shape {slopes.shape} does not broadcast to the leading (batch, "
-            f"head) dims {batch}: give one slope per head, e.g. shape (H,) or (B, H)"
-        )
+    slopes = per_head("alibi_slopes", slopes, batch, "slope")
     with np.errstate(over="ignore"):  # a longdouble beyond float64: refused below
         slopes = slopes.astype(np.float64)
     if not np.isfinite(slopes).all():
@@ -478,6 +516,56 @@ def checked_alibi(slopes, batch, groups, acc, n_q, n_k):
                      limit_why=f" as slope · distance, distance up to {max(1, n_q - 1, n_k - 1)}")
     slopes = slopes[..., None, None]  # broadcasts against a tile's (rows, keys)
     return split_heads(slopes, -3, groups) if groups else slopes
+
+
+def checked_sinks(sinks, batch, groups, acc):
+    """The sinks as float64, shaped (..., 1) to broadcast against a block's rows (the grouped
+    query split applied as for the ALiBi slopes); each finite in the compute dtype ``acc``."""
+    if sinks is None:
+        return None
+    sinks = per_head("sinks", sinks, batch, "logit")
+    with np.errstate(over="ignore"):  # a longdouble beyond float64, or a float64 beyond acc
+        finite = np.isfinite(sinks.astype(np.float64)) & np.isfinite(sinks.astype(acc))
+    if not finite.all():
+        raise ValueError(f"sinks must be finite numbers in the compute dtype {acc}, got {sinks}")
+    sinks = sinks.astype(np.float64)[..., None]  # broadcasts against a block's rows
+    return split_heads(sinks, -2, groups) if groups else sinks
+
+
+def checked_dropout(p, seed, offset, n_q, n_k):
+    """``dropout_p``, ``dropout_seed`` and ``dropout_offset`` checked, as Problem's fields: every
+    element's position must fit its counter word (``i < 2³²``, ``j // 8 < 2³²``)."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number in [0, 1), got {p!r}")
+    if not 0 <= p < 1:
+        raise ValueError(f"dropout_p must be in [0, 1) (the probability of dropping), got {p!r}")
+    if p > 0 or seed is not None:
+        if (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
+                or not 0 <= seed < 2**64):
+            raise ValueError(f"dropout_seed must be an integer in [0, 2**64) when dropout_p > 0 "
+                             f"(it keys the mask), got {seed!r}")
+        seed = int(seed)
+    if (not isinstance(offset, (tuple, list)) or len(offset) != 2
+            or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in offset)):
+        raise TypeError(f"dropout_offset must be a pair (row, key) of non-negative integers, "
+                        f"got {offset!r}")
+    if min(offset) < 0:
+        raise ValueError(f"dropout_offset must be non-negative, got {offset!r}")
+    offset = (int(offset[0]), int(offset[1]))
+    if offset[0] + n_q > 2**32 or offset[1] + n_k > 2**35:
+        raise ValueError(f"dropout_offset {offset!r} puts a position beyond the counter's 32-bit "
+                         f"words (query < 2**32, key < 2**35), for Nq = {n_q}, Nk = {n_k}")
+    return dict(dropout_p=float(p), dropout_seed=seed, dropout_offset=offset)
+
+
+def checked_keep_args(seed, p, shape, offset):
+    """flash_lib.dropout_keep's arguments: ``(shape, offset, dropout fields)``."""
+    if (not isinstance(shape, (tuple, list)) or len(shape) < 2
+            or any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0 for n in shape)):
+        raise ValueError(f"shape must be a tuple (..., Nq, Nk) of non-negative ints, got {shape!r}")
+    shape = tuple(int(n) for n in shape)
+    drop = checked_dropout(p, seed, offset, shape[-2], shape[-1])
+    return shape, drop["dropout_offset"], drop
 
 
 def checked_mask_mod(mask_mod):

@@ -30,6 +30,11 @@ Contracts, the same in every kernel here (README.md and the chapters say why and
 * ``mask[..., i, j]`` True means query ``i`` may attend to key ``j`` (PyTorch SDPA and JAX).
 * ``causal``: key ``j`` for query ``i`` iff ``j <= i + (Nk - Nq)``, bottom-right (:func:`causal_mask`).
 * Empty rows: ``out`` exactly 0 and ``lse = -inf``, no NaN, no warning, whatever q, k, v hold.
+  With ``sinks`` no row is empty: a row with no allowed key gets ``out`` 0 and ``lse = sink``.
+* Dropout keeps element ``(b, i, j)`` (flat batch index, global query and key positions) by 16
+  bits of Philox4x32-7 (FlashAttention-2's rounds) of that position and the seed: the same mask
+  whatever the blocks, threads or visiting order, drawn again per tile by the backward, never
+  stored. ``lse`` is undropped.
 * Masked keys never leak: an inf or NaN at key ``j`` reaches exactly the rows that may attend it.
 * A NaN in row ``i`` of ``q`` makes row ``i`` NaN and leaves every other row exact.
 * The scale ``τ = r·2^e`` is applied as ``q · r·2^a`` and ``k · 2^b``, ``a + b = e``, ``b = trunc(e/2)``.
@@ -41,7 +46,8 @@ Contracts, the same in every kernel here (README.md and the chapters say why and
 
 Beside this file, private to it (copy them with it): ``_flash_inputs.py`` (the checks),
 ``_flash_runtime.py`` (threads, BLAS), ``_flash_masked.py`` (the matmul that keeps masked inf
-and NaN out) and ``_flash_measure.py`` (peak memory, the error metric).
+and NaN out), ``_flash_dropout.py`` (the dropout mask's Philox) and ``_flash_measure.py`` (peak
+memory, the error metric).
 """
 
 from __future__ import annotations
@@ -49,10 +55,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
+import _flash_dropout as _dropout
 import _flash_inputs as _inputs
 import _flash_masked as _masked
 import _flash_runtime as _runtime
@@ -72,6 +80,7 @@ __all__ = [
     "merge_attention",
     "tile_schedule",
     "causal_mask",
+    "dropout_keep",
     "check_arrays",
     "threads",
     "thread_count",
@@ -123,7 +132,8 @@ def check_arrays(q, k, v, mask=None, *, enable_gqa=False):
     return _inputs.check_arrays(q, k, v, mask, enable_gqa=enable_gqa)[2]
 
 
-_VARIANTS = ("mask", "causal", "scale", "window", "softcap", "alibi_slopes", "enable_gqa", "mask_mod")
+_VARIANTS = ("mask", "causal", "scale", "window", "softcap", "alibi_slopes", "enable_gqa", "mask_mod",
+             "sinks", "dropout_p", "dropout_seed", "dropout_offset")
 
 
 def _problem(args):
@@ -171,6 +181,14 @@ def online_softmax_update(m, l, acc, s, v, matmul=np.matmul):
     m[...] = m_new
 
 
+def _initial_state(problem, rows):
+    """Each row's ``(m, l)`` before its first key: ``(-inf, 0)``; with a sink, ``(sink, 1)``: the
+    sink is one key already seen, of score ``sink`` and value 0 (``acc`` stays 0)."""
+    if problem.sinks is None:
+        return np.full(rows, -np.inf, problem.acc), np.zeros(rows, problem.acc)
+    return np.broadcast_to(problem.sinks.astype(problem.acc), rows).copy(), np.ones(rows, problem.acc)
+
+
 def _finalize(acc, l, m):
     """``out = acc / l`` and ``lse = m + log(l)``, with empty rows (``l == 0``) as 0 and -inf.
 
@@ -192,7 +210,8 @@ def _finalize(acc, l, m):
 
 def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEFAULT_BLOCK_Q,
                     block_k=DEFAULT_BLOCK_K, return_lse=False, window=None, softcap=None,
-                    alibi_slopes=None, enable_gqa=False, mask_mod=None):
+                    alibi_slopes=None, enable_gqa=False, mask_mod=None, sinks=None, dropout_p=0.0,
+                    dropout_seed=None, dropout_offset=(0, 0)):
     """Exact attention, computed tile by tile without storing the ``Nq × Nk`` scores.
 
     Parameters
@@ -236,6 +255,20 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
         boolean array broadcastable to ``(..., tile_q, tile_k)`` (its leading dims may differ
         per batch or head). ANDed with the rest; a tile where it is all False is never
         multiplied. Called from the kernel's worker threads.
+    sinks : array, optional
+        Attention sinks (gpt-oss; FlashAttention-3's ``s_aux``): one logit per head, finite,
+        broadcastable to the leading dims as ``alibi_slopes``. Each row's softmax gets one more
+        key, of score ``sink`` (not scaled, not capped) and value 0: ``P_ij = exp(s_ij - lse_i)``,
+        ``lse_i = log(exp(sink) + Σ_j exp(s_ij))``. The backward then also returns ``dsinks``.
+    dropout_p : real number in [0, 1)
+        Dropout on the weights, FlashAttention's: ``out = (P ∘ Z / (1 - p)) V``, ``Z`` the keep
+        mask of :func:`dropout_keep` (Bernoulli(1 - p) per element); ``lse`` stays undropped.
+        0 (the default) draws nothing: the same bits as no dropout.
+    dropout_seed : int in [0, 2**64)
+        Keys the mask; needed when ``dropout_p > 0``. The backward given it draws the same mask.
+    dropout_offset : (row, key)
+        Global position of this call's first query and first key in the mask: a shard of a
+        larger problem draws its slice of the whole problem's mask (flash_dask does).
 
     Returns
     -------
@@ -267,8 +300,7 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
         q_start, q_stop = query_block
         rows = problem.batch + (q_stop - q_start,)
         q_blk = problem.q_tile(q_start, q_stop)
-        m = np.full(rows, -np.inf, dtype=problem.acc)
-        l = np.zeros(rows, dtype=problem.acc)
+        m, l = _initial_state(problem, rows)
         acc = np.zeros(rows + (problem.dv,), dtype=problem.acc)
         # The scores tile and the p·v product are reused across key blocks: one allocation each.
         s_buf = np.empty(rows + (min(block_k, problem.n_k),), dtype=problem.acc)
@@ -289,7 +321,12 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
                 matmul = functools.partial(np.matmul, out=pv)
             else:
                 matmul = functools.partial(_masked.matmul_allowed, allowed=allowed, bad=bad, out=pv)
+            keep = problem.keep_tile(q_start, q_stop, k_start, k_stop)
+            if keep is not None:
+                matmul = _dropped(matmul, keep)
             online_softmax_update(m, l, acc, s, problem.v_tile(k_start, k_stop), matmul)
+        if problem.dropout_p:  # out = (P ∘ Z / (1 - p)) V: the 1 / (1 - p) once per row
+            acc *= problem.dropout_scale(problem.acc)
         # Divide once, at the end.
         out[..., q_start:q_stop, :], lse_blk = _finalize(acc, l, m)
         if lse is not None:
@@ -300,6 +337,15 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
                             n_blocks=-(-problem.n_q // block_q), n_scores=problem.n_scores)
     out, lse = problem.merge_heads(out), problem.merge_heads(lse)
     return (out, lse) if return_lse else out
+
+
+def _dropped(matmul, keep):
+    """``matmul`` applied to ``p ∘ Z`` (Z the tile's keep mask): the forward's dropout. It comes
+    after :func:`online_softmax_update` has added the undropped ``p`` to ``l``, so ``l`` and the
+    lse are the softmax's own, and only what reaches ``acc`` is dropped."""
+    def dropped(p, v):
+        return matmul(np.multiply(p, keep, out=p), v)  # p̃_ij = p_ij · Z_ij, in place
+    return dropped
 
 
 def tile_schedule(n_q, n_k, block_q, block_k, causal=False, *, window=None, mask_mod=None):
@@ -341,6 +387,20 @@ def _blocks_of(name, n, size):
         raise ValueError(f"{name}'s sizes must sum to {n}, got {tuple(size)!r}")
     stops = np.cumsum(size, dtype=int).tolist()
     return list(zip([0] + stops[:-1], stops))
+
+
+def dropout_keep(dropout_seed, dropout_p, shape, offset=(0, 0)):
+    """The dropout keep mask the kernels use, materialised: bool ``shape = (..., Nq, Nk)``, True
+    where element ``(b, i, j)`` is kept (``b`` the flat C-order index over ``shape[:-2]``, ``i``,
+    ``j`` the row and key plus ``offset``), probability ``1 - round(p·2¹⁶)/2¹⁶`` each (within
+    ``2⁻¹⁷`` of ``1 - p``), from 16 bits of Philox4x32-7 keyed by the seed and the position
+    (``_flash_dropout.py``). For tests and figures: the kernels compute it one tile at a time
+    and never store it."""
+    shape, (i, j), drop = _inputs.checked_keep_args(dropout_seed, dropout_p, shape, offset)
+    if not drop["dropout_p"]:
+        return np.ones(shape, bool)
+    return _dropout.keep(drop["dropout_seed"], _dropout.threshold(drop["dropout_p"]),
+                         math.prod(shape[:-2]), (i, i + shape[-2]), (j, j + shape[-1])).reshape(shape)
 
 
 def causal_mask(n_q, n_k):
@@ -461,7 +521,7 @@ def _scores(problem, q, k, q_start, q_stop, k_start, k_stop, out=None, grad=Fals
 
 
 def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=None,
-                            scores=None):
+                            scores=None, dropout=None):
     """One tile (i, j) of FlashAttention-2's backward: adds to dK_j and dV_j in place,
     returns this tile's share of dQ_i.
 
@@ -473,6 +533,7 @@ def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=
     operand holds inf or NaN (``which`` names that operand).
     ``scores(q, k)`` returns S_ij with the score variants applied, and softcap's
     derivative 1 - tanh² (or None); by default (q kᵀ, None).
+    ``dropout``: the tile's Z_ij / (1 - p), 0 where the forward dropped the pair (or None).
     """
     matmul = matmul or (lambda a, b, which: a @ b)
     # S_ij, recomputed as the forward computed it
@@ -484,10 +545,14 @@ def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=
     if allowed is not None and np.isnan(lse).any():
         # e^(-inf - NaN) is NaN: a NaN row's masked pairs must still weigh 0
         np.copyto(p, 0, where=~allowed)
-    # dV_j += P_ijᵀ dO_i
-    dv += matmul(np.swapaxes(p, -1, -2), dout, "dout")
-    # dP_ij = dO_i V_jᵀ
+    # with dropout the forward weighed V_j by P̃_ij = P_ij ∘ Z_ij / (1 - p)
+    p_used = p if dropout is None else p * dropout
+    # dV_j += P̃_ijᵀ dO_i
+    dv += matmul(np.swapaxes(p_used, -1, -2), dout, "dout")
+    # dP_ij = dO_i V_jᵀ (∘ Z_ij / (1 - p): P_ij reaches the loss only through P̃_ij)
     dp = dout @ np.swapaxes(v, -1, -2)
+    if dropout is not None:
+        dp *= dropout
     # dS_ij = P_ij ∘ (dP_ij - D_i)
     ds = np.multiply(p, np.subtract(dp, D[..., None], out=dp), out=dp)
     if slope is not None:
@@ -511,13 +576,18 @@ def _masked_pairs_zero(ds, allowed):
 
 def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False, scale=None,
                              block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K, window=None,
-                             softcap=None, alibi_slopes=None, enable_gqa=False, mask_mod=None):
+                             softcap=None, alibi_slopes=None, enable_gqa=False, mask_mod=None,
+                             sinks=None, dropout_p=0.0, dropout_seed=None, dropout_offset=(0, 0)):
     """The gradients of ``sum(dout * flash_attention(q, k, v, ...))`` without storing ``P``.
 
     Parameters
     ----------
     q, k, v, mask, causal, scale, block_q, block_k, window, softcap, alibi_slopes, enable_gqa, mask_mod
         As for :func:`flash_attention`, and the same as the forward call.
+    sinks, dropout_p, dropout_seed, dropout_offset
+        As for :func:`flash_attention`, the same as the forward call: each tile's keep mask is
+        drawn again from the seed, and ``dV = (P ∘ Z/(1-p))ᵀ dO``, ``dP = (dO Vᵀ) ∘ Z/(1-p)``,
+        ``dS = P ∘ (dP - D)`` with ``D = rowsum(dO ∘ O)`` still (``O = (P ∘ Z/(1-p)) V``).
     out, lse
         What ``flash_attention(q, k, v, ..., return_lse=True)`` returned: shapes
         ``(..., Nq, dv)`` and ``(..., Nq)``, ``...`` being the broadcast batch of q, k, v, mask.
@@ -530,6 +600,9 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
         Each of its input's shape and dtype. An input broadcast over leading dims gets the sum of
         the gradients over those dims, as autograd gives it (k and v shared by every head get
         the sum of the heads' gradients). Half-precision inputs compute in float32.
+    dsinks : ndarray
+        Only with ``sinks``: of sinks' shape, in the compute dtype, summed likewise;
+        ``dsinks_h = -Σ_i exp(sink_h - lse_i) · D_i`` over head h's rows.
 
     Notes
     -----
@@ -592,12 +665,14 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
             if allowed is not False:
                 rows = slice(q_start, q_stop)
                 matmul = _masked.backward_matmul(problem, allowed, dout, q_start, q_stop, k_start, k_stop)
+                keep = problem.keep_tile(q_start, q_stop, k_start, k_stop)  # the forward's Z, again
+                dropout = None if keep is None else np.multiply(keep, problem.dropout_scale(acc), dtype=acc)
                 share = attention_backward_tile(
                     problem.q_tile(q_start, q_stop), k_blk, v_blk,
                     dout[..., rows, :].astype(acc, copy=False), lse[..., rows], D[..., rows],
                     dk_blk, dv_blk, allowed, matmul,
                     functools.partial(_scores, problem, q_start=q_start, q_stop=q_stop,
-                                      k_start=k_start, k_stop=k_stop, grad=True),
+                                      k_start=k_start, k_stop=k_stop, grad=True), dropout,
                 )
                 share = _sum_to(share, dq.shape[:-2] + share.shape[-2:])
             with turns.turn(i, j, cancelled) as mine:
@@ -613,7 +688,18 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
         _runtime.run_blocks(key_block, _blocks(n_k, block_k), threads=thread_count(),
                             n_blocks=-(-n_k // block_k), n_scores=problem.n_scores)
     dq *= acc.type(problem.scale_q)
-    return problem.input_shapes(dq.astype(problem.q.dtype, copy=False), dk, dv)
+    grads = problem.input_shapes(dq.astype(problem.q.dtype, copy=False), dk, dv)
+    return grads if problem.sinks is None else grads + (_dsinks(problem, lse, D),)
+
+
+def _dsinks(problem, lse, D):
+    """``dsinks_h = -Σ_i exp(sink_h - lse_i) · D_i`` over head h's rows, summed to sinks' shape.
+
+    The sink is one more key, of score ``sink`` and value 0: it enters ``out_i`` only through
+    the denominator, ``∂P_ij/∂sink = -P_ij · P_i,sink`` with ``P_i,sink = exp(sink - lse_i)``,
+    so ``Σ_j dP_ij · ∂P_ij/∂sink = -P_i,sink · D_i`` (``D_i = Σ_j P_ij dP_ij``)."""
+    p_sink = np.exp(problem.sinks.astype(lse.dtype) - lse)
+    return _sum_to(problem.merge_heads(-(p_sink * D).sum(axis=-1)), problem.sinks_shape)
 
 
 def _sum_to(x, shape):
@@ -631,7 +717,8 @@ def _sum_to(x, shape):
 
 
 def naive_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False,
-                    window=None, softcap=None, alibi_slopes=None, enable_gqa=False, mask_mod=None):
+                    window=None, softcap=None, alibi_slopes=None, enable_gqa=False, mask_mod=None,
+                    sinks=None, dropout_p=0.0, dropout_seed=None, dropout_offset=(0, 0)):
     """Textbook attention: the full ``Nq × Nk`` score matrix, then a max-subtracted softmax.
 
     Same arguments, results and conventions as :func:`flash_attention` (minus the block sizes);
@@ -647,7 +734,8 @@ def naive_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=
 
 def precise_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False,
                       window=None, softcap=None, alibi_slopes=None, enable_gqa=False,
-                      mask_mod=None):
+                      mask_mod=None, sinks=None, dropout_p=0.0,
+                      dropout_seed=None, dropout_offset=(0, 0)):
     """Attention in more precision than float64: the truth the other kernels are measured against.
 
     Same semantics as :func:`naive_attention`; the scale is the float64 number the kernels use,
@@ -677,8 +765,16 @@ def _dense_softmax(problem, dtype, grad=False):
     if allowed is not None:
         s = np.where(allowed, s, -np.inf)
     m = s.max(axis=-1, initial=-np.inf)
+    if problem.sinks is not None:  # the sink is one more score of the row
+        m = np.maximum(m, problem.sinks.astype(dtype))
     p = np.exp(s - _reference(m)[..., None])
     return (s, p, m, allowed, slope) if grad else (p, m, allowed)
+
+
+def _denominator(problem, p, m):
+    """``Σ_j p_ij``, plus the sink's ``exp(sink - m_i)`` (it takes probability, carries no value)."""
+    l = p.sum(axis=-1)
+    return l if problem.sinks is None else l + np.exp(problem.sinks.astype(m.dtype) - m)
 
 
 def _reference(m):
@@ -691,15 +787,25 @@ def _reference(m):
 def _dense_attention(problem, dtype):
     """naive's and precise's forward: :func:`_dense_softmax`, then ``p v / Σ p``."""
     p, m, allowed = _dense_softmax(problem, dtype)
+    l = _denominator(problem, p, m)  # the undropped softmax's
+    z = _dense_dropout(problem, dtype)
+    p = p if z is None else p * z  # P ∘ Z / (1 - p), unnormalised
     v = problem.v_tile(0, problem.n_k, dtype)
     bad = problem.bad_values(0, problem.n_k) if allowed is not None else None
     pv = p @ v if bad is None else _masked.matmul_allowed(p, v, allowed=allowed, bad=bad)
-    return _finalize(pv, p.sum(axis=-1), m)
+    return _finalize(pv, l, m)
+
+
+def _dense_dropout(problem, dtype):
+    """``Z / (1 - p)`` over the whole matrix, from :func:`dropout_keep`'s mask; None without dropout."""
+    keep = problem.keep_tile(0, problem.n_q, 0, problem.n_k)
+    return None if keep is None else np.multiply(keep, problem.dropout_scale(dtype), dtype=dtype)
 
 
 def naive_attention_backward(q, k, v, dout, *, mask=None, causal=False, scale=None,
                              window=None, softcap=None, alibi_slopes=None, enable_gqa=False,
-                             mask_mod=None):
+                             mask_mod=None, sinks=None, dropout_p=0.0, dropout_seed=None,
+                             dropout_offset=(0, 0)):
     """The dense oracle of :func:`flash_attention_backward`: ``P`` whole, then the textbook chain.
 
     ``P = softmax(S)``, ``dV = Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P ∘ (dP - rowsum(P ∘ dP))`` (the
@@ -711,18 +817,21 @@ def naive_attention_backward(q, k, v, dout, *, mask=None, causal=False, scale=No
     dout = _inputs.check_saved(problem, dout=dout)
     grads = _dense_backward(problem, dout, problem.acc)
     return problem.input_shapes(*(g.astype(x.dtype, copy=False)
-                                  for g, x in zip(grads, (problem.q, problem.k, problem.v))))
+                                  for g, x in zip(grads, (problem.q, problem.k, problem.v)))
+                                ) + grads[3:]
 
 
 def precise_attention_backward(q, k, v, dout, *, mask=None, causal=False, scale=None,
                                window=None, softcap=None, alibi_slopes=None, enable_gqa=False,
-                               mask_mod=None):
+                               mask_mod=None, sinks=None, dropout_p=0.0,
+                               dropout_seed=None, dropout_offset=(0, 0)):
     """:func:`naive_attention_backward` in ``np.longdouble``: the truth gradients are measured
     against (x86-64 and aarch64 Linux, where longdouble is wider than float64). Returns
     longdouble arrays."""
     problem = _problem(locals())
     dout = _inputs.check_saved(problem, dout=dout)
-    return problem.input_shapes(*_dense_backward(problem, dout, np.dtype(np.longdouble)))
+    grads = _dense_backward(problem, dout, np.dtype(np.longdouble))
+    return problem.input_shapes(*grads[:3]) + grads[3:]
 
 
 @_ieee_quiet()
@@ -732,14 +841,18 @@ def _dense_backward(problem, dout, dtype):
     dout = dout.astype(dtype)
     # s stays alive as in a textbook backward: chapter 13 counts S, P, dP, dS at the peak
     s, p, m, allowed, slope = _dense_softmax(problem, dtype, grad=True)
-    l = p.sum(axis=-1)
+    l = _denominator(problem, p, m)
     p /= np.where(l == 0, 1, l)[..., None]  # P = softmax(S); an empty row stays 0
     if allowed is not None:  # and a masked pair weighs exactly 0, in a NaN row too
         p = np.where(allowed, p, 0)
     dp = dout @ np.swapaxes(v, -1, -2)
     if allowed is not None:  # what a masked pair's dP holds must not reach rowsum(P ∘ dP)
         dp = np.where(allowed, dp, 0)
-    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    z = _dense_dropout(problem, dtype)
+    if z is not None:  # out = P̃ V with P̃ = P ∘ Z / (1 - p): dP = dP̃ ∘ Z / (1 - p)
+        dp = dp * z
+    D = (p * dp).sum(axis=-1, keepdims=True)  # the sink's dP is 0: its value is 0
+    ds = p * (dp - D)
     if slope is not None:  # the chain rule through softcap
         ds = ds * slope
     _masked_pairs_zero(ds, allowed)
@@ -749,11 +862,14 @@ def _dense_backward(problem, dout, dtype):
         return a @ b if bad is None else _masked.matmul_allowed(a, b, allowed=allowed_for_a, bad=bad)
 
     allowed_t = None if allowed is None else np.swapaxes(allowed, -1, -2)
-    dv = matmul(np.swapaxes(p, -1, -2), dout, allowed_t, "dout", dout)
+    dv = matmul(np.swapaxes(p if z is None else p * z, -1, -2), dout, allowed_t, "dout", dout)
     dq = matmul(ds, k, allowed, "k", problem.k) * dtype.type(problem.scale_q)
     dk = matmul(np.swapaxes(ds, -1, -2), q, allowed_t, "q", problem.q) * dtype.type(problem.scale_k)
-    return tuple(_sum_to(g, x.shape[:-2] + g.shape[-2:])
-                 for g, x in zip((dq, dk, dv), (problem.q, problem.k, problem.v)))
+    grads = tuple(_sum_to(g, x.shape[:-2] + g.shape[-2:])
+                  for g, x in zip((dq, dk, dv), (problem.q, problem.k, problem.v)))
+    if problem.sinks is None:
+        return grads
+    return grads + (_dsinks(problem, m + np.log(l), D[..., 0]),)  # lse = m + log l, never -inf
 
 
 def _dense_allowed(problem):
@@ -768,8 +884,10 @@ def _mpmath_attention(problem):  # pragma: no cover - see precise_attention
     mp = mpmath.mp.clone()
     mp.dps = 40
     batch, n_q, n_k = problem.batch, problem.n_q, problem.n_k
-    if problem.softcap is not None or problem.alibi is not None:
-        raise NotImplementedError("softcap and ALiBi need np.longdouble wider than float64")
+    if (problem.softcap is not None or problem.alibi is not None or problem.sinks is not None
+            or problem.dropout_p):
+        raise NotImplementedError("softcap, ALiBi, sinks and dropout need np.longdouble wider "
+                                  "than float64")
     allowed = _allowed(problem, 0, n_q, 0, n_k)
     allowed = np.broadcast_to(True if allowed is None else allowed, batch + (n_q, n_k))
     q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (problem.q, problem.k, problem.v))
