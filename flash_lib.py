@@ -42,7 +42,8 @@ Contracts, the same in every kernel here (README.md and the chapters say why and
 
 Beside this file, private to it (copy them with it): ``_flash_inputs.py`` (the checks),
 ``_flash_runtime.py`` (threads, BLAS), ``_flash_masked.py`` (the matmul that keeps masked inf
-and NaN out) and ``_flash_measure.py`` (peak memory, the error metric).
+and NaN out), ``_flash_dropout.py`` (the dropout mask's Philox) and ``_flash_measure.py`` (peak
+memory, the error metric).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import _flash_dropout as _dropout
 import _flash_inputs as _inputs
 import _flash_masked as _masked
 import _flash_runtime as _runtime
@@ -73,6 +75,7 @@ __all__ = [
     "merge_attention",
     "tile_schedule",
     "causal_mask",
+    "dropout_keep",
     "check_arrays",
     "threads",
     "thread_count",
@@ -355,6 +358,23 @@ def _blocks_of(name, n, size):
         raise ValueError(f"{name}'s sizes must sum to {n}, got {tuple(size)!r}")
     stops = np.cumsum(size, dtype=int).tolist()
     return list(zip([0] + stops[:-1], stops))
+
+
+def dropout_keep(dropout_seed, dropout_p, shape, offset=(0, 0)):
+    """The dropout keep mask the kernels use, materialised: bool ``shape = (..., Nq, Nk)``, True
+    where element ``(b, i, j)`` is kept (``b`` the flat C-order index over ``shape[:-2]``, ``i``,
+    ``j`` the row and key plus ``offset``), probability ``1 - round(p·2³²)/2³²`` each, from
+    Philox4x32-10 keyed by the seed and the position (``_flash_dropout.py``). For tests and
+    figures: the kernels compute it one tile at a time and never store it."""
+    if (not isinstance(shape, (tuple, list)) or len(shape) < 2
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shape)):
+        raise ValueError(f"shape must be a tuple (..., Nq, Nk) of non-negative ints, got {shape!r}")
+    drop = _inputs.checked_dropout(dropout_p, dropout_seed, offset, shape[-2], shape[-1])
+    if not drop["dropout_p"]:
+        return np.ones(shape, bool)
+    (i, j), (n_q, n_k) = drop["dropout_offset"], shape[-2:]
+    return _dropout.keep(drop["dropout_seed"], _dropout.threshold(drop["dropout_p"]),
+                         int(np.prod(shape[:-2])), (i, i + n_q), (j, j + n_k)).reshape(shape)
 
 
 def causal_mask(n_q, n_k):

@@ -257,3 +257,140 @@ def test_a_sink_beyond_the_compute_dtype_is_refused():
     q = np.zeros((3, 4), np.float16)
     with pytest.raises(ValueError, match="sinks must be finite numbers in the compute dtype float32"):
         flash_attention(q, q, q, sinks=np.array(1e39))
+
+
+# ---------------------------------------------------------------------------------------------
+# The dropout mask: Philox4x32-10 keyed by position
+# ---------------------------------------------------------------------------------------------
+
+import _flash_dropout  # noqa: E402 - flash_lib's private generator, its known answers tested here
+
+# Random123's kat_vectors for philox4x32_10: (counter, key, output)
+KNOWN_ANSWERS = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter, key, expected", KNOWN_ANSWERS)
+def test_philox_reproduces_random123s_known_answers(counter, key, expected):
+    """The plain rounds, and the in-place rounds the kernels run on their buffers, give
+    Random123's outputs."""
+    assert tuple(int(w) for w in _flash_dropout.philox4x32(counter, key)) == expected
+    buffers = [np.empty((1, 1), np.uint64) for _ in range(6)]
+    c0, c1, c2, c3 = (np.full((1, 1), c, np.uint64) for c in counter)
+    _flash_dropout._rounds(buffers, c0, c1, c2, c3, key[0] | key[1] << 32)
+    assert tuple(int(w[0, 0]) for w in buffers[:4]) == expected
+
+
+def element_words(seed, n_batch, rows, keys):
+    """The 32-bit word of every element (b, i, j), from the plain rounds: counter
+    (j // 4, i, b mod 2³², b // 2³²), key (seed mod 2³², seed // 2³²), word j % 4."""
+    b, i, j = np.meshgrid(np.arange(n_batch), np.arange(*rows), np.arange(*keys), indexing="ij")
+    words = _flash_dropout.philox4x32((j // 4, i, b & 0xFFFFFFFF, b >> 32),
+                                      (seed & 0xFFFFFFFF, seed >> 32))
+    return np.choose(j % 4, words)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 15])
+def test_the_chunked_mask_is_the_plain_rounds_element_by_element(chunk, monkeypatch):
+    """keep() in chunks of any size (one counter, 7 counters, the default) gives word >= t of
+    each element, for a block not aligned to 4 keys, at a large seed and offsets."""
+    monkeypatch.setattr(_flash_dropout, "CHUNK", chunk)
+    seed, t = 2**64 - 12345, _flash_dropout.threshold(0.3)
+    rows, keys = (2**31 + 3, 2**31 + 12), (5, 27)
+    expected = element_words(seed, 3, rows, keys) >= t
+    np.testing.assert_array_equal(_flash_dropout.keep(seed, t, 3, rows, keys), expected)
+
+
+TRITON_SCRIPT = r"""
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "1"  # before importing triton: run on the CPU
+import torch, triton
+import triton.language as tl
+
+@triton.jit
+def words(seed, offsets, out, N: tl.constexpr):
+    idx = tl.arange(0, N)
+    r0, r1, r2, r3 = tl.randint4x(seed, tl.load(offsets + idx))
+    tl.store(out + 4 * idx, r0); tl.store(out + 4 * idx + 1, r1)
+    tl.store(out + 4 * idx + 2, r2); tl.store(out + 4 * idx + 3, r3)
+
+seed, offsets = json.loads(sys.argv[1])
+off = torch.tensor(offsets, dtype=torch.int64)
+out = torch.empty(4 * len(offsets), dtype=torch.int32)
+words[(1,)](seed, off, out, N=len(offsets))
+print(json.dumps([int(x) & 0xFFFFFFFF for x in out.tolist()]))
+"""
+
+
+def test_the_mask_is_tritons_philox():
+    """Triton's own ``tl.randint4x(seed, offset)`` (Philox4x32-10 at counter (offset mod 2³²,
+    offset // 2³², 0, 0)) in a tiny kernel under ``TRITON_INTERPRET=1``: element (0, i, j) of
+    dropout_keep is Triton's word j % 4 at offset ``i·2³² + j // 4``, compared with t. A Triton
+    dropout kernel keyed this way draws flash_lib's mask bit for bit."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None:
+        pytest.skip("needs triton and torch (pip install '.[gpu]')")
+    seed, rows, n_k, p = 0x0123456789ABCDEF, (0, 1, 7, 2**31 - 5), 16, 0.5  # int64 offsets
+    offsets = [i << 32 | c for i in rows for c in range(n_k // 4)]
+    run = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, json.dumps([seed, offsets])],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    theirs = np.array(json.loads(run.stdout.splitlines()[-1]), np.uint64).reshape(len(rows), n_k)
+    ours = np.concatenate([element_words(seed, 1, (i, i + 1), (0, n_k))[0] for i in rows])
+    np.testing.assert_array_equal(ours, theirs)
+    t = _flash_dropout.threshold(p)
+    for row, i in enumerate(rows):
+        np.testing.assert_array_equal(flash_lib.dropout_keep(seed, p, (1, n_k), offset=(i, 0))[0],
+                                      theirs[row] >= t)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_the_keep_rate_is_within_its_binomial_interval(p):
+    """Over n = 4·512·512 elements (2 heads, 2 batch entries) the kept count K is Binomial(n,
+    q) with q = 1 - round(p·2³²)/2³² if the words are uniform and independent: |K - nq| <=
+    5·sqrt(n·q·(1 - q)) fails with probability below 6e-7 (normal tail at 5 sigma), and a
+    generator off by 1% of p (or rows sharing counters, which correlate neighbours) fails it.
+    Also per row and per column blocks of 64: no block further than 5 sigma of its own."""
+    shape = (2, 2, 512, 512)
+    keep = flash_lib.dropout_keep(1234, p, shape)
+    n = keep.size
+    q = 1 - _flash_dropout.threshold(p) / 2**32
+    assert abs(keep.sum() - n * q) <= 5 * np.sqrt(n * q * (1 - q))
+    blocks = keep.reshape(-1, 8, 64, 8, 64).sum(axis=(2, 4))  # 64 x 64 blocks
+    m = 64 * 64
+    assert np.abs(blocks - m * q).max() <= 6 * np.sqrt(m * q * (1 - q))  # 256 blocks: 6 sigma
+    # neighbours independent: the rate of "both kept" between adjacent keys and adjacent rows
+    for a, b in ((keep[..., :-1], keep[..., 1:]), (keep[..., :-1, :], keep[..., 1:, :])):
+        both, pairs = (a & b).sum(), a.size
+        assert abs(both - pairs * q * q) <= 5 * np.sqrt(pairs * q * q * (1 - q * q))
+
+
+def test_a_shards_mask_is_the_slice_of_the_whole():
+    """dropout_keep at an offset is the slice of the whole mask: a shard of rows 100..300 and
+    keys 37..290 (not a multiple of 4) with dropout_offset = (100, 37), for each batch entry."""
+    whole = flash_lib.dropout_keep(99, 0.3, (3, 400, 300))
+    shard = flash_lib.dropout_keep(99, 0.3, (3, 200, 253), offset=(100, 37))
+    np.testing.assert_array_equal(shard, whole[:, 100:300, 37:290])
+    assert flash_lib.dropout_keep(99, 0.0, (2, 3)).all()
+
+
+def test_dropout_keep_is_checked():
+    for args, error, message in [
+        ((1, 0.1, (3,)), ValueError, "shape must be a tuple (..., Nq, Nk)"),
+        ((1, 0.1, (3, -1)), ValueError, "shape must be a tuple (..., Nq, Nk)"),
+        ((None, 0.1, (3, 3)), ValueError, "dropout_seed must be an integer in [0, 2**64)"),
+        ((1, 1.0, (3, 3)), ValueError, "dropout_p must be in [0, 1)"),
+        ((1, "0.1", (3, 3)), TypeError, "dropout_p must be a real number"),
+    ]:
+        with pytest.raises(error, match=re.escape(message)):
+            flash_lib.dropout_keep(*args)
+    with pytest.raises(TypeError, match=re.escape("dropout_offset must be a pair (row, key)")):
+        flash_lib.dropout_keep(1, 0.1, (3, 3), offset=(1,))
