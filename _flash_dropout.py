@@ -25,10 +25,11 @@ exactly ``1 - t / 2³²``, within ``2⁻³³`` of ``1 - p``.
 
 Why not NumPy's own ``np.random.Philox``: it is Philox4x64 (not the generator GPU kernels use)
 and serial, one stream per call: one 512 × 512 tile took 2.0 ms of ``random_raw`` plus a Python
-call per row here. This one computes a chunk of counters at once with uint64 products in
-preallocated buffers, in place: ``CHUNK`` counters (128 Ki elements) per pass, which stay in the
-L2 cache; 65536 counters at once went out of cache and took 4.8× as long as one chunk
-(AMD EPYC Zen 4, measured 2026-12-01).
+call per row here. This one computes ``CHUNK`` counters at once with uint64 products, in place in
+preallocated buffers (NumPy has no 32 × 32 → 64-bit multiply-high, so a word lives in a uint64).
+One 512 × 512 tile (65536 counters, about 90 array passes each) took 1.4-1.6 ms on one AMD EPYC
+Zen 4 core (2026-12-01, a loaded machine), the same at 16384 or 32768 counters a pass and slower
+at 4096 (per-call overhead) or 65536 (out of the L2 cache).
 
 Private to flash_lib: imported by ``flash_lib.py`` and ``_flash_inputs.py`` only (and by
 ``tests/test_training.py``, which checks :func:`philox4x32` against Random123's known answers).
@@ -42,9 +43,9 @@ M0, M1 = 0xD2511F53, 0xCD9E8D57  # the round multipliers
 W0, W1 = 0x9E3779B9, 0xBB67AE85  # the key's Weyl increments: the golden ratio and sqrt(3) - 1
 LO = 0xFFFFFFFF
 ROUNDS = 10
-#: Counters computed per pass: their six uint64 buffers (1.5 MiB) stay in a Zen 4 core's 1 MiB L2
-#: with the tile and fill it about as well as anything smaller; see the module docstring.
-CHUNK = 1 << 15
+#: Counters computed per pass: their six uint64 buffers (768 KiB) fit a Zen 4 core's 1 MiB L2, and
+#: the ~90 NumPy calls per pass are long enough that their overhead is small (module docstring).
+CHUNK = 1 << 14
 
 
 def threshold(p):
@@ -128,10 +129,14 @@ def _rounds(c, counter, seed):
     or the line alone (round 1: p0 = c0·M0, p1 = c2·M1; round 2: p0 from the line's c0, p1
     from the key's c2), so they cost a few vectors, and the buffers are filled from them."""
     key = (seed & LO, seed >> 32)
-    state = _round(_round(counter, *_round_key(key, 0)), *_round_key(key, 1))
+    y0, y1, y2, y3 = _round(counter, *_round_key(key, 0))  # y0, y1 per line; y2, y3 per key
     x0, x1, x2, x3, p0, p1 = c
-    for x, value in zip((x0, x1, x2, x3), state):
-        np.copyto(x, value)
+    k0, k1 = _round_key(key, 1)
+    q0, q1 = y0 * np.uint64(M0), y2 * np.uint64(M1)  # round 2 writes the buffers directly
+    np.bitwise_xor(q1 >> np.uint64(32), y1 ^ np.uint64(k0), out=x0)
+    np.copyto(x1, q1 & np.uint64(LO))
+    np.bitwise_xor(q0 >> np.uint64(32), y3 ^ np.uint64(k1), out=x2)
+    np.copyto(x3, q0 & np.uint64(LO))
     for r in range(2, ROUNDS):
         k0, k1 = _round_key(key, r)
         np.multiply(x0, M0, out=p0)
