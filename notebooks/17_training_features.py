@@ -25,12 +25,13 @@
 # dense constructions written out here.
 #
 # **Sources.** FlashAttention is quoted from Dao-AILab/flash-attention at commit `0251105a`:
-# the CUDA dropout in `csrc/flash_attn/src/dropout.h`, `philox.cuh` and `flash_api.cpp`, and
-# the learnable sink of its CuTe kernels in `flash_attn/cute/interface.py`,
-# `block_sparse_utils.py` and `flash_bwd_postprocess.py`. gpt-oss is quoted from openai/gpt-oss
-# at commit `7b58334` (`gpt_oss/torch/model.py`, `gpt_oss/triton/attention.py`). Philox is
-# Salmon, Moraes, Dror and Shaw, "Parallel random numbers: as easy as 1, 2, 3" (SC 2011);
-# StreamingLLM is Xiao et al., arXiv 2309.17453.
+# the CUDA dropout in `csrc/flash_attn/src/` (`dropout.h`, `philox.cuh`, `softmax.h`) and
+# `csrc/flash_attn/flash_api.cpp`, and the learnable sink of its CuTe kernels in
+# `flash_attn/cute/` (`interface.py`, `flash_fwd_sm100.py`, `flash_bwd_postprocess.py`). gpt-oss
+# is quoted from openai/gpt-oss at commit `7b58334` (`gpt_oss/torch/model.py`,
+# `gpt_oss/triton/attention.py`), Triton from its 3.9.0 release. Philox is Salmon, Moraes,
+# Dror and Shaw, "Parallel random numbers: as easy as 1, 2, 3" (SC 2011); StreamingLLM is Xiao
+# et al., "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453.
 
 # %%
 import matplotlib.pyplot as plt
@@ -291,9 +292,10 @@ print(f"out with 256 x 200 tiles against 128 x 96: {below(tiling_diff)}")
 # `flash_lib`'s; the construction is the same.
 #
 # The cell writes Philox in NumPy from the formula above, checks it against Random123's known
-# answers, and builds the keep mask from it: it must be `dropout_keep`'s bit for bit, for a
-# batch of heads and with an offset (a shard whose first query is row 5 and first key is key 9
-# of the whole, as `flash_dask` calls it, gets the window of the whole mask).
+# answers (`tests/kat_vectors` in DEShawResearch/random123) and builds the keep mask from it,
+# which must be `dropout_keep`'s bit for bit: for a batch of heads, and with an offset (a shard
+# whose first query is row 5 and first key is key 9 of the whole, as `flash_dask` calls it,
+# gets the window of the whole mask).
 
 # %%
 M0, M1, W0, W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
