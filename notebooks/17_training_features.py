@@ -665,10 +665,10 @@ print("an empty row merged with its sink (0, 1.5):", empty_merge[0].max(), empty
 # The mass on the sink, $e^{\sigma - \text{lse}_i}$, depends on how the sink compares with the
 # row's scores. With all scores equal to 0 it is $e^{\sigma}/(e^{\sigma} + N_k)$; as the scores
 # spread, their largest terms dominate $\text{lse}_i$ and the mass falls towards
-# $e^{\sigma - \max_j s_{ij}}$, never above it (since $\text{lse}_i \ge \max_j s_{ij}$). The figure multiplies the scores of 64 random queries over 256
-# keys by a factor $\alpha$ (a sharper or flatter attention) for four sinks, and plots the median
-# mass over the rows with its 10–90% band, from `flash_attention`'s lse; the dotted lines are
-# the all-zero limit.
+# $e^{\sigma - \max_j s_{ij}}$, never above it (since $\text{lse}_i \ge \max_j s_{ij}$). The
+# figure multiplies the scores of 64 random queries over 256 keys by a factor $\alpha$ (a
+# sharper or flatter attention) for four sinks, and plots the median mass over the rows with
+# its 10–90% band, from `flash_attention`'s lse; the dotted lines are the all-zero limit.
 
 # %%
 q3, k3, v3 = (rng.standard_normal((n, 16)) for n in (64, 256, 256))
@@ -779,8 +779,9 @@ for name, extra in (("no dropout", {}), ("dropout 0.3", dict(dropout_p=P_DROP, d
 #   whatever the tiles, threads or loop order; a generator per tile changes with the block
 #   sizes, one generator for the call with the visiting order, and one NumPy stream per row
 #   repeats the previous row shifted by four keys.
-# - The keep rate is within $4\sigma$ of $1 - p$ at $n = 2^{22}$ for every $p$ tried; a byte
-#   threshold such as FlashAttention-2's lies outside that interval at $p = 0.1$ and $0.9$.
+# - The keep rate is within $4\sigma$ of $1 - t/2^{32}$ (itself within $2^{-33}$ of $1 - p$) at
+#   $n = 2^{22}$ for every $p$ tried; a byte threshold such as FlashAttention-2's lies outside
+#   that interval at $p = 0.1$ and $0.9$.
 # - Nothing of size $N^2$ is stored: forward and backward scratch with dropout is flat in $N$,
 #   where a stored mask takes $N^2$ bytes per head and layer, at $N = 4096$ already more than
 #   either kernel's whole scratch.
