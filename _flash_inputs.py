@@ -483,19 +483,25 @@ def broadcasts_to(shape, target):
         return False
 
 
+def per_head(name, x, batch, unit):
+    """``x`` as an array of real numbers broadcastable to the leading (batch, head) dims."""
+    x = np.asarray(x)
+    if x.dtype.kind not in "fiu":
+        raise TypeError(f"{name} must be an array of real numbers, got dtype {x.dtype}")
+    if not broadcasts_to(x.shape, batch):
+        raise ValueError(
+            f"{name} of shape {x.shape} does not broadcast to the leading (batch, head) dims "
+            f"{batch}: give one {unit} per head, e.g. shape (H,) or (B, H)"
+        )
+    return x
+
+
 def checked_alibi(slopes, batch, groups, acc, n_q, n_k):
     """The slopes, shaped (..., 1, 1), each checked by :func:`checked_real`: a bias
     ``-slope · distance`` (distance up to ``max(Nq, Nk) - 1``) must not overflow ``acc``."""
     if slopes is None:
         return None
-    slopes = np.asarray(slopes)
-    if slopes.dtype.kind not in "fiu":
-        raise TypeError(f"alibi_slopes must be an array of real numbers, got dtype {slopes.dtype}")
-    if not broadcasts_to(slopes.shape, batch):
-        raise ValueError(
-            f"alibi_slopes of shape {slopes.shape} does not broadcast to the leading (batch, "
-            f"head) dims {batch}: give one slope per head, e.g. shape (H,) or (B, H)"
-        )
+    slopes = per_head("alibi_slopes", slopes, batch, "slope")
     with np.errstate(over="ignore"):  # a longdouble beyond float64: refused below
         slopes = slopes.astype(np.float64)
     if not np.isfinite(slopes).all():
@@ -517,14 +523,7 @@ def checked_sinks(sinks, batch, groups, acc):
     query split applied as for the ALiBi slopes); each finite in the compute dtype ``acc``."""
     if sinks is None:
         return None
-    sinks = np.asarray(sinks)
-    if sinks.dtype.kind not in "fiu":
-        raise TypeError(f"sinks must be an array of real numbers, got dtype {sinks.dtype}")
-    if not broadcasts_to(sinks.shape, batch):
-        raise ValueError(
-            f"sinks of shape {sinks.shape} does not broadcast to the leading (batch, head) dims "
-            f"{batch}: give one logit per head, e.g. shape (H,) or (B, H)"
-        )
+    sinks = per_head("sinks", sinks, batch, "logit")
     with np.errstate(over="ignore"):  # a longdouble beyond float64, or a float64 beyond acc
         finite = np.isfinite(sinks.astype(np.float64)) & np.isfinite(sinks.astype(acc))
     if not finite.all():
@@ -535,7 +534,7 @@ def checked_sinks(sinks, batch, groups, acc):
 
 def checked_dropout(p, seed, offset, n_q, n_k):
     """``dropout_p``, ``dropout_seed`` and ``dropout_offset`` checked, as Problem's fields: every
-    element's position must fit its counter word (``i < 2³²``, ``j // 4 < 2³²``)."""
+    element's position must fit its counter word (``i < 2³²``, ``j // 8 < 2³²``)."""
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
         raise TypeError(f"dropout_p must be a real number in [0, 1), got {p!r}")
     if not 0 <= p < 1:
@@ -553,9 +552,9 @@ def checked_dropout(p, seed, offset, n_q, n_k):
     if min(offset) < 0:
         raise ValueError(f"dropout_offset must be non-negative, got {offset!r}")
     offset = (int(offset[0]), int(offset[1]))
-    if offset[0] + n_q > 2**32 or (offset[1] + n_k) // 4 > 2**32:
+    if offset[0] + n_q > 2**32 or offset[1] + n_k > 2**35:
         raise ValueError(f"dropout_offset {offset!r} puts a position beyond the counter's 32-bit "
-                         f"words (query < 2**32, key < 2**34), for Nq = {n_q}, Nk = {n_k}")
+                         f"words (query < 2**32, key < 2**35), for Nq = {n_q}, Nk = {n_k}")
     return dict(dropout_p=float(p), dropout_seed=seed, dropout_offset=offset)
 
 
