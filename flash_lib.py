@@ -521,7 +521,7 @@ def _scores(problem, q, k, q_start, q_stop, k_start, k_stop, out=None, grad=Fals
 
 
 def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=None,
-                            scores=None, dropout=None):
+                            scores=None, dropout=None, dp_buffer=None):
     """One tile (i, j) of FlashAttention-2's backward: adds to dK_j and dV_j in place,
     returns this tile's share of dQ_i.
 
@@ -533,7 +533,10 @@ def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=
     operand holds inf or NaN (``which`` names that operand).
     ``scores(q, k)`` returns S_ij with the score variants applied, and softcap's
     derivative 1 - tanh² (or None); by default (q kᵀ, None).
-    ``dropout``: the tile's Z_ij / (1 - p), 0 where the forward dropped the pair (or None).
+    ``dropout``: ``(Z_ij, 1 / (1 - p))``, the tile's boolean keep mask and the kept weights'
+    factor, as the forward drew them (or None). ``dp_buffer``: an array of the tile's shape to
+    hold dP and dS (the kernel reuses one per worker: a fresh 2 MiB tile each time can cost
+    its page faults again), or None.
     """
     matmul = matmul or (lambda a, b, which: a @ b)
     # S_ij, recomputed as the forward computed it
@@ -545,14 +548,18 @@ def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=
     if allowed is not None and np.isnan(lse).any():
         # e^(-inf - NaN) is NaN: a NaN row's masked pairs must still weigh 0
         np.copyto(p, 0, where=~allowed)
-    # with dropout the forward weighed V_j by P̃_ij = P_ij ∘ Z_ij / (1 - p)
-    p_used = p if dropout is None else p * dropout
-    # dV_j += P̃_ijᵀ dO_i
-    dv += matmul(np.swapaxes(p_used, -1, -2), dout, "dout")
-    # dP_ij = dO_i V_jᵀ (∘ Z_ij / (1 - p): P_ij reaches the loss only through P̃_ij)
-    dp = dout @ np.swapaxes(v, -1, -2)
+    p_used, dout_used = p, dout
     if dropout is not None:
-        dp *= dropout
+        # the forward weighed V_j by P̃_ij = P_ij ∘ Z_ij / (1 - p); the factor 1 / (1 - p) rides
+        # on dO_i (rows × dv) instead of on the tile (rows × keys)
+        keep, factor = dropout
+        p_used, dout_used = p * keep, dout * factor
+    # dV_j += P̃_ijᵀ dO_i = (P_ij ∘ Z_ij)ᵀ (dO_i / (1 - p))
+    dv += matmul(np.swapaxes(p_used, -1, -2), dout_used, "dout")
+    # dP_ij = dO_i V_jᵀ (∘ Z_ij / (1 - p): P_ij reaches the loss only through P̃_ij)
+    dp = np.matmul(dout_used, np.swapaxes(v, -1, -2), out=dp_buffer)
+    if dropout is not None:
+        dp *= keep
     # dS_ij = P_ij ∘ (dP_ij - D_i)
     ds = np.multiply(p, np.subtract(dp, D[..., None], out=dp), out=dp)
     if slope is not None:
@@ -656,6 +663,8 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
         v_blk = problem.v_tile(k_start, k_stop)
         dk_blk = np.zeros(batch + k_blk.shape[-2:], acc)
         dv_blk = np.zeros(batch + v_blk.shape[-2:], acc)
+        # S (then P) and dP (then dS) of every tile of this key block, in two buffers
+        tiles = [np.empty(batch + (min(block_q, n_q), k_stop - k_start), acc) for _ in range(2)]
         for i, (q_start, q_stop) in enumerate(_blocks(n_q, block_q)):
             if cancelled.is_set():
                 return
@@ -666,13 +675,15 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
                 rows = slice(q_start, q_stop)
                 matmul = _masked.backward_matmul(problem, allowed, dout, q_start, q_stop, k_start, k_stop)
                 keep = problem.keep_tile(q_start, q_stop, k_start, k_stop)  # the forward's Z, again
-                dropout = None if keep is None else np.multiply(keep, problem.dropout_scale(acc), dtype=acc)
+                dropout = None if keep is None else (keep, problem.dropout_scale(acc))
+                s_buf, dp_buf = (t[..., : q_stop - q_start, :] for t in tiles)
                 share = attention_backward_tile(
                     problem.q_tile(q_start, q_stop), k_blk, v_blk,
                     dout[..., rows, :].astype(acc, copy=False), lse[..., rows], D[..., rows],
                     dk_blk, dv_blk, allowed, matmul,
                     functools.partial(_scores, problem, q_start=q_start, q_stop=q_stop,
-                                      k_start=k_start, k_stop=k_stop, grad=True), dropout,
+                                      k_start=k_start, k_stop=k_stop, out=s_buf, grad=True),
+                    dropout, dp_buf,
                 )
                 share = _sum_to(share, dq.shape[:-2] + share.shape[-2:])
             with turns.turn(i, j, cancelled) as mine:
