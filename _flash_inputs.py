@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import _flash_dropout as dropout
+
 try:  # bfloat16 is not a NumPy dtype; ml_dtypes (a dependency) provides it.
     import ml_dtypes
 
@@ -60,6 +62,11 @@ class Problem:
     softcap: float | None
     alibi: np.ndarray | None  # the slopes, shaped (..., 1, 1) to broadcast against a tile
     mask_mod: object  # callable or None
+    sinks: np.ndarray | None  # float64, shaped (..., 1) to broadcast against a block's rows
+    sinks_shape: tuple | None  # the caller's shape of sinks: dsinks is summed back to it
+    dropout_p: float = 0.0
+    dropout_seed: int | None = None
+    dropout_offset: tuple = (0, 0)  # global position of query row 0 and key 0
     batch: tuple
     out_dtype: np.dtype
     acc: np.dtype  # the compute dtype
@@ -108,6 +115,17 @@ class Problem:
                 f"to (..., tile_q, tile_k) = {expected}"
             )
         return split_heads(allowed, -3, self.groups) if self.groups else allowed
+
+    def keep_tile(self, q_start, q_stop, k_start, k_stop):
+        """The dropout keep mask of one tile, bool ``batch + (rows, keys)``; None without dropout.
+        Keyed by the global positions (the offset added) and the flat batch index, which with
+        grouped queries is the same over (…, Hkv, groups) as over the caller's (…, Hq)."""
+        if not self.dropout_p:
+            return None
+        i, j = self.dropout_offset
+        keep = dropout.keep(self.dropout_seed, dropout.threshold(self.dropout_p),
+                            math.prod(self.batch), (i + q_start, i + q_stop), (j + k_start, j + k_stop))
+        return keep.reshape(self.batch + keep.shape[-2:])
 
     def merge_heads(self, x):
         """A result with the grouped-query split (…, Hkv, groups, Nq, …) back to (…, Hq, Nq, …)."""
@@ -301,7 +319,8 @@ def split_scale(scale):
 
 
 def check_inputs(*, q, k, v, mask, causal, scale, window, softcap, alibi_slopes, enable_gqa,
-                 mask_mod, band_of):
+                 mask_mod, band_of, sinks=None, dropout_p=0.0, dropout_seed=None,
+                 dropout_offset=(0, 0)):
     """Validate and normalise the arguments of every kernel; return a :class:`Problem`.
 
     ``band_of(n_q, n_k, causal, window)`` builds the band (flash_lib's ``_Band.of``)."""
@@ -327,7 +346,10 @@ def check_inputs(*, q, k, v, mask, causal, scale, window, softcap, alibi_slopes,
                    scale_k=scale_k, softcap=checked_softcap(softcap, acc),
                    alibi=checked_alibi(alibi_slopes, user_batch, groups, acc, n_q, n_k),
                    mask_mod=checked_mask_mod(mask_mod), batch=batch, out_dtype=out_dtype, acc=acc,
-                   groups=groups, shapes=shapes, user_batch=user_batch)
+                   groups=groups, shapes=shapes, user_batch=user_batch,
+                   sinks=checked_sinks(sinks, user_batch, groups, acc),
+                   sinks_shape=None if sinks is None else np.shape(sinks),
+                   **checked_dropout(dropout_p, dropout_seed, dropout_offset, n_q, n_k))
 
 
 def check_arrays(q, k, v, mask=None, *, enable_gqa=False):
@@ -478,6 +500,53 @@ def checked_alibi(slopes, batch, groups, acc, n_q, n_k):
                      limit_why=f" as slope · distance, distance up to {max(1, n_q - 1, n_k - 1)}")
     slopes = slopes[..., None, None]  # broadcasts against a tile's (rows, keys)
     return split_heads(slopes, -3, groups) if groups else slopes
+
+
+def checked_sinks(sinks, batch, groups, acc):
+    """The sinks as float64, shaped (..., 1) to broadcast against a block's rows (the grouped
+    query split applied as for the ALiBi slopes); each finite in the compute dtype ``acc``."""
+    if sinks is None:
+        return None
+    sinks = np.asarray(sinks)
+    if sinks.dtype.kind not in "fiu":
+        raise TypeError(f"sinks must be an array of real numbers, got dtype {sinks.dtype}")
+    if not broadcasts_to(sinks.shape, batch):
+        raise ValueError(
+            f"sinks of shape {sinks.shape} does not broadcast to the leading (batch, head) dims "
+            f"{batch}: give one logit per head, e.g. shape (H,) or (B, H)"
+        )
+    with np.errstate(over="ignore"):  # a longdouble beyond float64, or a float64 beyond acc
+        finite = np.isfinite(sinks.astype(np.float64)) & np.isfinite(sinks.astype(acc))
+    if not finite.all():
+        raise ValueError(f"sinks must be finite numbers in the compute dtype {acc}, got {sinks}")
+    sinks = sinks.astype(np.float64)[..., None]  # broadcasts against a block's rows
+    return split_heads(sinks, -2, groups) if groups else sinks
+
+
+def checked_dropout(p, seed, offset, n_q, n_k):
+    """``dropout_p``, ``dropout_seed`` and ``dropout_offset`` checked, as Problem's fields: every
+    element's position must fit its counter word (``i < 2³²``, ``j // 4 < 2³²``)."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number in [0, 1), got {p!r}")
+    if not 0 <= p < 1:
+        raise ValueError(f"dropout_p must be in [0, 1) (the probability of dropping), got {p!r}")
+    if p > 0 or seed is not None:
+        if (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
+                or not 0 <= seed < 2**64):
+            raise ValueError(f"dropout_seed must be an integer in [0, 2**64) when dropout_p > 0 "
+                             f"(it keys the mask), got {seed!r}")
+        seed = int(seed)
+    if (not isinstance(offset, (tuple, list)) or len(offset) != 2
+            or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in offset)):
+        raise TypeError(f"dropout_offset must be a pair (row, key) of non-negative integers, "
+                        f"got {offset!r}")
+    if min(offset) < 0:
+        raise ValueError(f"dropout_offset must be non-negative, got {offset!r}")
+    offset = (int(offset[0]), int(offset[1]))
+    if offset[0] + n_q > 2**32 or (offset[1] + n_k) // 4 > 2**32:
+        raise ValueError(f"dropout_offset {offset!r} puts a position beyond the counter's 32-bit "
+                         f"words (query < 2**32, key < 2**34), for Nq = {n_q}, Nk = {n_k}")
+    return dict(dropout_p=float(p), dropout_seed=seed, dropout_offset=offset)
 
 
 def checked_mask_mod(mask_mod):

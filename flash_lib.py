@@ -30,6 +30,7 @@ Contracts, the same in every kernel here (README.md and the chapters say why and
 * ``mask[..., i, j]`` True means query ``i`` may attend to key ``j`` (PyTorch SDPA and JAX).
 * ``causal``: key ``j`` for query ``i`` iff ``j <= i + (Nk - Nq)``, bottom-right (:func:`causal_mask`).
 * Empty rows: ``out`` exactly 0 and ``lse = -inf``, no NaN, no warning, whatever q, k, v hold.
+  With ``sinks`` no row is empty: a row with no allowed key gets ``out`` 0 and ``lse = sink``.
 * Masked keys never leak: an inf or NaN at key ``j`` reaches exactly the rows that may attend it.
 * A NaN in row ``i`` of ``q`` makes row ``i`` NaN and leaves every other row exact.
 * The scale ``τ = r·2^e`` is applied as ``q · r·2^a`` and ``k · 2^b``, ``a + b = e``, ``b = trunc(e/2)``.
@@ -41,7 +42,8 @@ Contracts, the same in every kernel here (README.md and the chapters say why and
 
 Beside this file, private to it (copy them with it): ``_flash_inputs.py`` (the checks),
 ``_flash_runtime.py`` (threads, BLAS), ``_flash_masked.py`` (the matmul that keeps masked inf
-and NaN out) and ``_flash_measure.py`` (peak memory, the error metric).
+and NaN out), ``_flash_dropout.py`` (the dropout mask's Philox) and ``_flash_measure.py`` (peak
+memory, the error metric).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import _flash_dropout as _dropout
 import _flash_inputs as _inputs
 import _flash_masked as _masked
 import _flash_runtime as _runtime
@@ -72,6 +75,7 @@ __all__ = [
     "merge_attention",
     "tile_schedule",
     "causal_mask",
+    "dropout_keep",
     "check_arrays",
     "threads",
     "thread_count",
@@ -123,7 +127,8 @@ def check_arrays(q, k, v, mask=None, *, enable_gqa=False):
     return _inputs.check_arrays(q, k, v, mask, enable_gqa=enable_gqa)[2]
 
 
-_VARIANTS = ("mask", "causal", "scale", "window", "softcap", "alibi_slopes", "enable_gqa", "mask_mod")
+_VARIANTS = ("mask", "causal", "scale", "window", "softcap", "alibi_slopes", "enable_gqa", "mask_mod",
+             "sinks")
 
 
 def _problem(args):
@@ -171,6 +176,14 @@ def online_softmax_update(m, l, acc, s, v, matmul=np.matmul):
     m[...] = m_new
 
 
+def _initial_state(problem, rows):
+    """Each row's ``(m, l)`` before its first key: ``(-inf, 0)``, nothing seen; with a sink, the
+    sink as one key already seen, of score ``sink`` and value 0: ``(sink, 1)`` (``acc`` stays 0)."""
+    if problem.sinks is None:
+        return np.full(rows, -np.inf, problem.acc), np.zeros(rows, problem.acc)
+    return np.broadcast_to(problem.sinks.astype(problem.acc), rows).copy(), np.ones(rows, problem.acc)
+
+
 def _finalize(acc, l, m):
     """``out = acc / l`` and ``lse = m + log(l)``, with empty rows (``l == 0``) as 0 and -inf.
 
@@ -192,7 +205,7 @@ def _finalize(acc, l, m):
 
 def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEFAULT_BLOCK_Q,
                     block_k=DEFAULT_BLOCK_K, return_lse=False, window=None, softcap=None,
-                    alibi_slopes=None, enable_gqa=False, mask_mod=None):
+                    alibi_slopes=None, enable_gqa=False, mask_mod=None, sinks=None):
     """Exact attention, computed tile by tile without storing the ``Nq × Nk`` scores.
 
     Parameters
@@ -236,6 +249,11 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
         boolean array broadcastable to ``(..., tile_q, tile_k)`` (its leading dims may differ
         per batch or head). ANDed with the rest; a tile where it is all False is never
         multiplied. Called from the kernel's worker threads.
+    sinks : array, optional
+        Attention sinks (gpt-oss; FlashAttention-3's ``s_aux``): one logit per head, finite,
+        broadcastable to the leading dims as ``alibi_slopes``. Each row's softmax gets one more
+        key, of score ``sink`` (not scaled, not capped) and value 0: ``P_ij = exp(s_ij - lse_i)``,
+        ``lse_i = log(exp(sink) + Σ_j exp(s_ij))``. The backward then also returns ``dsinks``.
 
     Returns
     -------
@@ -267,8 +285,7 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
         q_start, q_stop = query_block
         rows = problem.batch + (q_stop - q_start,)
         q_blk = problem.q_tile(q_start, q_stop)
-        m = np.full(rows, -np.inf, dtype=problem.acc)
-        l = np.zeros(rows, dtype=problem.acc)
+        m, l = _initial_state(problem, rows)
         acc = np.zeros(rows + (problem.dv,), dtype=problem.acc)
         # The scores tile and the p·v product are reused across key blocks: one allocation each.
         s_buf = np.empty(rows + (min(block_k, problem.n_k),), dtype=problem.acc)
@@ -341,6 +358,23 @@ def _blocks_of(name, n, size):
         raise ValueError(f"{name}'s sizes must sum to {n}, got {tuple(size)!r}")
     stops = np.cumsum(size, dtype=int).tolist()
     return list(zip([0] + stops[:-1], stops))
+
+
+def dropout_keep(dropout_seed, dropout_p, shape, offset=(0, 0)):
+    """The dropout keep mask the kernels use, materialised: bool ``shape = (..., Nq, Nk)``, True
+    where element ``(b, i, j)`` is kept (``b`` the flat C-order index over ``shape[:-2]``, ``i``,
+    ``j`` the row and key plus ``offset``), probability ``1 - round(p·2³²)/2³²`` each, from
+    Philox4x32-10 keyed by the seed and the position (``_flash_dropout.py``). For tests and
+    figures: the kernels compute it one tile at a time and never store it."""
+    if (not isinstance(shape, (tuple, list)) or len(shape) < 2
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shape)):
+        raise ValueError(f"shape must be a tuple (..., Nq, Nk) of non-negative ints, got {shape!r}")
+    drop = _inputs.checked_dropout(dropout_p, dropout_seed, offset, shape[-2], shape[-1])
+    if not drop["dropout_p"]:
+        return np.ones(shape, bool)
+    (i, j), (n_q, n_k) = drop["dropout_offset"], shape[-2:]
+    return _dropout.keep(drop["dropout_seed"], _dropout.threshold(drop["dropout_p"]),
+                         int(np.prod(shape[:-2])), (i, i + n_q), (j, j + n_k)).reshape(shape)
 
 
 def causal_mask(n_q, n_k):
@@ -511,12 +545,13 @@ def _masked_pairs_zero(ds, allowed):
 
 def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False, scale=None,
                              block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K, window=None,
-                             softcap=None, alibi_slopes=None, enable_gqa=False, mask_mod=None):
+                             softcap=None, alibi_slopes=None, enable_gqa=False, mask_mod=None,
+                             sinks=None):
     """The gradients of ``sum(dout * flash_attention(q, k, v, ...))`` without storing ``P``.
 
     Parameters
     ----------
-    q, k, v, mask, causal, scale, block_q, block_k, window, softcap, alibi_slopes, enable_gqa, mask_mod
+    q, k, v, mask, causal, scale, block_q, block_k, window, softcap, alibi_slopes, enable_gqa, mask_mod, sinks
         As for :func:`flash_attention`, and the same as the forward call.
     out, lse
         What ``flash_attention(q, k, v, ..., return_lse=True)`` returned: shapes
@@ -530,6 +565,9 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
         Each of its input's shape and dtype. An input broadcast over leading dims gets the sum of
         the gradients over those dims, as autograd gives it (k and v shared by every head get
         the sum of the heads' gradients). Half-precision inputs compute in float32.
+    dsinks : ndarray
+        Only with ``sinks``: of sinks' shape, in the compute dtype, summed likewise;
+        ``dsinks_h = -Σ_i exp(sink_h - lse_i) · D_i`` over head h's rows.
 
     Notes
     -----
@@ -613,7 +651,18 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
         _runtime.run_blocks(key_block, _blocks(n_k, block_k), threads=thread_count(),
                             n_blocks=-(-n_k // block_k), n_scores=problem.n_scores)
     dq *= acc.type(problem.scale_q)
-    return problem.input_shapes(dq.astype(problem.q.dtype, copy=False), dk, dv)
+    grads = problem.input_shapes(dq.astype(problem.q.dtype, copy=False), dk, dv)
+    return grads if problem.sinks is None else grads + (_dsinks(problem, lse, D),)
+
+
+def _dsinks(problem, lse, D):
+    """``dsinks_h = -Σ_i exp(sink_h - lse_i) · D_i`` over head h's rows, summed to sinks' shape.
+
+    The sink is one more key, of score ``sink`` and value 0: it enters ``out_i`` only through
+    the denominator, ``∂P_ij/∂sink = -P_ij · P_i,sink`` with ``P_i,sink = exp(sink - lse_i)``,
+    so ``Σ_j dP_ij · ∂P_ij/∂sink = -P_i,sink · D_i`` (``D_i = Σ_j P_ij dP_ij``)."""
+    p_sink = np.exp(problem.sinks.astype(lse.dtype) - lse)
+    return _sum_to(problem.merge_heads(-(p_sink * D).sum(axis=-1)), problem.sinks_shape)
 
 
 def _sum_to(x, shape):
@@ -631,7 +680,8 @@ def _sum_to(x, shape):
 
 
 def naive_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False,
-                    window=None, softcap=None, alibi_slopes=None, enable_gqa=False, mask_mod=None):
+                    window=None, softcap=None, alibi_slopes=None, enable_gqa=False, mask_mod=None,
+                    sinks=None):
     """Textbook attention: the full ``Nq × Nk`` score matrix, then a max-subtracted softmax.
 
     Same arguments, results and conventions as :func:`flash_attention` (minus the block sizes);
@@ -647,7 +697,7 @@ def naive_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=
 
 def precise_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False,
                       window=None, softcap=None, alibi_slopes=None, enable_gqa=False,
-                      mask_mod=None):
+                      mask_mod=None, sinks=None):
     """Attention in more precision than float64: the truth the other kernels are measured against.
 
     Same semantics as :func:`naive_attention`; the scale is the float64 number the kernels use,
@@ -677,8 +727,16 @@ def _dense_softmax(problem, dtype, grad=False):
     if allowed is not None:
         s = np.where(allowed, s, -np.inf)
     m = s.max(axis=-1, initial=-np.inf)
+    if problem.sinks is not None:  # the sink is one more score of the row
+        m = np.maximum(m, problem.sinks.astype(dtype))
     p = np.exp(s - _reference(m)[..., None])
     return (s, p, m, allowed, slope) if grad else (p, m, allowed)
+
+
+def _denominator(problem, p, m):
+    """``Σ_j p_ij``, plus the sink's ``exp(sink - m_i)`` (it takes probability, carries no value)."""
+    l = p.sum(axis=-1)
+    return l if problem.sinks is None else l + np.exp(problem.sinks.astype(m.dtype) - m)
 
 
 def _reference(m):
@@ -694,12 +752,12 @@ def _dense_attention(problem, dtype):
     v = problem.v_tile(0, problem.n_k, dtype)
     bad = problem.bad_values(0, problem.n_k) if allowed is not None else None
     pv = p @ v if bad is None else _masked.matmul_allowed(p, v, allowed=allowed, bad=bad)
-    return _finalize(pv, p.sum(axis=-1), m)
+    return _finalize(pv, _denominator(problem, p, m), m)
 
 
 def naive_attention_backward(q, k, v, dout, *, mask=None, causal=False, scale=None,
                              window=None, softcap=None, alibi_slopes=None, enable_gqa=False,
-                             mask_mod=None):
+                             mask_mod=None, sinks=None):
     """The dense oracle of :func:`flash_attention_backward`: ``P`` whole, then the textbook chain.
 
     ``P = softmax(S)``, ``dV = Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P ∘ (dP - rowsum(P ∘ dP))`` (the
@@ -711,18 +769,20 @@ def naive_attention_backward(q, k, v, dout, *, mask=None, causal=False, scale=No
     dout = _inputs.check_saved(problem, dout=dout)
     grads = _dense_backward(problem, dout, problem.acc)
     return problem.input_shapes(*(g.astype(x.dtype, copy=False)
-                                  for g, x in zip(grads, (problem.q, problem.k, problem.v))))
+                                  for g, x in zip(grads, (problem.q, problem.k, problem.v)))
+                                ) + grads[3:]
 
 
 def precise_attention_backward(q, k, v, dout, *, mask=None, causal=False, scale=None,
                                window=None, softcap=None, alibi_slopes=None, enable_gqa=False,
-                               mask_mod=None):
+                               mask_mod=None, sinks=None):
     """:func:`naive_attention_backward` in ``np.longdouble``: the truth gradients are measured
     against (x86-64 and aarch64 Linux, where longdouble is wider than float64). Returns
     longdouble arrays."""
     problem = _problem(locals())
     dout = _inputs.check_saved(problem, dout=dout)
-    return problem.input_shapes(*_dense_backward(problem, dout, np.dtype(np.longdouble)))
+    grads = _dense_backward(problem, dout, np.dtype(np.longdouble))
+    return problem.input_shapes(*grads[:3]) + grads[3:]
 
 
 @_ieee_quiet()
@@ -732,14 +792,15 @@ def _dense_backward(problem, dout, dtype):
     dout = dout.astype(dtype)
     # s stays alive as in a textbook backward: chapter 13 counts S, P, dP, dS at the peak
     s, p, m, allowed, slope = _dense_softmax(problem, dtype, grad=True)
-    l = p.sum(axis=-1)
+    l = _denominator(problem, p, m)
     p /= np.where(l == 0, 1, l)[..., None]  # P = softmax(S); an empty row stays 0
     if allowed is not None:  # and a masked pair weighs exactly 0, in a NaN row too
         p = np.where(allowed, p, 0)
     dp = dout @ np.swapaxes(v, -1, -2)
     if allowed is not None:  # what a masked pair's dP holds must not reach rowsum(P ∘ dP)
         dp = np.where(allowed, dp, 0)
-    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    D = (p * dp).sum(axis=-1, keepdims=True)  # the sink's dP is 0: its value is 0
+    ds = p * (dp - D)
     if slope is not None:  # the chain rule through softcap
         ds = ds * slope
     _masked_pairs_zero(ds, allowed)
@@ -752,8 +813,14 @@ def _dense_backward(problem, dout, dtype):
     dv = matmul(np.swapaxes(p, -1, -2), dout, allowed_t, "dout", dout)
     dq = matmul(ds, k, allowed, "k", problem.k) * dtype.type(problem.scale_q)
     dk = matmul(np.swapaxes(ds, -1, -2), q, allowed_t, "q", problem.q) * dtype.type(problem.scale_k)
-    return tuple(_sum_to(g, x.shape[:-2] + g.shape[-2:])
-                 for g, x in zip((dq, dk, dv), (problem.q, problem.k, problem.v)))
+    grads = tuple(_sum_to(g, x.shape[:-2] + g.shape[-2:])
+                  for g, x in zip((dq, dk, dv), (problem.q, problem.k, problem.v)))
+    if problem.sinks is None:
+        return grads
+    # dsinks = -Σ_i P_i,sink · Σ_j P_ij dP_ij, the sink's probability P_i,sink = exp(sink - m_i) / l_i
+    p_sink = np.exp(problem.sinks.astype(dtype) - m) / l
+    return grads + (_sum_to(problem.merge_heads(-(p_sink * D[..., 0]).sum(axis=-1)),
+                            problem.sinks_shape),)
 
 
 def _dense_allowed(problem):
@@ -768,8 +835,8 @@ def _mpmath_attention(problem):  # pragma: no cover - see precise_attention
     mp = mpmath.mp.clone()
     mp.dps = 40
     batch, n_q, n_k = problem.batch, problem.n_q, problem.n_k
-    if problem.softcap is not None or problem.alibi is not None:
-        raise NotImplementedError("softcap and ALiBi need np.longdouble wider than float64")
+    if problem.softcap is not None or problem.alibi is not None or problem.sinks is not None:
+        raise NotImplementedError("softcap, ALiBi and sinks need np.longdouble wider than float64")
     allowed = _allowed(problem, 0, n_q, 0, n_k)
     allowed = np.broadcast_to(True if allowed is None else allowed, batch + (n_q, n_k))
     q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (problem.q, problem.k, problem.v))

@@ -1,0 +1,396 @@
+"""Training features (issue 24): attention sinks and dropout, forward and backward.
+
+The oracle is :func:`dense`, written here from the definitions and sharing no code with
+flash_lib: the whole score matrix with the variants applied as explicit arrays (a boolean
+matrix of allowed pairs, softcap's tanh, ALiBi's bias matrix), the sink appended as one more
+column of the softmax and removed after, the keep mask applied as ``P ∘ Z / (1 - p)``, and the
+textbook chain rule for the gradients. The tiled kernel is checked against it and against
+``naive_attention`` with the same keywords over every combination of the variants; the
+gradients against central differences.
+"""
+
+import re
+import warnings
+
+import numpy as np
+import pytest
+from conftest import random_qkv
+from hypothesis import given
+from hypothesis import strategies as st
+
+import flash_lib
+from flash_lib import (
+    causal_mask,
+    flash_attention,
+    flash_attention_backward,
+    measure_peak_bytes,
+    naive_attention,
+    naive_attention_backward,
+    precise_attention,
+    precise_attention_backward,
+)
+
+
+def window_mask(n_q, n_k, left, right):
+    """Key j for query i iff i + (Nk - Nq) - left <= j <= i + (Nk - Nq) + right."""
+    rel = np.arange(n_k)[None, :] - np.arange(n_q)[:, None] - (n_k - n_q)
+    ok = np.ones((n_q, n_k), bool)
+    if left is not None:
+        ok &= rel >= -left
+    if right is not None:
+        ok &= rel <= right
+    return ok
+
+
+def dense(q, k, v, dout, *, scale, allowed=None, softcap=None, slopes=None, sinks=None,
+          keep=None, p=0.0):
+    """Forward and backward of attention with a sink and a dropout mask, dense, float64.
+
+    q (..., Nq, d), k, v (..., Nk, ·) broadcast together; allowed (..., Nq, Nk) bool; slopes
+    and sinks broadcast to the batch (one per head); keep (..., Nq, Nk) bool: Z.
+    Returns out, lse, dq, dk, dv, dsinks (dsinks over the full batch, not summed).
+
+        S = τ q kᵀ, S_c = c·tanh(S / c), S_b = S_c - slope·|i + Nk - Nq - j|, -inf where not allowed
+        [P | P_sink] = softmax([S_b | sink]) row by row; lse = log(Σ_j e^S_b + e^sink)
+        out = (P ∘ Z / (1 - p)) V
+        dV = (P ∘ Z / (1 - p))ᵀ dO,  dP = (dO Vᵀ) ∘ Z / (1 - p),  D = rowsum(P ∘ dP)
+        dS_b = P ∘ (dP - D),  dS = dS_b ∘ (1 - tanh²(S / c)),  dq = τ dS k,  dk = τ dSᵀ q
+        dsink = -Σ_i P_sink,i · D_i
+    """
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    s = scale * (q @ np.swapaxes(k, -1, -2))
+    s_c = s if softcap is None else softcap * np.tanh(s / softcap)
+    if slopes is not None:
+        i, j = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
+        s_c = s_c - np.asarray(slopes)[..., None, None] * np.abs(i + (n_k - n_q) - j)
+    if allowed is not None:
+        s_c = np.where(allowed, s_c, -np.inf)
+    batch = s_c.shape[:-2]
+    sink = np.full(batch + (n_q, 1), -np.inf) if sinks is None else np.broadcast_to(
+        np.asarray(sinks, np.float64)[..., None, None], batch + (n_q, 1))
+    full = np.concatenate([s_c, sink], axis=-1)
+    m = full.max(axis=-1, keepdims=True)
+    m = np.where(m == -np.inf, 0, m)
+    e = np.exp(full - m)
+    total = e.sum(axis=-1, keepdims=True)
+    lse = np.where(total[..., 0] == 0, -np.inf, np.log(total[..., 0]) + m[..., 0])
+    prob = e / np.where(total == 0, 1, total)
+    P, p_sink = prob[..., :n_k], prob[..., n_k]
+    z = np.ones(P.shape) if keep is None else keep / (1 - p)
+    out = (P * z) @ v
+    dv = np.swapaxes(P * z, -1, -2) @ dout
+    dP = (dout @ np.swapaxes(v, -1, -2)) * z
+    D = (P * dP).sum(axis=-1, keepdims=True)
+    ds = P * (dP - D)
+    if softcap is not None:
+        ds = ds * (1 - np.tanh(s / softcap) ** 2)
+    dq = scale * ds @ k
+    dk = scale * np.swapaxes(ds, -1, -2) @ q
+    dsinks = -(p_sink * D[..., 0]).sum(axis=-1)
+    return out, lse, dq, dk, dv, dsinks
+
+
+def sum_to(x, shape):
+    """x summed over the axes an array of ``shape`` was broadcast along."""
+    lead = x.ndim - len(shape)
+    x = x.sum(axis=tuple(range(lead)))
+    return x.sum(axis=tuple(i for i, n in enumerate(shape) if n == 1), keepdims=True).reshape(shape)
+
+
+def grads(kernel, q, k, v, dout, **kw):
+    if kernel == "naive":
+        return naive_attention_backward(q, k, v, dout, **kw)
+    out, lse = flash_attention(q, k, v, return_lse=True, **kw)
+    return flash_attention_backward(q, k, v, out, lse, dout, **kw)
+
+
+def close(a, b, tol=1e-12):
+    """Entrywise within ``tol`` of the larger of the two arrays' scales."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = max(np.abs(b).max(initial=0.0), np.abs(a).max(initial=0.0), 1e-300)
+    return np.abs(a - b).max(initial=0.0) <= tol * scale
+
+
+# ---------------------------------------------------------------------------------------------
+# Sinks
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", ["flash", "naive", "precise"])
+@pytest.mark.parametrize("case", ["plain", "causal+softcap+alibi", "mask", "broadcast"])
+def test_sinks_against_the_dense_oracle(kernel, case):
+    """out, lse, dq, dk, dv, dsinks of each kernel against :func:`dense` with the sink as an
+    extra column: within 1e-13 of the larger scale (float64 against float64 and longdouble).
+    ``broadcast``: sinks (H,) over a batch (2, H), k and v shared by the batch (their gradients
+    and dsinks summed over it)."""
+    rng = np.random.default_rng(20)
+    n_q, n_k, h = 7, 10, 3
+    q = 2 * rng.standard_normal((2, h, n_q, 5))
+    k, v = 2 * rng.standard_normal((2, h, n_k, 5)), rng.standard_normal((2, h, n_k, 4))
+    sinks = rng.standard_normal(h) * 2
+    kw, ref_kw = {}, {}
+    if case == "causal+softcap+alibi":
+        slopes = np.array([0.5, 0.25, 0.125])
+        kw = dict(causal=True, softcap=1.5, alibi_slopes=slopes)
+        ref_kw = dict(allowed=causal_mask(n_q, n_k), softcap=1.5, slopes=slopes)
+    elif case == "mask":
+        mask = rng.random((2, h, n_q, n_k)) < 0.4
+        mask[0, 1, 2] = False  # an empty row: out 0, lse = sink
+        kw, ref_kw = dict(mask=mask), dict(allowed=mask)
+    elif case == "broadcast":
+        k, v = k[:1], v[:1]
+        sinks = sinks.reshape(1, h)
+    dout = rng.standard_normal((2, h, n_q, 4))
+    ref = dense(q, k, v, dout, scale=1 / np.sqrt(5), sinks=sinks, **ref_kw)
+    kw["sinks"] = sinks
+    if kernel == "flash":
+        out, lse = flash_attention(q, k, v, return_lse=True, block_q=3, block_k=4, **kw)
+        got = flash_attention_backward(q, k, v, out, lse, dout, block_q=3, block_k=4, **kw)
+    elif kernel == "naive":
+        out, lse = naive_attention(q, k, v, return_lse=True, **kw)
+        got = naive_attention_backward(q, k, v, dout, **kw)
+    else:
+        out, lse = precise_attention(q, k, v, return_lse=True, **kw)
+        got = precise_attention_backward(q, k, v, dout, **kw)
+    assert len(got) == 4
+    expected = ref[:2] + (sum_to(ref[2], q.shape), sum_to(ref[3], k.shape),
+                          sum_to(ref[4], v.shape), sum_to(ref[5], sinks.shape))
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "dsinks"], (out, lse) + tuple(got),
+                          expected):
+        assert a.shape == b.shape, name
+        assert close(a, b, 1e-13), (name, np.abs(np.asarray(a, float) - b).max())
+    if case == "mask":
+        assert np.all(out[0, 1, 2] == 0) and lse[0, 1, 2] == sinks[1]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+def test_a_row_with_no_allowed_key_gives_zero_and_the_sink(causal, dtype):
+    """A sink means no row is empty: a row whose keys are all masked gets out = 0 exactly and
+    lse = sink exactly (m = sink, l = 1 from the start, and nothing added), in every kernel and
+    dtype; its dq row is 0, and its dsinks share 0 (D = dO · 0). With causal and Nq > Nk the
+    first Nq - Nk rows have no key."""
+    rng = np.random.default_rng(21)
+    q, k, v = random_qkv(rng, 9, 5, 4, dv=3, dtype=dtype, batch=(2,))
+    dout = rng.standard_normal((2, 9, 3)).astype(dtype)
+    sinks = np.array([0.75, -1.5])
+    mask = np.ones((9, 5), bool)
+    mask[6] = False
+    kw = dict(sinks=sinks, causal=causal, mask=mask)
+    empty = [6] + (list(range(4)) if causal else [])
+    acc = np.float32 if dtype == np.float16 else dtype
+    for attend in (flash_attention, naive_attention):
+        out, lse = attend(q, k, v, return_lse=True, **kw)
+        assert np.all(out[:, empty] == 0)
+        np.testing.assert_array_equal(lse[:, empty], np.broadcast_to(
+            sinks.astype(acc)[:, None], (2, len(empty))))
+    for kernel in ("flash", "naive"):
+        dq, dk, dv, dsinks = grads(kernel, q, k, v, dout, **kw)
+        assert np.all(dq[:, empty] == 0) and dsinks.shape == (2,) and dsinks.dtype == acc
+
+
+def test_sinks_gradient_matches_central_differences():
+    """dsinks (and dq, dk, dv) against central differences of the forward, float64, with GQA,
+    a window and softcap on top: one sink per query head."""
+    rng = np.random.default_rng(22)
+    q = rng.standard_normal((4, 8, 6))
+    k, v = rng.standard_normal((2, 11, 6)), rng.standard_normal((2, 11, 3))
+    sinks = rng.standard_normal(4)
+    dout = rng.standard_normal((4, 8, 3))
+    kw = dict(enable_gqa=True, window=(3, 2), softcap=2.0, block_q=3, block_k=4)
+    analytic = grads("flash", q, k, v, dout, sinks=sinks, **kw)
+
+    def f(q, k, v, sinks):
+        return float((dout * flash_attention(q, k, v, sinks=sinks, **kw)).sum())
+
+    check_central_differences(f, (q, k, v, sinks), analytic, rng)
+
+
+def check_central_differences(f, xs, analytic, rng, eps=1e-5, tol=1e-7):
+    """Directional derivatives of ``f`` along random directions against the analytic ones."""
+    for _ in range(3):
+        dirs = [rng.standard_normal(np.shape(x)) for x in xs]
+        numeric = (f(*(x + eps * d for x, d in zip(xs, dirs)))
+                   - f(*(x - eps * d for x, d in zip(xs, dirs)))) / (2 * eps)
+        exact = sum(float((g * d).sum()) for g, d in zip(analytic, dirs))
+        assert abs(numeric - exact) <= tol * max(1.0, abs(exact)), (numeric, exact)
+    for x, g in zip(xs, analytic):  # each argument's own gradient, not just their sum
+        d = rng.standard_normal(np.shape(x))
+        moved = [x_ + (eps * d if x_ is x else 0) for x_ in xs]
+        back = [x_ - (eps * d if x_ is x else 0) for x_ in xs]
+        numeric = (f(*moved) - f(*back)) / (2 * eps)
+        assert abs(numeric - float((g * d).sum())) <= tol * max(1.0, abs(numeric))
+
+
+def test_sinks_backward_without_sinks_returns_three():
+    rng = np.random.default_rng(23)
+    q, k, v = random_qkv(rng, 5, 6, 4)
+    assert len(grads("flash", q, k, v, q[:, :4].copy())) == 3
+
+
+@pytest.mark.parametrize(
+    "sinks, error, message",
+    [
+        (np.ones(3), ValueError, "sinks of shape (3,) does not broadcast"),
+        (np.array([1.0, np.inf, 0, 0]), ValueError, "sinks must be finite numbers"),
+        (np.array([1.0, np.nan, 0, 0]), ValueError, "sinks must be finite numbers"),
+        (np.array(["a"] * 4), TypeError, "sinks must be an array of real numbers"),
+        (np.ones(4, bool), TypeError, "sinks must be an array of real numbers"),
+    ],
+)
+def test_sinks_are_checked(sinks, error, message):
+    """Each bad ``sinks``: an error naming it, from every kernel, forward and backward."""
+    q, k, v = np.zeros((2, 4, 3, 5)), np.zeros((2, 4, 6, 5)), np.zeros((2, 4, 6, 4))
+    out, lse, dout = np.zeros((2, 4, 3, 4)), np.zeros((2, 4, 3)), np.zeros((2, 4, 3, 4))
+    for call in (lambda: flash_attention(q, k, v, sinks=sinks),
+                 lambda: naive_attention(q, k, v, sinks=sinks),
+                 lambda: precise_attention(q, k, v, sinks=sinks),
+                 lambda: flash_attention_backward(q, k, v, out, lse, dout, sinks=sinks),
+                 lambda: naive_attention_backward(q, k, v, dout, sinks=sinks),
+                 lambda: precise_attention_backward(q, k, v, dout, sinks=sinks)):
+        with pytest.raises(error, match=re.escape(message)):
+            call()
+
+
+def test_a_sink_beyond_the_compute_dtype_is_refused():
+    """float16 inputs compute in float32: a sink of 1e39 is finite in float64, inf there."""
+    q = np.zeros((3, 4), np.float16)
+    with pytest.raises(ValueError, match="sinks must be finite numbers in the compute dtype float32"):
+        flash_attention(q, q, q, sinks=np.array(1e39))
+
+
+# ---------------------------------------------------------------------------------------------
+# The dropout mask: Philox4x32-10 keyed by position
+# ---------------------------------------------------------------------------------------------
+
+import _flash_dropout  # noqa: E402 - flash_lib's private generator, its known answers tested here
+
+# Random123's kat_vectors for philox4x32_10: (counter, key, output)
+KNOWN_ANSWERS = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter, key, expected", KNOWN_ANSWERS)
+def test_philox_reproduces_random123s_known_answers(counter, key, expected):
+    """The plain rounds, and the in-place rounds the kernels run on their buffers, give
+    Random123's outputs."""
+    assert tuple(int(w) for w in _flash_dropout.philox4x32(counter, key)) == expected
+    buffers = [np.empty((1, 1), np.uint64) for _ in range(6)]
+    c0, c1, c2, c3 = (np.full((1, 1), c, np.uint64) for c in counter)
+    _flash_dropout._rounds(buffers, c0, c1, c2, c3, key[0] | key[1] << 32)
+    assert tuple(int(w[0, 0]) for w in buffers[:4]) == expected
+
+
+def element_words(seed, n_batch, rows, keys):
+    """The 32-bit word of every element (b, i, j), from the plain rounds: counter
+    (j // 4, i, b mod 2³², b // 2³²), key (seed mod 2³², seed // 2³²), word j % 4."""
+    b, i, j = np.meshgrid(np.arange(n_batch), np.arange(*rows), np.arange(*keys), indexing="ij")
+    words = _flash_dropout.philox4x32((j // 4, i, b & 0xFFFFFFFF, b >> 32),
+                                      (seed & 0xFFFFFFFF, seed >> 32))
+    return np.choose(j % 4, words)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 15])
+def test_the_chunked_mask_is_the_plain_rounds_element_by_element(chunk, monkeypatch):
+    """keep() in chunks of any size (one counter, 7 counters, the default) gives word >= t of
+    each element, for a block not aligned to 4 keys, at a large seed and offsets."""
+    monkeypatch.setattr(_flash_dropout, "CHUNK", chunk)
+    seed, t = 2**64 - 12345, _flash_dropout.threshold(0.3)
+    rows, keys = (2**31 + 3, 2**31 + 12), (5, 27)
+    expected = element_words(seed, 3, rows, keys) >= t
+    np.testing.assert_array_equal(_flash_dropout.keep(seed, t, 3, rows, keys), expected)
+
+
+TRITON_SCRIPT = r"""
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "1"  # before importing triton: run on the CPU
+import torch, triton
+import triton.language as tl
+
+@triton.jit
+def words(seed, offsets, out, N: tl.constexpr):
+    idx = tl.arange(0, N)
+    r0, r1, r2, r3 = tl.randint4x(seed, tl.load(offsets + idx))
+    tl.store(out + 4 * idx, r0); tl.store(out + 4 * idx + 1, r1)
+    tl.store(out + 4 * idx + 2, r2); tl.store(out + 4 * idx + 3, r3)
+
+seed, offsets = json.loads(sys.argv[1])
+off = torch.tensor(offsets, dtype=torch.int64)
+out = torch.empty(4 * len(offsets), dtype=torch.int32)
+words[(1,)](seed, off, out, N=len(offsets))
+print(json.dumps([int(x) & 0xFFFFFFFF for x in out.tolist()]))
+"""
+
+
+def test_the_mask_is_tritons_philox():
+    """Triton's own ``tl.randint4x(seed, offset)`` (Philox4x32-10 at counter (offset mod 2³²,
+    offset // 2³², 0, 0)) in a tiny kernel under ``TRITON_INTERPRET=1``: element (0, i, j) of
+    dropout_keep is Triton's word j % 4 at offset ``i·2³² + j // 4``, compared with t. A Triton
+    dropout kernel keyed this way draws flash_lib's mask bit for bit."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None:
+        pytest.skip("needs triton and torch (pip install '.[gpu]')")
+    seed, rows, n_k, p = 0x0123456789ABCDEF, (0, 1, 7, 2**31 - 5), 16, 0.5  # int64 offsets
+    offsets = [i << 32 | c for i in rows for c in range(n_k // 4)]
+    run = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, json.dumps([seed, offsets])],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    theirs = np.array(json.loads(run.stdout.splitlines()[-1]), np.uint64).reshape(len(rows), n_k)
+    ours = np.concatenate([element_words(seed, 1, (i, i + 1), (0, n_k))[0] for i in rows])
+    np.testing.assert_array_equal(ours, theirs)
+    t = _flash_dropout.threshold(p)
+    for row, i in enumerate(rows):
+        np.testing.assert_array_equal(flash_lib.dropout_keep(seed, p, (1, n_k), offset=(i, 0))[0],
+                                      theirs[row] >= t)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_the_keep_rate_is_within_its_binomial_interval(p):
+    """Over n = 4·512·512 elements (2 heads, 2 batch entries) the kept count K is Binomial(n,
+    q) with q = 1 - round(p·2³²)/2³² if the words are uniform and independent: |K - nq| <=
+    5·sqrt(n·q·(1 - q)) fails with probability below 6e-7 (normal tail at 5 sigma), and a
+    generator off by 1% of p (or rows sharing counters, which correlate neighbours) fails it.
+    Also per row and per column blocks of 64: no block further than 5 sigma of its own."""
+    shape = (2, 2, 512, 512)
+    keep = flash_lib.dropout_keep(1234, p, shape)
+    n = keep.size
+    q = 1 - _flash_dropout.threshold(p) / 2**32
+    assert abs(keep.sum() - n * q) <= 5 * np.sqrt(n * q * (1 - q))
+    blocks = keep.reshape(-1, 8, 64, 8, 64).sum(axis=(2, 4))  # 64 x 64 blocks
+    m = 64 * 64
+    assert np.abs(blocks - m * q).max() <= 6 * np.sqrt(m * q * (1 - q))  # 256 blocks: 6 sigma
+    # neighbours independent: the rate of "both kept" between adjacent keys and adjacent rows
+    for a, b in ((keep[..., :-1], keep[..., 1:]), (keep[..., :-1, :], keep[..., 1:, :])):
+        both, pairs = (a & b).sum(), a.size
+        assert abs(both - pairs * q * q) <= 5 * np.sqrt(pairs * q * q * (1 - q * q))
+
+
+def test_a_shards_mask_is_the_slice_of_the_whole():
+    """dropout_keep at an offset is the slice of the whole mask: a shard of rows 100..300 and
+    keys 37..290 (not a multiple of 4) with dropout_offset = (100, 37), for each batch entry."""
+    whole = flash_lib.dropout_keep(99, 0.3, (3, 400, 300))
+    shard = flash_lib.dropout_keep(99, 0.3, (3, 200, 253), offset=(100, 37))
+    np.testing.assert_array_equal(shard, whole[:, 100:300, 37:290])
+    assert flash_lib.dropout_keep(99, 0.0, (2, 3)).all()
+
+
+def test_dropout_keep_is_checked():
+    for args, error, message in [
+        ((1, 0.1, (3,)), ValueError, "shape must be a tuple (..., Nq, Nk)"),
+        ((1, 0.1, (3, -1)), ValueError, "shape must be a tuple (..., Nq, Nk)"),
+        ((None, 0.1, (3, 3)), ValueError, "dropout_seed must be an integer in [0, 2**64)"),
+        ((1, 1.0, (3, 3)), ValueError, "dropout_p must be in [0, 1)"),
+        ((1, "0.1", (3, 3)), TypeError, "dropout_p must be a real number"),
+    ]:
+        with pytest.raises(error, match=re.escape(message)):
+            flash_lib.dropout_keep(*args)
+    with pytest.raises(TypeError, match=re.escape("dropout_offset must be a pair (row, key)")):
+        flash_lib.dropout_keep(1, 0.1, (3, 3), offset=(1,))
