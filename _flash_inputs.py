@@ -127,6 +127,10 @@ class Problem:
                             math.prod(self.batch), (i + q_start, i + q_stop), (j + k_start, j + k_stop))
         return keep.reshape(self.batch + keep.shape[-2:])
 
+    def dropout_scale(self, dtype):
+        """``1 / (1 - p)`` in ``dtype``: the kept weights' factor, so that E[P ∘ Z / (1 - p)] = P."""
+        return dtype.type(1) / (dtype.type(1) - dtype.type(self.dropout_p))
+
     def merge_heads(self, x):
         """A result with the grouped-query split (…, Hkv, groups, Nq, …) back to (…, Hq, Nq, …)."""
         if not self.groups or x is None:

@@ -128,7 +128,7 @@ def check_arrays(q, k, v, mask=None, *, enable_gqa=False):
 
 
 _VARIANTS = ("mask", "causal", "scale", "window", "softcap", "alibi_slopes", "enable_gqa", "mask_mod",
-             "sinks")
+             "sinks", "dropout_p", "dropout_seed", "dropout_offset")
 
 
 def _problem(args):
@@ -205,7 +205,8 @@ def _finalize(acc, l, m):
 
 def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEFAULT_BLOCK_Q,
                     block_k=DEFAULT_BLOCK_K, return_lse=False, window=None, softcap=None,
-                    alibi_slopes=None, enable_gqa=False, mask_mod=None, sinks=None):
+                    alibi_slopes=None, enable_gqa=False, mask_mod=None, sinks=None, dropout_p=0.0,
+                    dropout_seed=None, dropout_offset=(0, 0)):
     """Exact attention, computed tile by tile without storing the ``Nq × Nk`` scores.
 
     Parameters
@@ -306,7 +307,12 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
                 matmul = functools.partial(np.matmul, out=pv)
             else:
                 matmul = functools.partial(_masked.matmul_allowed, allowed=allowed, bad=bad, out=pv)
+            keep = problem.keep_tile(q_start, q_stop, k_start, k_stop)
+            if keep is not None:
+                matmul = _dropped(matmul, keep)
             online_softmax_update(m, l, acc, s, problem.v_tile(k_start, k_stop), matmul)
+        if problem.dropout_p:  # out = (P ∘ Z / (1 - p)) V: the 1 / (1 - p) once per row
+            acc *= problem.dropout_scale(problem.acc)
         # Divide once, at the end.
         out[..., q_start:q_stop, :], lse_blk = _finalize(acc, l, m)
         if lse is not None:
@@ -317,6 +323,15 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
                             n_blocks=-(-problem.n_q // block_q), n_scores=problem.n_scores)
     out, lse = problem.merge_heads(out), problem.merge_heads(lse)
     return (out, lse) if return_lse else out
+
+
+def _dropped(matmul, keep):
+    """``matmul`` applied to ``p ∘ Z`` (Z the tile's keep mask): the forward's dropout. It comes
+    after :func:`online_softmax_update` has added the undropped ``p`` to ``l``, so ``l`` and the
+    lse are the softmax's own, and only what reaches ``acc`` is dropped."""
+    def dropped(p, v):
+        return matmul(np.multiply(p, keep, out=p), v)  # p̃_ij = p_ij · Z_ij, in place
+    return dropped
 
 
 def tile_schedule(n_q, n_k, block_q, block_k, causal=False, *, window=None, mask_mod=None):
@@ -495,7 +510,7 @@ def _scores(problem, q, k, q_start, q_stop, k_start, k_stop, out=None, grad=Fals
 
 
 def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=None,
-                            scores=None):
+                            scores=None, dropout=None):
     """One tile (i, j) of FlashAttention-2's backward: adds to dK_j and dV_j in place,
     returns this tile's share of dQ_i.
 
@@ -507,6 +522,7 @@ def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=
     operand holds inf or NaN (``which`` names that operand).
     ``scores(q, k)`` returns S_ij with the score variants applied, and softcap's
     derivative 1 - tanh² (or None); by default (q kᵀ, None).
+    ``dropout``: the tile's Z_ij / (1 - p), 0 where the forward dropped the pair (or None).
     """
     matmul = matmul or (lambda a, b, which: a @ b)
     # S_ij, recomputed as the forward computed it
@@ -518,10 +534,14 @@ def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=
     if allowed is not None and np.isnan(lse).any():
         # e^(-inf - NaN) is NaN: a NaN row's masked pairs must still weigh 0
         np.copyto(p, 0, where=~allowed)
-    # dV_j += P_ijᵀ dO_i
-    dv += matmul(np.swapaxes(p, -1, -2), dout, "dout")
-    # dP_ij = dO_i V_jᵀ
+    # with dropout the forward weighed V_j by P̃_ij = P_ij ∘ Z_ij / (1 - p)
+    p_used = p if dropout is None else p * dropout
+    # dV_j += P̃_ijᵀ dO_i
+    dv += matmul(np.swapaxes(p_used, -1, -2), dout, "dout")
+    # dP_ij = dO_i V_jᵀ (∘ Z_ij / (1 - p): P_ij reaches the loss only through P̃_ij)
     dp = dout @ np.swapaxes(v, -1, -2)
+    if dropout is not None:
+        dp *= dropout
     # dS_ij = P_ij ∘ (dP_ij - D_i)
     ds = np.multiply(p, np.subtract(dp, D[..., None], out=dp), out=dp)
     if slope is not None:
@@ -546,7 +566,8 @@ def _masked_pairs_zero(ds, allowed):
 def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False, scale=None,
                              block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K, window=None,
                              softcap=None, alibi_slopes=None, enable_gqa=False, mask_mod=None,
-                             sinks=None):
+                             sinks=None, dropout_p=0.0,
+                             dropout_seed=None, dropout_offset=(0, 0)):
     """The gradients of ``sum(dout * flash_attention(q, k, v, ...))`` without storing ``P``.
 
     Parameters
@@ -630,12 +651,14 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
             if allowed is not False:
                 rows = slice(q_start, q_stop)
                 matmul = _masked.backward_matmul(problem, allowed, dout, q_start, q_stop, k_start, k_stop)
+                keep = problem.keep_tile(q_start, q_stop, k_start, k_stop)  # the forward's Z, again
+                dropout = None if keep is None else np.multiply(keep, problem.dropout_scale(acc), dtype=acc)
                 share = attention_backward_tile(
                     problem.q_tile(q_start, q_stop), k_blk, v_blk,
                     dout[..., rows, :].astype(acc, copy=False), lse[..., rows], D[..., rows],
                     dk_blk, dv_blk, allowed, matmul,
                     functools.partial(_scores, problem, q_start=q_start, q_stop=q_stop,
-                                      k_start=k_start, k_stop=k_stop, grad=True),
+                                      k_start=k_start, k_stop=k_stop, grad=True), dropout,
                 )
                 share = _sum_to(share, dq.shape[:-2] + share.shape[-2:])
             with turns.turn(i, j, cancelled) as mine:
@@ -681,7 +704,8 @@ def _sum_to(x, shape):
 
 def naive_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False,
                     window=None, softcap=None, alibi_slopes=None, enable_gqa=False, mask_mod=None,
-                    sinks=None):
+                    sinks=None, dropout_p=0.0,
+                    dropout_seed=None, dropout_offset=(0, 0)):
     """Textbook attention: the full ``Nq × Nk`` score matrix, then a max-subtracted softmax.
 
     Same arguments, results and conventions as :func:`flash_attention` (minus the block sizes);
@@ -697,7 +721,8 @@ def naive_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=
 
 def precise_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False,
                       window=None, softcap=None, alibi_slopes=None, enable_gqa=False,
-                      mask_mod=None, sinks=None):
+                      mask_mod=None, sinks=None, dropout_p=0.0,
+                      dropout_seed=None, dropout_offset=(0, 0)):
     """Attention in more precision than float64: the truth the other kernels are measured against.
 
     Same semantics as :func:`naive_attention`; the scale is the float64 number the kernels use,
@@ -749,15 +774,25 @@ def _reference(m):
 def _dense_attention(problem, dtype):
     """naive's and precise's forward: :func:`_dense_softmax`, then ``p v / Σ p``."""
     p, m, allowed = _dense_softmax(problem, dtype)
+    l = _denominator(problem, p, m)  # the undropped softmax's
+    z = _dense_dropout(problem, dtype)
+    p = p if z is None else p * z  # P ∘ Z / (1 - p), unnormalised
     v = problem.v_tile(0, problem.n_k, dtype)
     bad = problem.bad_values(0, problem.n_k) if allowed is not None else None
     pv = p @ v if bad is None else _masked.matmul_allowed(p, v, allowed=allowed, bad=bad)
-    return _finalize(pv, _denominator(problem, p, m), m)
+    return _finalize(pv, l, m)
+
+
+def _dense_dropout(problem, dtype):
+    """``Z / (1 - p)`` over the whole matrix, from :func:`dropout_keep`'s mask; None without dropout."""
+    keep = problem.keep_tile(0, problem.n_q, 0, problem.n_k)
+    return None if keep is None else np.multiply(keep, problem.dropout_scale(dtype), dtype=dtype)
 
 
 def naive_attention_backward(q, k, v, dout, *, mask=None, causal=False, scale=None,
                              window=None, softcap=None, alibi_slopes=None, enable_gqa=False,
-                             mask_mod=None, sinks=None):
+                             mask_mod=None, sinks=None, dropout_p=0.0,
+                             dropout_seed=None, dropout_offset=(0, 0)):
     """The dense oracle of :func:`flash_attention_backward`: ``P`` whole, then the textbook chain.
 
     ``P = softmax(S)``, ``dV = Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P ∘ (dP - rowsum(P ∘ dP))`` (the
@@ -775,7 +810,8 @@ def naive_attention_backward(q, k, v, dout, *, mask=None, causal=False, scale=No
 
 def precise_attention_backward(q, k, v, dout, *, mask=None, causal=False, scale=None,
                                window=None, softcap=None, alibi_slopes=None, enable_gqa=False,
-                               mask_mod=None, sinks=None):
+                               mask_mod=None, sinks=None, dropout_p=0.0,
+                               dropout_seed=None, dropout_offset=(0, 0)):
     """:func:`naive_attention_backward` in ``np.longdouble``: the truth gradients are measured
     against (x86-64 and aarch64 Linux, where longdouble is wider than float64). Returns
     longdouble arrays."""
@@ -799,6 +835,9 @@ def _dense_backward(problem, dout, dtype):
     dp = dout @ np.swapaxes(v, -1, -2)
     if allowed is not None:  # what a masked pair's dP holds must not reach rowsum(P ∘ dP)
         dp = np.where(allowed, dp, 0)
+    z = _dense_dropout(problem, dtype)
+    if z is not None:  # out = P̃ V with P̃ = P ∘ Z / (1 - p): dP = dP̃ ∘ Z / (1 - p)
+        dp = dp * z
     D = (p * dp).sum(axis=-1, keepdims=True)  # the sink's dP is 0: its value is 0
     ds = p * (dp - D)
     if slope is not None:  # the chain rule through softcap
@@ -810,7 +849,7 @@ def _dense_backward(problem, dout, dtype):
         return a @ b if bad is None else _masked.matmul_allowed(a, b, allowed=allowed_for_a, bad=bad)
 
     allowed_t = None if allowed is None else np.swapaxes(allowed, -1, -2)
-    dv = matmul(np.swapaxes(p, -1, -2), dout, allowed_t, "dout", dout)
+    dv = matmul(np.swapaxes(p if z is None else p * z, -1, -2), dout, allowed_t, "dout", dout)
     dq = matmul(ds, k, allowed, "k", problem.k) * dtype.type(problem.scale_q)
     dk = matmul(np.swapaxes(ds, -1, -2), q, allowed_t, "q", problem.q) * dtype.type(problem.scale_k)
     grads = tuple(_sum_to(g, x.shape[:-2] + g.shape[-2:])
@@ -835,8 +874,10 @@ def _mpmath_attention(problem):  # pragma: no cover - see precise_attention
     mp = mpmath.mp.clone()
     mp.dps = 40
     batch, n_q, n_k = problem.batch, problem.n_q, problem.n_k
-    if problem.softcap is not None or problem.alibi is not None or problem.sinks is not None:
-        raise NotImplementedError("softcap, ALiBi and sinks need np.longdouble wider than float64")
+    if (problem.softcap is not None or problem.alibi is not None or problem.sinks is not None
+            or problem.dropout_p):
+        raise NotImplementedError("softcap, ALiBi, sinks and dropout need np.longdouble wider "
+                                  "than float64")
     allowed = _allowed(problem, 0, n_q, 0, n_k)
     allowed = np.broadcast_to(True if allowed is None else allowed, batch + (n_q, n_k))
     q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (problem.q, problem.k, problem.v))

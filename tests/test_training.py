@@ -394,3 +394,341 @@ def test_dropout_keep_is_checked():
             flash_lib.dropout_keep(*args)
     with pytest.raises(TypeError, match=re.escape("dropout_offset must be a pair (row, key)")):
         flash_lib.dropout_keep(1, 0.1, (3, 3), offset=(1,))
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout in the kernels
+# ---------------------------------------------------------------------------------------------
+
+SEED = 0x5EED_0F_D20
+
+
+@pytest.mark.parametrize("kernel", ["flash", "naive", "precise"])
+@pytest.mark.parametrize("p", [0.1, 0.6])
+@pytest.mark.parametrize("case", ["plain", "causal+softcap+alibi+sinks", "mask+sinks", "broadcast"])
+def test_dropout_against_the_dense_oracle(kernel, p, case):
+    """out, lse (undropped), dq, dk, dv (and dsinks) of each kernel against :func:`dense` with
+    Z = dropout_keep(seed, p, (B, H, Nq, Nk)): within 1e-13 of the larger scale, float64."""
+    rng = np.random.default_rng(30)
+    n_q, n_k, h = 9, 13, 3
+    q = 2 * rng.standard_normal((2, h, n_q, 5))
+    k, v = 2 * rng.standard_normal((2, h, n_k, 5)), rng.standard_normal((2, h, n_k, 4))
+    kw, ref_kw = dict(dropout_p=p, dropout_seed=SEED), {}
+    if "sinks" in case:
+        kw["sinks"] = ref_kw["sinks"] = rng.standard_normal(h)
+    if "causal" in case:
+        slopes = np.array([0.5, 0.25, 0.125])
+        kw.update(causal=True, softcap=1.5, alibi_slopes=slopes)
+        ref_kw.update(allowed=causal_mask(n_q, n_k), softcap=1.5, slopes=slopes)
+    elif "mask" in case:
+        mask = rng.random((2, h, n_q, n_k)) < 0.6
+        kw["mask"] = ref_kw["allowed"] = mask
+    elif case == "broadcast":
+        k, v = k[:1], v[:1]  # shared by the batch: the mask still differs per batch entry
+    dout = rng.standard_normal((2, h, n_q, 4))
+    keep = flash_lib.dropout_keep(SEED, p, (2, h, n_q, n_k))
+    ref = dense(q, k, v, dout, scale=1 / np.sqrt(5), keep=keep, p=p, **ref_kw)
+    if kernel == "flash":
+        out, lse = flash_attention(q, k, v, return_lse=True, block_q=4, block_k=5, **kw)
+        got = flash_attention_backward(q, k, v, out, lse, dout, block_q=4, block_k=5, **kw)
+    elif kernel == "naive":
+        out, lse = naive_attention(q, k, v, return_lse=True, **kw)
+        got = naive_attention_backward(q, k, v, dout, **kw)
+    else:
+        out, lse = precise_attention(q, k, v, return_lse=True, **kw)
+        got = precise_attention_backward(q, k, v, dout, **kw)
+    expected = ref[:2] + (sum_to(ref[2], q.shape), sum_to(ref[3], k.shape), sum_to(ref[4], v.shape))
+    if "sinks" in case:
+        expected += (sum_to(ref[5], (h,)),)
+    assert len(got) == len(expected) - 2
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "dsinks"], (out, lse) + tuple(got),
+                          expected):
+        assert a.shape == b.shape, name
+        assert close(a, b, 1e-13), (name, np.abs(np.asarray(a, float) - b).max())
+
+
+def test_the_dense_oracle_is_not_blind_to_the_mask():
+    """The oracle's dropout changes the output: against no dropout, and against another seed."""
+    rng = np.random.default_rng(31)
+    q, k, v = random_qkv(rng, 6, 8, 4, dv=3)
+    dout = rng.standard_normal((6, 3))
+    a = dense(q, k, v, dout, scale=0.5, keep=flash_lib.dropout_keep(1, 0.5, (6, 8)), p=0.5)
+    b = dense(q, k, v, dout, scale=0.5, keep=flash_lib.dropout_keep(2, 0.5, (6, 8)), p=0.5)
+    c = dense(q, k, v, dout, scale=0.5)
+    for x, y in ((a, b), (a, c)):
+        assert not close(x[0], y[0], 1e-3) and not close(x[2], y[2], 1e-3)
+
+
+#: The variants of tests/test_variants.py, with sinks and dropout on top.
+COMBINATIONS = dict(
+    n_q=st.integers(1, 14),
+    n_k=st.integers(1, 14),
+    block_q=st.integers(1, 16),
+    block_k=st.integers(1, 16),
+    causal=st.booleans(),
+    window=st.one_of(st.none(), st.tuples(st.one_of(st.none(), st.integers(0, 5)),
+                                          st.one_of(st.none(), st.integers(0, 5)))),
+    softcap=st.sampled_from([None, 0.7, 5.0]),
+    alibi=st.booleans(),
+    gqa=st.booleans(),
+    masking=st.sampled_from(["none", "mask", "mask_mod", "both"]),
+    sinks=st.sampled_from([None, "per head", "per batch and head", "one"]),
+    dropout_p=st.sampled_from([0.0, 0.2, 0.7]),
+    offset=st.sampled_from([(0, 0), (3, 5), (2**20, 2**33)]),
+)
+
+
+@given(**COMBINATIONS)
+def test_flash_equals_naive_for_every_combination(n_q, n_k, block_q, block_k, causal, window,
+                                                 softcap, alibi, gqa, masking, sinks, dropout_p,
+                                                 offset):
+    """Forward (out, lse) and backward (dq, dk, dv, dsinks) of flash against naive with the same
+    keywords, float64, for every combination of the variants with sinks and dropout: within
+    1e-12 of the larger scale (test_variants' bound); empty rows exact."""
+    rng = np.random.default_rng(n_q * 31 + n_k)
+    q = 2 * rng.standard_normal((2, 4, n_q, 4))
+    h_kv = 2 if gqa else 4
+    k, v = 2 * rng.standard_normal((2, h_kv, n_k, 4)), rng.standard_normal((2, h_kv, n_k, 3))
+    dout = rng.standard_normal((2, 4, n_q, 3))
+    kw = dict(causal=causal, window=window, softcap=softcap, enable_gqa=gqa, dropout_p=dropout_p,
+              dropout_seed=SEED + n_q, dropout_offset=offset)
+    if alibi:
+        kw["alibi_slopes"] = np.array([0.5, 0.25, 0.125, 0.0625])
+    if masking in ("mask", "both"):
+        kw["mask"] = rng.random((4, n_q, n_k)) < 0.8
+    if masking in ("mask_mod", "both"):
+        kw["mask_mod"] = lambda i, j: (i + j) % 3 != 1
+    if sinks is not None:
+        kw["sinks"] = {"per head": rng.standard_normal(4),
+                       "per batch and head": rng.standard_normal((2, 4)),
+                       "one": np.array(0.5)}[sinks]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = flash_attention(q, k, v, return_lse=True, block_q=block_q, block_k=block_k,
+                                   **kw)
+        ref, ref_lse = naive_attention(q, k, v, return_lse=True, **kw)
+        flash_g = flash_attention_backward(q, k, v, out, lse, dout, block_q=block_q,
+                                           block_k=block_k, **kw)
+        naive_g = naive_attention_backward(q, k, v, dout, **kw)
+    np.testing.assert_array_equal(lse == -np.inf, ref_lse == -np.inf)
+    assert np.all(out[ref_lse == -np.inf] == 0)
+    finite = ref_lse > -np.inf
+    assert close(out, ref) and close(lse[finite], ref_lse[finite])
+    tau, big = 0.5, np.abs(np.concatenate([q.ravel(), k.ravel()])).max()
+    scale = 1 / (1 - dropout_p)
+    units = ((scale * tau * np.abs(dout).max() * np.abs(v).max() * big,) * 2
+             + (scale * np.abs(dout).max(), scale * np.abs(dout).max() * np.abs(v).max() * 4 * 14))
+    assert len(flash_g) == len(naive_g) == (3 if sinks is None else 4)
+    for a, b, unit in zip(flash_g, naive_g, units):
+        assert a.shape == b.shape
+        assert np.abs(a - b).max(initial=0.0) <= 1e-12 * max(unit, np.abs(b).max(initial=0.0))
+
+
+def test_dropout_gradients_match_central_differences():
+    """At a fixed seed the mask is a constant, so the forward is a smooth function of q, k, v
+    and sinks: dq, dk, dv, dsinks against central differences (ε = 1e-5), float64, with
+    dropout p = 0.3, a sink per head, causal, softcap and ALiBi, blocks that split the tiles."""
+    rng = np.random.default_rng(32)
+    q, k, v = random_qkv(rng, 12, 15, 6, dv=4, batch=(2,))
+    sinks = np.array([0.3, -0.8])
+    dout = rng.standard_normal((2, 12, 4))
+    kw = dict(dropout_p=0.3, dropout_seed=SEED, causal=True, softcap=2.0,
+              alibi_slopes=np.array([0.2, 0.1]), block_q=5, block_k=4)
+    analytic = grads("flash", q, k, v, dout, sinks=sinks, **kw)
+
+    def f(q, k, v, sinks):
+        return float((dout * flash_attention(q, k, v, sinks=sinks, **kw)).sum())
+
+    check_central_differences(f, (q, k, v, sinks), analytic, rng)
+
+
+def kept_pairs_forward(n, p, seed, offset=(0, 0), **kw):
+    """Which pairs the forward kept: with q = 0 every allowed pair weighs 1/Nk, and with v the
+    identity out_ij = P_ij · Z_ij / (1 - p) is nonzero exactly where pair (i, j) was kept."""
+    q = np.zeros((2, n, 4))
+    k = np.random.default_rng(0).standard_normal((2, n, 4))
+    out = flash_attention(q, k, np.eye(n), dropout_p=p, dropout_seed=seed, dropout_offset=offset,
+                          **kw)
+    return out != 0
+
+
+def kept_pairs_backward(n, p, seed, offset=(0, 0), **kw):
+    """Which pairs the backward's regenerated mask kept: with dout the identity,
+    dv_jc = Σ_i P̃_ij dO_ic = P̃_cj, nonzero exactly where pair (c, j) was kept."""
+    q = np.zeros((2, n, 4))
+    k = np.random.default_rng(0).standard_normal((2, n, 4))
+    v, dout = np.eye(n), np.broadcast_to(np.eye(n), (2, n, n))
+    drop = dict(dropout_p=p, dropout_seed=seed, dropout_offset=offset)
+    out, lse = flash_attention(q, k, v, return_lse=True, **drop, **kw)
+    dv = flash_attention_backward(q, k, v, out, lse, dout, **drop, **kw)[2]
+    return np.swapaxes(dv, -1, -2) != 0  # dv of v (n, n) summed over the batch: kept in either
+
+
+@pytest.mark.parametrize("blocks", [(1, 1), (3, 7), (16, 16), (40, 9), (512, 512)])
+def test_the_kept_pairs_are_dropout_keeps_whatever_the_blocks(blocks):
+    """The forward keeps exactly dropout_keep's pairs and the backward regenerates exactly
+    them, for block sizes that do and do not divide N = 40 (and one larger than N)."""
+    n, p = 40, 0.4
+    kw = dict(block_q=blocks[0], block_k=blocks[1])
+    keep = flash_lib.dropout_keep(SEED, p, (2, n, n))
+    np.testing.assert_array_equal(kept_pairs_forward(n, p, SEED, **kw), keep)
+    np.testing.assert_array_equal(kept_pairs_backward(n, p, SEED, **kw), keep.any(axis=0))
+
+
+def test_the_offset_moves_the_mask_as_a_shard_of_the_whole():
+    """A kernel call with dropout_offset (r, c) keeps dropout_keep(..., offset=(r, c))'s pairs:
+    the shard's slice of the whole problem's mask, so shards computed apart (flash_dask) drop
+    the same pairs as one call. And the merge of two key shards of a query shard, each at its
+    offset, is the whole call's rows (to rounding)."""
+    n, p = 24, 0.5
+    keep = flash_lib.dropout_keep(SEED, p, (2, 100, 200))
+    np.testing.assert_array_equal(kept_pairs_forward(n, p, SEED, offset=(60, 130)),
+                                  keep[:, 60:84, 130:154])
+    rng = np.random.default_rng(33)
+    q, k, v = random_qkv(rng, 30, 50, 4, dv=3, batch=(2,))
+    drop = dict(dropout_p=p, dropout_seed=SEED)
+    whole = flash_attention(q, k, v, **drop)
+    rows = slice(10, 30)
+    a = flash_attention(q[:, rows], k[:, :21], v[:, :21], return_lse=True,
+                        dropout_offset=(10, 0), **drop)
+    b = flash_attention(q[:, rows], k[:, 21:], v[:, 21:], return_lse=True,
+                        dropout_offset=(10, 21), **drop)
+    merged, _ = flash_lib.merge_attention(*a, *b)
+    assert close(merged, whole[:, rows])
+
+
+def test_dropout_is_bit_identical_on_1_2_and_4_threads():
+    """The mask is a function of position and the dQ shares are added in order: out, lse and
+    every gradient bit for bit the same on 1, 2 and 4 threads (N large enough to use them)."""
+    rng = np.random.default_rng(34)
+    q, k, v = random_qkv(rng, 512, 512, 16, batch=(4,))
+    dout = rng.standard_normal(q.shape)
+    kw = dict(dropout_p=0.2, dropout_seed=SEED, sinks=np.array(0.5), causal=True, block_q=128,
+              block_k=128)
+    results = []
+    for n in (1, 2, 4):
+        with flash_lib.threads(n):
+            out, lse = flash_attention(q, k, v, return_lse=True, **kw)
+            results.append((out, lse) + flash_attention_backward(q, k, v, out, lse, dout, **kw))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+def test_dropout_p_zero_is_bit_identical_to_no_dropout(dtype):
+    """dropout_p = 0 (with or without a seed) runs no generator and no extra operation: the
+    same bits as a call without dropout, forward and backward, flash and naive."""
+    rng = np.random.default_rng(35)
+    q, k, v = random_qkv(rng, 20, 23, 8, dtype=dtype, batch=(2,))
+    dout = rng.standard_normal((2, 20, 8)).astype(dtype)
+    kw = dict(causal=True, block_q=7, block_k=6)
+    out, lse = flash_attention(q, k, v, return_lse=True, **kw)
+    plain = (out, lse) + flash_attention_backward(q, k, v, out, lse, dout, **kw)
+    for drop in (dict(dropout_p=0.0), dict(dropout_p=0, dropout_seed=3)):
+        out, lse = flash_attention(q, k, v, return_lse=True, **kw, **drop)
+        got = (out, lse) + flash_attention_backward(q, k, v, out, lse, dout, **kw, **drop)
+        for a, b in zip(plain, got):
+            np.testing.assert_array_equal(a, b)
+    kw = dict(causal=True)
+    np.testing.assert_array_equal(naive_attention(q, k, v, **kw),
+                                  naive_attention(q, k, v, dropout_p=0.0, **kw))
+    for a, b in zip(naive_attention_backward(q, k, v, dout, **kw),
+                    naive_attention_backward(q, k, v, dout, dropout_p=0.0, **kw)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_dropout_in_low_precision_against_naive(dtype):
+    """float32 and float16 inputs with dropout and a sink: flash against naive within the
+    suite's tolerances (both compute in float32 and apply the same mask)."""
+    from conftest import assert_close_to_naive
+
+    rng = np.random.default_rng(36)
+    q, k, v = random_qkv(rng, 37, 41, 8, dtype=dtype, batch=(2,))
+    kw = dict(dropout_p=0.25, dropout_seed=SEED, sinks=np.array([0.5, -1.0]), causal=True)
+    out, lse = flash_attention(q, k, v, return_lse=True, block_q=8, block_k=16, **kw)
+    ref, ref_lse = naive_attention(q, k, v, return_lse=True, **kw)
+    assert_close_to_naive(out, lse, ref, ref_lse, v, dtype)
+
+
+QKV = tuple(np.zeros(shape) for shape in ((2, 4, 3, 5), (2, 4, 6, 5), (2, 4, 6, 4)))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(dropout_p="0.1", dropout_seed=1), TypeError, "dropout_p must be a real number in [0, 1), got '0.1'"),
+        (dict(dropout_p=True, dropout_seed=1), TypeError, "dropout_p must be a real number"),
+        (dict(dropout_p=None), TypeError, "dropout_p must be a real number"),
+        (dict(dropout_p=1.0, dropout_seed=1), ValueError, "dropout_p must be in [0, 1)"),
+        (dict(dropout_p=-0.1, dropout_seed=1), ValueError, "dropout_p must be in [0, 1)"),
+        (dict(dropout_p=float("nan"), dropout_seed=1), ValueError, "dropout_p must be in [0, 1)"),
+        (dict(dropout_p=0.1), ValueError, "dropout_seed must be an integer in [0, 2**64) when dropout_p > 0"),
+        (dict(dropout_p=0.1, dropout_seed=1.0), ValueError, "dropout_seed must be an integer"),
+        (dict(dropout_p=0.1, dropout_seed=-1), ValueError, "dropout_seed must be an integer"),
+        (dict(dropout_p=0.1, dropout_seed=2**64), ValueError, "dropout_seed must be an integer"),
+        (dict(dropout_p=0.1, dropout_seed=True), ValueError, "dropout_seed must be an integer"),
+        (dict(dropout_p=0.1, dropout_seed=1, dropout_offset=(1,)), TypeError,
+         "dropout_offset must be a pair (row, key) of non-negative integers"),
+        (dict(dropout_p=0.1, dropout_seed=1, dropout_offset=(1, 2.0)), TypeError,
+         "dropout_offset must be a pair (row, key)"),
+        (dict(dropout_p=0.1, dropout_seed=1, dropout_offset=5), TypeError,
+         "dropout_offset must be a pair (row, key)"),
+        (dict(dropout_p=0.1, dropout_seed=1, dropout_offset=(0, -1)), ValueError,
+         "dropout_offset must be non-negative"),
+        (dict(dropout_p=0.1, dropout_seed=1, dropout_offset=(2**32 - 2, 0)), ValueError,
+         "dropout_offset (4294967294, 0) puts a position beyond the counter's 32-bit words"),
+    ],
+)
+def test_dropout_arguments_are_checked(kwargs, error, message):
+    """Each bad dropout argument: an error naming it and what it got, from every kernel,
+    forward and backward (and dropout_keep for the shared checks)."""
+    q, k, v = QKV
+    out, lse, dout = np.zeros((2, 4, 3, 4)), np.zeros((2, 4, 3)), np.zeros((2, 4, 3, 4))
+    for call in (lambda: flash_attention(q, k, v, **kwargs),
+                 lambda: naive_attention(q, k, v, **kwargs),
+                 lambda: precise_attention(q, k, v, **kwargs),
+                 lambda: flash_attention_backward(q, k, v, out, lse, dout, **kwargs),
+                 lambda: naive_attention_backward(q, k, v, dout, **kwargs),
+                 lambda: precise_attention_backward(q, k, v, dout, **kwargs)):
+        with pytest.raises(error, match=re.escape(message)):
+            call()
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory: no N × N mask anywhere
+# ---------------------------------------------------------------------------------------------
+
+
+def scratch(n, backward, **kw):
+    """Peak bytes of one call (forward, or backward given the forward's results) minus its
+    results, float32, d = dv = 16, one thread."""
+    rng = np.random.default_rng(37)
+    q, k, v = (rng.standard_normal((n, 16)).astype(np.float32) for _ in range(3))
+    out, lse = flash_attention(q, k, v, return_lse=True, **kw)
+    if not backward:
+        (out, lse), peak = measure_peak_bytes(flash_attention, q, k, v, return_lse=True, **kw)
+        return peak - out.nbytes - lse.nbytes
+    grads_, peak = measure_peak_bytes(flash_attention_backward, q, k, v, out, lse, out, **kw)
+    return peak - sum(g.nbytes for g in grads_)
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+@pytest.mark.parametrize("feature", ["dropout", "sinks"])
+def test_scratch_is_flat_in_n_with_dropout_and_sinks(feature, backward):
+    """With dropout (or a sink), at fixed blocks 256 × 512, the scratch of the forward and of
+    the backward grows by at most the O(N) vectors the plain kernel holds (the backward's D and
+    lse, 8 bytes a row), from N = 1024 to 4096, while a stored N × N keep mask would grow
+    16-fold (1 MiB to 16 MiB of booleans); and the mask adds at most a few tiles' worth over
+    the plain kernel: the keep tile (1 byte per pair), its scaled copy and Philox's buffers."""
+    kw = dict(block_q=256, block_k=512, causal=True)
+    extra = dict(dropout_p=0.1, dropout_seed=SEED) if feature == "dropout" else dict(sinks=np.array(0.5))
+    with flash_lib.threads(1):
+        scratch(600, backward, **kw, **extra)  # first-call allocations aside
+        with_it = {n: scratch(n, backward, **kw, **extra) for n in (1024, 4096)}
+        plain = scratch(4096, backward, **kw)
+    assert with_it[4096] - with_it[1024] <= 0.05 * with_it[1024] + 8 * (4096 - 1024), with_it
+    tile = 256 * 512
+    chunk_buffers = 6 * 8 * _flash_dropout.CHUNK + 4 * _flash_dropout.CHUNK
+    assert with_it[4096] - plain <= tile * (1 + 4 + 4) + chunk_buffers, (with_it, plain)
