@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,7 +125,8 @@ class Problem:
             return None
         i, j = self.dropout_offset
         keep = dropout.keep(self.dropout_seed, dropout.threshold(self.dropout_p),
-                            math.prod(self.batch), (i + q_start, i + q_stop), (j + k_start, j + k_stop))
+                            math.prod(self.batch), (i + q_start, i + q_stop),
+                            (j + k_start, j + k_stop), self._dropout_scratch)
         return keep.reshape(self.batch + keep.shape[-2:])
 
     def dropout_scale(self, dtype):
@@ -142,6 +144,10 @@ class Problem:
     def input_shapes(self, dq, dk, dv):
         """Gradients in the caller's shapes of q, k, v (undoing the grouped-query split)."""
         return tuple(g.reshape(shape) for g, shape in zip((dq, dk, dv), self.shapes))
+
+    @functools.cached_property
+    def _dropout_scratch(self):
+        return threading.local()  # each worker's Philox buffers, for this call only
 
     @functools.cached_property
     def _nonfinite(self):
