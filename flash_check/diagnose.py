@@ -47,6 +47,16 @@ def _always(evidence, facts):
     return True
 
 
+def explain(table, evidence, **facts):
+    """The message of the first mistake in ``table`` that explains the facts."""
+    for mistake in table:
+        found = mistake.test(evidence, facts)
+        if found:
+            return mistake.message.format(**{**facts, **(found if isinstance(found, dict)
+                                                          else {})})
+    raise AssertionError("every table of mistakes ends with one that always holds")
+
+
 # --------------------------------------------------------------------------------------------
 # What the kernel's output is compared with
 # --------------------------------------------------------------------------------------------
@@ -134,12 +144,7 @@ class Evidence:
 
     def explain(self, table, **facts):
         """The message of the first mistake in ``table`` that explains the failure."""
-        for mistake in table:
-            found = mistake.test(self, facts)
-            if found:
-                return mistake.message.format(**{**facts, **(found if isinstance(found, dict)
-                                                              else {})})
-        raise AssertionError("every table of mistakes ends with one that always holds")
+        return explain(table, self, **facts)
 
     def explain_out(self):
         """Why the output's error is above the bound (computed once, reused for the lse)."""
@@ -755,29 +760,36 @@ LSE_ERROR = (
 # --------------------------------------------------------------------------------------------
 
 
-def explain(table, evidence, **facts):
-    """The message of the first mistake in ``table`` that explains the facts."""
-    for mistake in table:
-        found = mistake.test(evidence, facts)
-        if found:
-            return mistake.message.format(**{**facts, **(found if isinstance(found, dict)
-                                                          else {})})
-    raise AssertionError("every table of mistakes ends with one that always holds")
-
-
 def _near(x, value, tol):
     return x.size > 0 and bool(np.all(np.abs(x - value) <= tol))
+
+
+# The conditions on a keep mask read off a kernel (``ratio``: 0 dropped, 1 kept), forward or
+# backward: not finite; no entry dropped or scaled (dropout ignored); kept entries unscaled.
+def _is(field, value):
+    """A condition: the fact ``field`` is ``value``."""
+    return lambda ev, f: f[field] == value
+
+
+def _ratio_nonfinite(ev, f):
+    return not np.isfinite(f["ratio"]).all()
+
+
+def _ratio_ignored(ev, f):
+    return _near(f["ratio"], 1 - f["p"], f["tol"])
+
+
+def _ratio_unscaled(ev, f):
+    return _near(f["ratio"][f["ratio"] != 0], 1 - f["p"], f["tol"])
 
 
 #: Why the output on uniform weights (q = 0) and v = identity is not a keep mask over
 #: Nk·(1 - p): ``ratio`` = out·Nk·(1 - p), which must be 0 (dropped) or 1 (kept) everywhere.
 DROPOUT_VALUES = (
-    Mistake(lambda ev, f: not np.isfinite(f["ratio"]).all(),
-            "NaN or inf in the output with dropout on, on finite inputs"),
-    Mistake(lambda ev, f: _near(f["ratio"], 1 - f["p"], f["tol"]),
-            "dropout is ignored: every weight is kept and none is scaled (is dropout_p passed "
-            "through to the kernel?)"),
-    Mistake(lambda ev, f: _near(f["ratio"][f["ratio"] != 0], 1 - f["p"], f["tol"]),
+    Mistake(_ratio_nonfinite, "NaN or inf in the output with dropout on, on finite inputs"),
+    Mistake(_ratio_ignored, "dropout is ignored: every weight is kept and none is scaled (is "
+            "dropout_p passed through to the kernel?)"),
+    Mistake(_ratio_unscaled,
             "the kept weights are not divided by 1 - p: out = (P∘Z)·V where dropout is "
             "(P∘Z/(1 - p))·V, whose expectation over the mask Z is P·V"),
     Mistake(lambda ev, f: _near(f["row_sums"], 1.0, f["tol"]),
@@ -807,14 +819,14 @@ DROPOUT_CORRELATED = (
             "started at counter=[row, 0, 0, 0] overlaps the next row's stream (NumPy's Philox "
             "advances the counter once per 4 words); derive each element's counter so that no "
             "two coincide, e.g. (j // 4, i, b) taking word j % 4"),
-    Mistake(lambda ev, f: f["what"] == "rows",
+    Mistake(_is("what", "rows"),
             "neighbouring query rows have the same keep mask (agreement {agree:.3f}; independent "
             "masks agree {expected:.3f} ± {half:.3f}): the counter ignores the query position i"),
-    Mistake(lambda ev, f: f["what"] == "batch",
+    Mistake(_is("what", "batch"),
             "neighbouring batch elements (heads) have the same keep mask (agreement {agree:.3f}; "
             "independent masks agree {expected:.3f} ± {half:.3f}): the counter ignores the batch "
             "index b"),
-    Mistake(lambda ev, f: f["what"] == "seed",
+    Mistake(_is("what", "seed"),
             "the masks of seeds s and s + 1 agree on {agree:.3f} of the pairs (independent masks "
             "agree {expected:.3f} ± {half:.3f}): the mask does not follow dropout_seed"),
     Mistake(_always, "neighbouring keys' masks agree on {agree:.3f} of the pairs (independent "
@@ -840,12 +852,11 @@ DROPOUT_UNSTABLE = (
 #: Why the keep mask read off the backward (``ratio`` = dV·Nk·(1 - p) on q = 0, dout = identity)
 #: is not the forward's (``differ`` of ``total`` pairs).
 DROPOUT_BACKWARD = (
-    Mistake(lambda ev, f: not np.isfinite(f["ratio"]).all(),
-            "NaN or inf in dv with dropout on, on finite inputs"),
-    Mistake(lambda ev, f: _near(f["ratio"], 1 - f["p"], f["tol"]),
+    Mistake(_ratio_nonfinite, "NaN or inf in dv with dropout on, on finite inputs"),
+    Mistake(_ratio_ignored,
             "the backward ignores dropout: dV = Pᵀ·dO, where it must be (P∘Z/(1 - p))ᵀ·dO with "
             "the forward's mask Z, regenerated from the seed"),
-    Mistake(lambda ev, f: _near(f["ratio"][f["ratio"] != 0], 1 - f["p"], f["tol"]),
+    Mistake(_ratio_unscaled,
             "the backward omits 1/(1 - p): dV = (P∘Z)ᵀ·dO, where it must be (P∘Z/(1 - p))ᵀ·dO, "
             "as must dP = (dO·Vᵀ)∘Z/(1 - p)"),
     Mistake(lambda ev, f: f["differ"] > 0,
@@ -861,12 +872,12 @@ DROPOUT_BACKWARD = (
 #: Why the output with dropout, on random inputs, is above its bound against (P∘Z/(1-p))·V built
 #: with the mask read off the kernel (``closest``: the alternative it matches, if one does).
 DROPOUT_OUT = (
-    Mistake(lambda ev, f: f["closest"] == "no rescale",
+    Mistake(_is("closest", "no rescale"),
             "the output is (P∘Z)·V: the kept weights are not divided by 1 - p"),
-    Mistake(lambda ev, f: f["closest"] == "renormalised",
+    Mistake(_is("closest", "renormalised"),
             "the output is softmax over the kept keys: the mask is applied before the row sum "
             "l, which must stay the undropped one"),
-    Mistake(lambda ev, f: f["closest"] == "undropped",
+    Mistake(_is("closest", "undropped"),
             "the output is attention without dropout on these inputs, although dropout showed on "
             "the probe: dropout depends on the inputs?"),
     Mistake(_always, "wrong with dropout on random inputs, although the keep mask read off the "
@@ -876,7 +887,7 @@ DROPOUT_OUT = (
 
 #: Why the lse with dropout is above its bound (the undropped lse).
 DROPOUT_LSE = (
-    Mistake(lambda ev, f: f["closest"] == "kept only",
+    Mistake(_is("closest", "kept only"),
             "the lse is that of the kept scores only: FlashAttention's lse is the undropped one, "
             "which the backward's P = exp(S - lse) needs"),
     Mistake(_always, "lse wrong with dropout on: it is the undropped log-sum-exp of the scores"),
@@ -888,7 +899,7 @@ GRADIENT = (
             "dsinks has the wrong sign: dsinks_h = -Σ_i exp(sink_h - lse_i)·D_i (the sink takes "
             "probability exp(sink - lse_i) from row i's keys, and d out_i / d sink = "
             "-exp(sink - lse_i)·out_i)"),
-    Mistake(lambda ev, f: f["name"] == "dsinks",
+    Mistake(_is("name", "dsinks"),
             "dsinks wrong: dsinks_h = -Σ_i exp(sink_h - lse_i)·D_i, D_i = rowsum(dO∘O), summed "
             "over every axis the sinks were broadcast along"),
     Mistake(lambda ev, f: f["dropout"],
