@@ -630,7 +630,9 @@ def check_kernel(fn, *, features=DEFAULT_FEATURES, dtypes=DTYPES, lse_empty=-np.
         ``fn(q, k, v, *, mask=None, causal=False, scale=None)`` returning ``out`` (or
         ``(out, lse)`` with the ``"lse"`` feature); only the keywords a case uses are passed,
         among them, with their features, ``window``, ``softcap``, ``alibi_slopes``,
-        ``enable_gqa`` and ``mask_mod`` (flash_lib's keywords).
+        ``enable_gqa``, ``mask_mod``, ``sinks``, ``dropout_p`` and ``dropout_seed`` (flash_lib's
+        keywords; the dropout case also passes ``block_q`` and ``block_k`` to a kernel whose
+        signature has them, to check that the mask does not depend on the tiles).
     features : iterable of str
         What the kernel supports (see :data:`FEATURES`); cases needing anything else are skipped.
     dtypes : iterable of str

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["BUGS", "VARIANT_BUGS", "tiled_attention", "variant_attention",
+__all__ = ["BUGS", "VARIANT_BUGS", "BACKWARD_BUGS", "tiled_attention", "variant_attention",
            "variant_attention_backward", "counter_keep"]
 
 #: The classic bugs of :func:`tiled_attention`: name -> what the kernel then does.
@@ -61,8 +61,8 @@ VARIANT_BUGS = {
                           "then merged: the sink counted twice",
     "dsinks_sign": "the backward returns +sum exp(sink - lse) D for dsinks, not minus",
 }
-#: The bugs of :data:`VARIANT_BUGS` that :func:`variant_attention_backward` makes (the forward
-#: makes the others).
+#: The bugs of :data:`VARIANT_BUGS` that only :func:`variant_attention_backward` makes (the
+#: forward makes the others; "dropout_stateful_tiles" both, each in its own visiting order).
 BACKWARD_BUGS = ("dropout_backward_other_mask", "dsinks_sign")
 
 
