@@ -559,6 +559,16 @@ def checked_dropout(p, seed, offset, n_q, n_k):
     return dict(dropout_p=float(p), dropout_seed=seed, dropout_offset=offset)
 
 
+def checked_keep_args(seed, p, shape, offset):
+    """flash_lib.dropout_keep's arguments: ``(shape, offset, dropout fields)``."""
+    if (not isinstance(shape, (tuple, list)) or len(shape) < 2
+            or any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0 for n in shape)):
+        raise ValueError(f"shape must be a tuple (..., Nq, Nk) of non-negative ints, got {shape!r}")
+    shape = tuple(int(n) for n in shape)
+    drop = checked_dropout(p, seed, offset, shape[-2], shape[-1])
+    return shape, drop["dropout_offset"], drop
+
+
 def checked_mask_mod(mask_mod):
     if mask_mod is not None and not callable(mask_mod):
         raise TypeError(f"mask_mod must be a callable mask_mod(q_idx, k_idx) or None, got "

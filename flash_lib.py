@@ -31,6 +31,9 @@ Contracts, the same in every kernel here (README.md and the chapters say why and
 * ``causal``: key ``j`` for query ``i`` iff ``j <= i + (Nk - Nq)``, bottom-right (:func:`causal_mask`).
 * Empty rows: ``out`` exactly 0 and ``lse = -inf``, no NaN, no warning, whatever q, k, v hold.
   With ``sinks`` no row is empty: a row with no allowed key gets ``out`` 0 and ``lse = sink``.
+* Dropout keeps element ``(b, i, j)`` (flat batch index, global query and key positions) by a
+  Philox4x32-10 word of that position and the seed: the same mask whatever the blocks, threads
+  or visiting order, drawn again per tile by the backward, never stored. ``lse`` is undropped.
 * Masked keys never leak: an inf or NaN at key ``j`` reaches exactly the rows that may attend it.
 * A NaN in row ``i`` of ``q`` makes row ``i`` NaN and leaves every other row exact.
 * The scale ``τ = r·2^e`` is applied as ``q · r·2^a`` and ``k · 2^b``, ``a + b = e``, ``b = trunc(e/2)``.
@@ -51,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,8 +181,8 @@ def online_softmax_update(m, l, acc, s, v, matmul=np.matmul):
 
 
 def _initial_state(problem, rows):
-    """Each row's ``(m, l)`` before its first key: ``(-inf, 0)``, nothing seen; with a sink, the
-    sink as one key already seen, of score ``sink`` and value 0: ``(sink, 1)`` (``acc`` stays 0)."""
+    """Each row's ``(m, l)`` before its first key: ``(-inf, 0)``; with a sink, ``(sink, 1)``: the
+    sink is one key already seen, of score ``sink`` and value 0 (``acc`` stays 0)."""
     if problem.sinks is None:
         return np.full(rows, -np.inf, problem.acc), np.zeros(rows, problem.acc)
     return np.broadcast_to(problem.sinks.astype(problem.acc), rows).copy(), np.ones(rows, problem.acc)
@@ -255,6 +259,15 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
         broadcastable to the leading dims as ``alibi_slopes``. Each row's softmax gets one more
         key, of score ``sink`` (not scaled, not capped) and value 0: ``P_ij = exp(s_ij - lse_i)``,
         ``lse_i = log(exp(sink) + Σ_j exp(s_ij))``. The backward then also returns ``dsinks``.
+    dropout_p : real number in [0, 1)
+        Dropout on the weights, FlashAttention's: ``out = (P ∘ Z / (1 - p)) V``, ``Z`` the keep
+        mask of :func:`dropout_keep` (Bernoulli(1 - p) per element); ``lse`` stays undropped.
+        0 (the default) draws nothing: the same bits as no dropout.
+    dropout_seed : int in [0, 2**64)
+        Keys the mask; needed when ``dropout_p > 0``. The backward given it draws the same mask.
+    dropout_offset : (row, key)
+        Global position of this call's first query and first key in the mask: a shard of a
+        larger problem draws its slice of the whole problem's mask (flash_dask does).
 
     Returns
     -------
@@ -381,15 +394,11 @@ def dropout_keep(dropout_seed, dropout_p, shape, offset=(0, 0)):
     ``j`` the row and key plus ``offset``), probability ``1 - round(p·2³²)/2³²`` each, from
     Philox4x32-10 keyed by the seed and the position (``_flash_dropout.py``). For tests and
     figures: the kernels compute it one tile at a time and never store it."""
-    if (not isinstance(shape, (tuple, list)) or len(shape) < 2
-            or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shape)):
-        raise ValueError(f"shape must be a tuple (..., Nq, Nk) of non-negative ints, got {shape!r}")
-    drop = _inputs.checked_dropout(dropout_p, dropout_seed, offset, shape[-2], shape[-1])
+    shape, (i, j), drop = _inputs.checked_keep_args(dropout_seed, dropout_p, shape, offset)
     if not drop["dropout_p"]:
         return np.ones(shape, bool)
-    (i, j), (n_q, n_k) = drop["dropout_offset"], shape[-2:]
     return _dropout.keep(drop["dropout_seed"], _dropout.threshold(drop["dropout_p"]),
-                         int(np.prod(shape[:-2])), (i, i + n_q), (j, j + n_k)).reshape(shape)
+                         math.prod(shape[:-2]), (i, i + shape[-2]), (j, j + shape[-1])).reshape(shape)
 
 
 def causal_mask(n_q, n_k):
@@ -566,14 +575,17 @@ def _masked_pairs_zero(ds, allowed):
 def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False, scale=None,
                              block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K, window=None,
                              softcap=None, alibi_slopes=None, enable_gqa=False, mask_mod=None,
-                             sinks=None, dropout_p=0.0,
-                             dropout_seed=None, dropout_offset=(0, 0)):
+                             sinks=None, dropout_p=0.0, dropout_seed=None, dropout_offset=(0, 0)):
     """The gradients of ``sum(dout * flash_attention(q, k, v, ...))`` without storing ``P``.
 
     Parameters
     ----------
-    q, k, v, mask, causal, scale, block_q, block_k, window, softcap, alibi_slopes, enable_gqa, mask_mod, sinks
+    q, k, v, mask, causal, scale, block_q, block_k, window, softcap, alibi_slopes, enable_gqa, mask_mod
         As for :func:`flash_attention`, and the same as the forward call.
+    sinks, dropout_p, dropout_seed, dropout_offset
+        As for :func:`flash_attention`, the same as the forward call: each tile's keep mask is
+        drawn again from the seed, and ``dV = (P ∘ Z/(1-p))ᵀ dO``, ``dP = (dO Vᵀ) ∘ Z/(1-p)``,
+        ``dS = P ∘ (dP - D)`` with ``D = rowsum(dO ∘ O)`` still (``O = (P ∘ Z/(1-p)) V``).
     out, lse
         What ``flash_attention(q, k, v, ..., return_lse=True)`` returned: shapes
         ``(..., Nq, dv)`` and ``(..., Nq)``, ``...`` being the broadcast batch of q, k, v, mask.
@@ -704,8 +716,7 @@ def _sum_to(x, shape):
 
 def naive_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False,
                     window=None, softcap=None, alibi_slopes=None, enable_gqa=False, mask_mod=None,
-                    sinks=None, dropout_p=0.0,
-                    dropout_seed=None, dropout_offset=(0, 0)):
+                    sinks=None, dropout_p=0.0, dropout_seed=None, dropout_offset=(0, 0)):
     """Textbook attention: the full ``Nq × Nk`` score matrix, then a max-subtracted softmax.
 
     Same arguments, results and conventions as :func:`flash_attention` (minus the block sizes);
@@ -791,8 +802,8 @@ def _dense_dropout(problem, dtype):
 
 def naive_attention_backward(q, k, v, dout, *, mask=None, causal=False, scale=None,
                              window=None, softcap=None, alibi_slopes=None, enable_gqa=False,
-                             mask_mod=None, sinks=None, dropout_p=0.0,
-                             dropout_seed=None, dropout_offset=(0, 0)):
+                             mask_mod=None, sinks=None, dropout_p=0.0, dropout_seed=None,
+                             dropout_offset=(0, 0)):
     """The dense oracle of :func:`flash_attention_backward`: ``P`` whole, then the textbook chain.
 
     ``P = softmax(S)``, ``dV = Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P ∘ (dP - rowsum(P ∘ dP))`` (the
@@ -856,10 +867,7 @@ def _dense_backward(problem, dout, dtype):
                   for g, x in zip((dq, dk, dv), (problem.q, problem.k, problem.v)))
     if problem.sinks is None:
         return grads
-    # dsinks = -Σ_i P_i,sink · Σ_j P_ij dP_ij, the sink's probability P_i,sink = exp(sink - m_i) / l_i
-    p_sink = np.exp(problem.sinks.astype(dtype) - m) / l
-    return grads + (_sum_to(problem.merge_heads(-(p_sink * D[..., 0]).sum(axis=-1)),
-                            problem.sinks_shape),)
+    return grads + (_dsinks(problem, m + np.log(l), D[..., 0]),)  # lse = m + log l, never -inf
 
 
 def _dense_allowed(problem):

@@ -576,14 +576,17 @@ def test_the_kept_pairs_are_dropout_keeps_whatever_the_blocks(blocks):
 
 
 def test_the_offset_moves_the_mask_as_a_shard_of_the_whole():
-    """A kernel call with dropout_offset (r, c) keeps dropout_keep(..., offset=(r, c))'s pairs:
-    the shard's slice of the whole problem's mask, so shards computed apart (flash_dask) drop
+    """A kernel call with dropout_offset (r, c) keeps dropout_keep(..., offset=(r, c))'s pairs,
+    forward and backward: the shard's slice of the whole problem's mask, so shards computed apart (flash_dask) drop
     the same pairs as one call. And the merge of two key shards of a query shard, each at its
     offset, is the whole call's rows (to rounding)."""
     n, p = 24, 0.5
     keep = flash_lib.dropout_keep(SEED, p, (2, 100, 200))
     np.testing.assert_array_equal(kept_pairs_forward(n, p, SEED, offset=(60, 130)),
                                   keep[:, 60:84, 130:154])
+    np.testing.assert_array_equal(kept_pairs_backward(n, p, SEED, offset=(60, 130), block_q=7,
+                                                      block_k=5),
+                                  keep[:, 60:84, 130:154].any(axis=0))
     rng = np.random.default_rng(33)
     q, k, v = random_qkv(rng, 30, 50, 4, dv=3, batch=(2,))
     drop = dict(dropout_p=p, dropout_seed=SEED)
