@@ -23,6 +23,16 @@ for both), given the forward's global ``out`` and ``lse`` of its query shard, wh
 pair's terms exactly its share of the gradients; ``dq`` is summed over key shards and ``dk``,
 ``dv`` over query shards, by trees of fan-in ``split_every``.
 
+Dropout and attention sinks (``dropout_p``, ``dropout_seed``, ``sinks``) keep both graphs as they
+are. Each pair task passes flash_lib ``dropout_offset`` = the global position of its first query
+row and key (a causal pair cut at the diagonal passes its bottom part's own), and flash_lib draws
+an element's keep bit from its global (b, i, j) alone: the cluster's mask is one machine's, bit
+for bit. A sink is one more partial state, ``(out 0, lse = sink)``: merged once per query shard,
+after its merge tree; the pair tasks never see it (in each pair it would count once per key
+shard). The backward's pairs need no sink either (the lse they are given holds it), and
+``dsinks`` is computed once per query shard from its ``lse`` and ``D = rowsum(dout ∘ out)``, then
+summed over the shards.
+
 Where the time goes, on 2 worker processes of one core each (the forward, N = 65536, shards of
 4096, 256 pair tasks; distributed's task stream, on a 2-core machine shared with other jobs): the
 workers computed pair tasks for 98% of the run, waited on transfers for 1-2% and idled under 1%;
