@@ -114,10 +114,11 @@ _SINKS_HINT = ("wrong with sinks: lse_i = log(exp(sink) + Σ_j exp(s_ij)), the s
 def _with_gradients(ctx):
     """The accuracy check, then the gradients' when the kernel's backward is given."""
     result = _accuracy(ctx)
-    if ctx.backward is not None and "lse" in ctx.features and result.ok:
+    if ctx.backward is None or "lse" not in ctx.features:
+        result.note = ("gradients not checked: " + ("no backward= given" if ctx.backward is None
+                                                    else "the backward needs the lse feature"))
+    elif result.ok:
         _sinks_gradients(ctx, result)
-    elif ctx.backward is None:
-        result.note = "gradients not checked: no backward= given"
     return result
 
 
