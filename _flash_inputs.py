@@ -483,19 +483,25 @@ def broadcasts_to(shape, target):
         return False
 
 
+def per_head(name, x, batch, unit):
+    """``x`` as an array of real numbers broadcastable to the leading (batch, head) dims."""
+    x = np.asarray(x)
+    if x.dtype.kind not in "fiu":
+        raise TypeError(f"{name} must be an array of real numbers, got dtype {x.dtype}")
+    if not broadcasts_to(x.shape, batch):
+        raise ValueError(
+            f"{name} of shape {x.shape} does not broadcast to the leading (batch, head) dims "
+            f"{batch}: give one {unit} per head, e.g. shape (H,) or (B, H)"
+        )
+    return x
+
+
 def checked_alibi(slopes, batch, groups, acc, n_q, n_k):
     """The slopes, shaped (..., 1, 1), each checked by :func:`checked_real`: a bias
     ``-slope · distance`` (distance up to ``max(Nq, Nk) - 1``) must not overflow ``acc``."""
     if slopes is None:
         return None
-    slopes = np.asarray(slopes)
-    if slopes.dtype.kind not in "fiu":
-        raise TypeError(f"alibi_slopes must be an array of real numbers, got dtype {slopes.dtype}")
-    if not broadcasts_to(slopes.shape, batch):
-        raise ValueError(
-            f"alibi_slopes of shape {slopes.shape} does not broadcast to the leading (batch, "
-            f"head) dims {batch}: give one slope per head, e.g. shape (H,) or (B, H)"
-        )
+    slopes = per_head("alibi_slopes", slopes, batch, "slope")
     with np.errstate(over="ignore"):  # a longdouble beyond float64: refused below
         slopes = slopes.astype(np.float64)
     if not np.isfinite(slopes).all():
@@ -517,14 +523,7 @@ def checked_sinks(sinks, batch, groups, acc):
     query split applied as for the ALiBi slopes); each finite in the compute dtype ``acc``."""
     if sinks is None:
         return None
-    sinks = np.asarray(sinks)
-    if sinks.dtype.kind not in "fiu":
-        raise TypeError(f"sinks must be an array of real numbers, got dtype {sinks.dtype}")
-    if not broadcasts_to(sinks.shape, batch):
-        raise ValueError(
-            f"sinks of shape {sinks.shape} does not broadcast to the leading (batch, head) dims "
-            f"{batch}: give one logit per head, e.g. shape (H,) or (B, H)"
-        )
+    sinks = per_head("sinks", sinks, batch, "logit")
     with np.errstate(over="ignore"):  # a longdouble beyond float64, or a float64 beyond acc
         finite = np.isfinite(sinks.astype(np.float64)) & np.isfinite(sinks.astype(acc))
     if not finite.all():

@@ -798,8 +798,9 @@ TARGETS = {
         {"float64": 1.5, "float32": 1.5},
         "issue 24: the backward regenerates the mask instead of storing it, so the mask is drawn "
         "twice per tile; that must cost at most half again the training step. One 512 × 512 tile's "
-        "mask is 65536 Philox counters, about 1.1-1.5 ms of NumPy integer passes on a Zen 4 core "
-        "against about 3.3 ms of float32 (8.7 ms of float64) fwd+bwd tile work"),
+        "mask is 65536 Philox counters, ~90 uint64 NumPy passes each: 1.4-1.9 ms on a Zen 4 core "
+        "(2026-12-01), against ~8.7 ms of float64 fwd+bwd tile work but ~3.4 ms of float32, where "
+        "two draws alone make about 1.9x: float32 fails it in NumPy"),
     "packed_tiles": Target(
         "packed batch, lengths (4096, 64 x 16): tiles visited / tiles of the sequences run one "
         "by one",

@@ -10,13 +10,13 @@ gradients against central differences.
 """
 
 import re
-import warnings
 
 import numpy as np
 import pytest
 from conftest import random_qkv
 from hypothesis import given
 from hypothesis import strategies as st
+from test_variants import VARIANTS, check_flash_equals_naive, grads
 
 import flash_lib
 from flash_lib import (
@@ -29,17 +29,6 @@ from flash_lib import (
     precise_attention,
     precise_attention_backward,
 )
-
-
-def window_mask(n_q, n_k, left, right):
-    """Key j for query i iff i + (Nk - Nq) - left <= j <= i + (Nk - Nq) + right."""
-    rel = np.arange(n_k)[None, :] - np.arange(n_q)[:, None] - (n_k - n_q)
-    ok = np.ones((n_q, n_k), bool)
-    if left is not None:
-        ok &= rel >= -left
-    if right is not None:
-        ok &= rel <= right
-    return ok
 
 
 def dense(q, k, v, dout, *, scale, allowed=None, softcap=None, slopes=None, sinks=None,
@@ -97,11 +86,15 @@ def sum_to(x, shape):
     return x.sum(axis=tuple(i for i, n in enumerate(shape) if n == 1), keepdims=True).reshape(shape)
 
 
-def grads(kernel, q, k, v, dout, **kw):
-    if kernel == "naive":
-        return naive_attention_backward(q, k, v, dout, **kw)
-    out, lse = flash_attention(q, k, v, return_lse=True, **kw)
-    return flash_attention_backward(q, k, v, out, lse, dout, **kw)
+def forward_backward(kernel, q, k, v, dout, block_q, block_k, **kw):
+    """``(out, lse, gradients)`` of flash (at these blocks), naive or precise."""
+    if kernel == "flash":
+        out, lse = flash_attention(q, k, v, return_lse=True, block_q=block_q, block_k=block_k, **kw)
+        return out, lse, flash_attention_backward(q, k, v, out, lse, dout, block_q=block_q,
+                                                  block_k=block_k, **kw)
+    forward, backward = {"naive": (naive_attention, naive_attention_backward),
+                         "precise": (precise_attention, precise_attention_backward)}[kernel]
+    return forward(q, k, v, return_lse=True, **kw) + (backward(q, k, v, dout, **kw),)
 
 
 def close(a, b, tol=1e-12):
@@ -143,15 +136,7 @@ def test_sinks_against_the_dense_oracle(kernel, case):
     dout = rng.standard_normal((2, h, n_q, 4))
     ref = dense(q, k, v, dout, scale=1 / np.sqrt(5), sinks=sinks, **ref_kw)
     kw["sinks"] = sinks
-    if kernel == "flash":
-        out, lse = flash_attention(q, k, v, return_lse=True, block_q=3, block_k=4, **kw)
-        got = flash_attention_backward(q, k, v, out, lse, dout, block_q=3, block_k=4, **kw)
-    elif kernel == "naive":
-        out, lse = naive_attention(q, k, v, return_lse=True, **kw)
-        got = naive_attention_backward(q, k, v, dout, **kw)
-    else:
-        out, lse = precise_attention(q, k, v, return_lse=True, **kw)
-        got = precise_attention_backward(q, k, v, dout, **kw)
+    out, lse, got = forward_backward(kernel, q, k, v, dout, block_q=3, block_k=4, **kw)
     assert len(got) == 4
     expected = ref[:2] + (sum_to(ref[2], q.shape), sum_to(ref[3], k.shape),
                           sum_to(ref[4], v.shape), sum_to(ref[5], sinks.shape))
@@ -428,15 +413,7 @@ def test_dropout_against_the_dense_oracle(kernel, p, case):
     dout = rng.standard_normal((2, h, n_q, 4))
     keep = flash_lib.dropout_keep(SEED, p, (2, h, n_q, n_k))
     ref = dense(q, k, v, dout, scale=1 / np.sqrt(5), keep=keep, p=p, **ref_kw)
-    if kernel == "flash":
-        out, lse = flash_attention(q, k, v, return_lse=True, block_q=4, block_k=5, **kw)
-        got = flash_attention_backward(q, k, v, out, lse, dout, block_q=4, block_k=5, **kw)
-    elif kernel == "naive":
-        out, lse = naive_attention(q, k, v, return_lse=True, **kw)
-        got = naive_attention_backward(q, k, v, dout, **kw)
-    else:
-        out, lse = precise_attention(q, k, v, return_lse=True, **kw)
-        got = precise_attention_backward(q, k, v, dout, **kw)
+    out, lse, got = forward_backward(kernel, q, k, v, dout, block_q=4, block_k=5, **kw)
     expected = ref[:2] + (sum_to(ref[2], q.shape), sum_to(ref[3], k.shape), sum_to(ref[4], v.shape))
     if "sinks" in case:
         expected += (sum_to(ref[5], (h,)),)
@@ -459,69 +436,19 @@ def test_the_dense_oracle_is_not_blind_to_the_mask():
         assert not close(x[0], y[0], 1e-3) and not close(x[2], y[2], 1e-3)
 
 
-#: The variants of tests/test_variants.py, with sinks and dropout on top.
-COMBINATIONS = dict(
-    n_q=st.integers(1, 14),
-    n_k=st.integers(1, 14),
-    block_q=st.integers(1, 16),
-    block_k=st.integers(1, 16),
-    causal=st.booleans(),
-    window=st.one_of(st.none(), st.tuples(st.one_of(st.none(), st.integers(0, 5)),
-                                          st.one_of(st.none(), st.integers(0, 5)))),
-    softcap=st.sampled_from([None, 0.7, 5.0]),
-    alibi=st.booleans(),
-    gqa=st.booleans(),
-    masking=st.sampled_from(["none", "mask", "mask_mod", "both"]),
-    sinks=st.sampled_from([None, "per head", "per batch and head", "one"]),
-    dropout_p=st.sampled_from([0.0, 0.2, 0.7]),
-    offset=st.sampled_from([(0, 0), (3, 5), (2**20, 2**33)]),
-)
-
-
-@given(**COMBINATIONS)
-def test_flash_equals_naive_for_every_combination(n_q, n_k, block_q, block_k, causal, window,
-                                                 softcap, alibi, gqa, masking, sinks, dropout_p,
-                                                 offset):
-    """Forward (out, lse) and backward (dq, dk, dv, dsinks) of flash against naive with the same
-    keywords, float64, for every combination of the variants with sinks and dropout: within
-    1e-12 of the larger scale (test_variants' bound); empty rows exact."""
-    rng = np.random.default_rng(n_q * 31 + n_k)
-    q = 2 * rng.standard_normal((2, 4, n_q, 4))
-    h_kv = 2 if gqa else 4
-    k, v = 2 * rng.standard_normal((2, h_kv, n_k, 4)), rng.standard_normal((2, h_kv, n_k, 3))
-    dout = rng.standard_normal((2, 4, n_q, 3))
-    kw = dict(causal=causal, window=window, softcap=softcap, enable_gqa=gqa, dropout_p=dropout_p,
-              dropout_seed=SEED + n_q, dropout_offset=offset)
-    if alibi:
-        kw["alibi_slopes"] = np.array([0.5, 0.25, 0.125, 0.0625])
-    if masking in ("mask", "both"):
-        kw["mask"] = rng.random((4, n_q, n_k)) < 0.8
-    if masking in ("mask_mod", "both"):
-        kw["mask_mod"] = lambda i, j: (i + j) % 3 != 1
+@given(**VARIANTS, sinks=st.sampled_from([None, "per head", "per batch and head", "one"]),
+       dropout_p=st.sampled_from([0.0, 0.2, 0.7]),
+       offset=st.sampled_from([(0, 0), (3, 5), (2**20, 2**33)]))
+def test_flash_equals_naive_for_every_combination(sinks, dropout_p, offset, **variants):
+    """tests/test_variants.py's combinations (mask, mask_mod, causal, window, softcap, ALiBi,
+    GQA, blocks) with sinks and dropout on top: forward (out, lse) and backward (dq, dk, dv,
+    dsinks) of flash against naive, float64, within 1e-12 of the larger scale; empty rows exact."""
+    extra = dict(dropout_p=dropout_p, dropout_seed=SEED + variants["n_q"], dropout_offset=offset)
     if sinks is not None:
-        kw["sinks"] = {"per head": rng.standard_normal(4),
-                       "per batch and head": rng.standard_normal((2, 4)),
-                       "one": np.array(0.5)}[sinks]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        out, lse = flash_attention(q, k, v, return_lse=True, block_q=block_q, block_k=block_k,
-                                   **kw)
-        ref, ref_lse = naive_attention(q, k, v, return_lse=True, **kw)
-        flash_g = flash_attention_backward(q, k, v, out, lse, dout, block_q=block_q,
-                                           block_k=block_k, **kw)
-        naive_g = naive_attention_backward(q, k, v, dout, **kw)
-    np.testing.assert_array_equal(lse == -np.inf, ref_lse == -np.inf)
-    assert np.all(out[ref_lse == -np.inf] == 0)
-    finite = ref_lse > -np.inf
-    assert close(out, ref) and close(lse[finite], ref_lse[finite])
-    tau, big = 0.5, np.abs(np.concatenate([q.ravel(), k.ravel()])).max()
-    scale = 1 / (1 - dropout_p)
-    units = ((scale * tau * np.abs(dout).max() * np.abs(v).max() * big,) * 2
-             + (scale * np.abs(dout).max(), scale * np.abs(dout).max() * np.abs(v).max() * 4 * 14))
-    assert len(flash_g) == len(naive_g) == (3 if sinks is None else 4)
-    for a, b, unit in zip(flash_g, naive_g, units):
-        assert a.shape == b.shape
-        assert np.abs(a - b).max(initial=0.0) <= 1e-12 * max(unit, np.abs(b).max(initial=0.0))
+        extra["sinks"] = {"per head": np.array([0.3, -1.2, 2.0, 0.0]),
+                          "per batch and head": np.arange(8.0).reshape(2, 4) / 4 - 1,
+                          "one": np.array(0.5)}[sinks]
+    check_flash_equals_naive(**variants, **extra)
 
 
 def test_dropout_gradients_match_central_differences():

@@ -222,6 +222,15 @@ def test_flash_equals_naive_for_every_combination(n_q, n_k, block_q, block_k, ca
                                                  softcap, alibi, gqa, masking):
     """Forward (out, lse) and backward (dq, dk, dv) of flash against naive with the same
     keywords, float64: within 1e-12 of the larger scale (the plain kernel's bound)."""
+    check_flash_equals_naive(n_q, n_k, block_q, block_k, causal, window, softcap, alibi, gqa,
+                             masking)
+
+
+def check_flash_equals_naive(n_q, n_k, block_q, block_k, causal, window, softcap, alibi, gqa,
+                             masking, **extra):
+    """The test above, with ``extra`` keywords on top (tests/test_training.py adds sinks and
+    dropout: the units of the gradients' errors grow by 1/(1 - p), and dsinks' is a sum over
+    the rows of |D| <= |dO|·|O|)."""
     rng = np.random.default_rng(n_q * 31 + n_k)
     q = 2 * rng.standard_normal((2, 4, n_q, 4))
     h_kv = 2 if gqa else 4
@@ -234,6 +243,7 @@ def test_flash_equals_naive_for_every_combination(n_q, n_k, block_q, block_k, ca
         kw["mask"] = rng.random((4, n_q, n_k)) < 0.8
     if masking in ("mask_mod", "both"):
         kw["mask_mod"] = lambda i, j: (i + j) % 3 != 1
+    kw.update(extra)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out, lse = flash_attention(q, k, v, return_lse=True, block_q=block_q, block_k=block_k,
@@ -250,6 +260,9 @@ def test_flash_equals_naive_for_every_combination(n_q, n_k, block_q, block_k, ca
     # of its error is the size of those terms, τ·|dO|·|V|·|K or Q| for dq, dk and |dO| for dv
     tau, big = 0.5, np.abs(np.concatenate([q.ravel(), k.ravel()])).max()
     units = (tau * np.abs(dout).max() * np.abs(v).max() * big,) * 2 + (np.abs(dout).max(),)
+    units = tuple(u / (1 - extra.get("dropout_p", 0)) for u in units)
+    units += (units[2] * np.abs(v).max() * dout[..., 0].size,)  # dsinks, when there are sinks
+    assert len(flash_g) == len(naive_g) == 3 + ("sinks" in extra)
     for a, b, unit in zip(flash_g, naive_g, units):
         assert a.shape == b.shape
         assert np.abs(a - b).max(initial=0.0) <= 1e-12 * max(unit, np.abs(b).max(initial=0.0))
