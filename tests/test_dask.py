@@ -913,3 +913,29 @@ def test_dropout_and_sinks_errors_come_from_flash_lib():
                                            dropout_seed=-1)
     with pytest.raises(ValueError, match="sinks"):
         flash_dask.dask_attention_backward(q, k, v, out, lse, out, sinks=np.array(np.nan))
+
+
+def test_dropout_and_sinks_in_float16():
+    """16-bit inputs with dropout and a sink: computed in float32 and rounded once, as one
+    flash_lib call (so at most one rounding apart, in few elements); dsinks in float32."""
+    rng = np.random.default_rng(13)
+    q, k, v = _inputs(rng, (2,), (2,), (2,), 100, 130, 8, 8, np.float16)
+    kwargs = dict(causal=True, sinks=np.array([1.0, 2.0]), **DROPOUT)
+    qd, kd, vd = _chunked(q, 30), _chunked(k, 40), _chunked(v, 40)
+    out, lse = flash_dask.dask_attention(qd, kd, vd, return_lse=True, **kwargs)
+    got, got_lse = dask.compute(out, lse, scheduler="sync")
+    ref, ref_lse = flash_lib.flash_attention(q, k, v, return_lse=True, **kwargs)
+    eps = float(np.finfo(np.float16).eps)
+    assert got.dtype == np.float16 and got_lse.dtype == np.float32
+    g, r = got.astype(np.float64), ref.astype(np.float64)
+    assert np.all(np.abs(g - r) <= eps * np.abs(r)) and np.mean(g != r) <= 0.02
+    assert np.abs(got_lse - ref_lse).max() <= 1e-5 * (1 + np.abs(ref_lse).max())
+    dout = rng.standard_normal(ref.shape).astype(np.float16)
+    grads = dask.compute(*flash_dask.dask_attention_backward(qd, kd, vd, ref, ref_lse, dout,
+                                                             **kwargs), scheduler="sync")
+    refs = flash_lib.flash_attention_backward(q, k, v, ref, ref_lse, dout, **kwargs)
+    for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, refs):
+        assert g.dtype == r.dtype == (np.float32 if name == "dsinks" else np.float16), name
+        g, r = g.astype(np.float64), r.astype(np.float64)
+        tol = 1e-5 if name == "dsinks" else eps  # float32 sums, then one float16 rounding
+        assert np.abs(g - r).max() <= tol * np.abs(r).max(), name
