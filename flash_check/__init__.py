@@ -69,19 +69,20 @@ Features ``"window"`` (``window=(left, right)``), ``"softcap"``, ``"alibi"`` (``
 ``"dropout"`` (``dropout_p=``, ``dropout_seed=``) (:data:`VARIANTS`), with FlashAttention's
 conventions as flash_lib documents them, each have cases of their own, skipped unless the feature
 is listed. Given the kernel's ``backward=``, the sinks and dropout cases check its gradients too
-(``dsinks``; the backward's keep mask against the forward's). Their failures are diagnosed by comparing the output with the classic mistakes
-(:mod:`flash_check.diagnose`): a window off by one at an edge, aligned top-left or with its sides
-swapped; softcap applied after the mask, after the bias or before the scale; ALiBi's sign
-flipped, its distance aligned top-left, or attention-gym's causal-only form used without causal
-(and, under causal, an lse shifted by that form's per-row constant); GQA grouped as ``h mod Hkv``;
-a mask_mod inverted, called with its arguments swapped, on tile-local positions, with its batch
-dims dropped, or whose tiles are skipped by their corners; a sink counted twice (split-KV),
-scaled, softcapped or with its sign flipped, an empty row's lse that is not the sink, dsinks'
-sign; a dropout mask drawn per tile from a stateful generator (it changes with the block sizes),
-rows whose streams overlap, the keep probability p for 1 - p, a missing 1/(1 - p), a backward
-that regenerates another mask; and each variant ignored. A kernel's dropout mask is read off its
-output (``q = 0`` makes ``P`` uniform, ``v`` = the identity makes ``out[i, j] = P_ij·Z_ij/(1 -
-p)``), so the checks hold any generator to what dropout must be, not to flash_lib's Philox.
+(``dsinks``; the backward's keep mask against the forward's). Their failures are diagnosed by
+comparing the output with the classic mistakes (:mod:`flash_check.diagnose`): a window off by one
+at an edge, aligned top-left or with its sides swapped; softcap applied after the mask, after the
+bias or before the scale; ALiBi's sign flipped, its distance aligned top-left, or attention-gym's
+causal-only form used without causal (and, under causal, an lse shifted by that form's per-row
+constant); GQA grouped as ``h mod Hkv``; a mask_mod inverted, called with its arguments swapped, on
+tile-local positions, with its batch dims dropped, or whose tiles are skipped by their corners; a
+sink counted twice (split-KV), scaled, softcapped or with its sign flipped, an empty row's lse that
+is not the sink, dsinks' sign; a dropout mask drawn per tile from a stateful generator (it changes
+with the block sizes), rows whose streams overlap, the keep probability p for 1 - p, a missing
+1/(1 - p), a backward that regenerates another mask; and each variant ignored. A kernel's dropout mask
+is read off its output (``q = 0`` makes ``P`` uniform, ``v`` = the identity makes ``out[i, j] =
+P_ij·Z_ij/(1 - p)``), so the checks hold any generator to what dropout must be, not to flash_lib's
+Philox.
 
 The package
 -----------

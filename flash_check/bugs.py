@@ -248,8 +248,8 @@ def variant_attention(q, k, v, *, mask=None, causal=False, scale=None, window=No
                         ok = ok & ((j > first) if bug == "window_left_off_by_one" else (j >= first))
                     if right is not None:
                         ok = ok & (j <= i + window_offset + right)
-                s = (q[..., qs:qe, :].astype(acc) @ np.swapaxes(k[..., ks:ke, :], -1, -2).astype(acc)
-                     * acc(scale))
+                s = (q[..., qs:qe, :].astype(acc)
+                     @ np.swapaxes(k[..., ks:ke, :], -1, -2).astype(acc) * acc(scale))
                 if softcap is not None and bug not in ("softcap_after_mask", "softcap_after_bias"):
                     s = cap(s)
                 if slopes is not None:
