@@ -534,7 +534,7 @@ def checked_sinks(sinks, batch, groups, acc):
 
 def checked_dropout(p, seed, offset, n_q, n_k):
     """``dropout_p``, ``dropout_seed`` and ``dropout_offset`` checked, as Problem's fields: every
-    element's position must fit its counter word (``i < 2³²``, ``j // 4 < 2³²``)."""
+    element's position must fit its counter word (``i < 2³²``, ``j // 8 < 2³²``)."""
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
         raise TypeError(f"dropout_p must be a real number in [0, 1), got {p!r}")
     if not 0 <= p < 1:
@@ -552,9 +552,9 @@ def checked_dropout(p, seed, offset, n_q, n_k):
     if min(offset) < 0:
         raise ValueError(f"dropout_offset must be non-negative, got {offset!r}")
     offset = (int(offset[0]), int(offset[1]))
-    if offset[0] + n_q > 2**32 or (offset[1] + n_k) // 4 > 2**32:
+    if offset[0] + n_q > 2**32 or offset[1] + n_k > 2**35:
         raise ValueError(f"dropout_offset {offset!r} puts a position beyond the counter's 32-bit "
-                         f"words (query < 2**32, key < 2**34), for Nq = {n_q}, Nk = {n_k}")
+                         f"words (query < 2**32, key < 2**35), for Nq = {n_q}, Nk = {n_k}")
     return dict(dropout_p=float(p), dropout_seed=seed, dropout_offset=offset)
 
 

@@ -31,9 +31,10 @@ Contracts, the same in every kernel here (README.md and the chapters say why and
 * ``causal``: key ``j`` for query ``i`` iff ``j <= i + (Nk - Nq)``, bottom-right (:func:`causal_mask`).
 * Empty rows: ``out`` exactly 0 and ``lse = -inf``, no NaN, no warning, whatever q, k, v hold.
   With ``sinks`` no row is empty: a row with no allowed key gets ``out`` 0 and ``lse = sink``.
-* Dropout keeps element ``(b, i, j)`` (flat batch index, global query and key positions) by a
-  Philox4x32-10 word of that position and the seed: the same mask whatever the blocks, threads
-  or visiting order, drawn again per tile by the backward, never stored. ``lse`` is undropped.
+* Dropout keeps element ``(b, i, j)`` (flat batch index, global query and key positions) by 16
+  bits of Philox4x32-7 (FlashAttention-2's rounds) of that position and the seed: the same mask
+  whatever the blocks, threads or visiting order, drawn again per tile by the backward, never
+  stored. ``lse`` is undropped.
 * Masked keys never leak: an inf or NaN at key ``j`` reaches exactly the rows that may attend it.
 * A NaN in row ``i`` of ``q`` makes row ``i`` NaN and leaves every other row exact.
 * The scale ``τ = r·2^e`` is applied as ``q · r·2^a`` and ``k · 2^b``, ``a + b = e``, ``b = trunc(e/2)``.
@@ -391,9 +392,10 @@ def _blocks_of(name, n, size):
 def dropout_keep(dropout_seed, dropout_p, shape, offset=(0, 0)):
     """The dropout keep mask the kernels use, materialised: bool ``shape = (..., Nq, Nk)``, True
     where element ``(b, i, j)`` is kept (``b`` the flat C-order index over ``shape[:-2]``, ``i``,
-    ``j`` the row and key plus ``offset``), probability ``1 - round(p·2³²)/2³²`` each, from
-    Philox4x32-10 keyed by the seed and the position (``_flash_dropout.py``). For tests and
-    figures: the kernels compute it one tile at a time and never store it."""
+    ``j`` the row and key plus ``offset``), probability ``1 - round(p·2¹⁶)/2¹⁶`` each (within
+    ``2⁻¹⁷`` of ``1 - p``), from 16 bits of Philox4x32-7 keyed by the seed and the position
+    (``_flash_dropout.py``). For tests and figures: the kernels compute it one tile at a time
+    and never store it."""
     shape, (i, j), drop = _inputs.checked_keep_args(dropout_seed, dropout_p, shape, offset)
     if not drop["dropout_p"]:
         return np.ones(shape, bool)

@@ -245,49 +245,91 @@ def test_a_sink_beyond_the_compute_dtype_is_refused():
 
 
 # ---------------------------------------------------------------------------------------------
-# The dropout mask: Philox4x32-10 keyed by position
+# The dropout mask: 16 bits of Philox4x32-7 keyed by position
 # ---------------------------------------------------------------------------------------------
 
 import _flash_dropout  # noqa: E402 - flash_lib's private generator, its known answers tested here
 
-# Random123's kat_vectors for philox4x32_10: (counter, key, output)
-KNOWN_ANSWERS = [
+# Random123's kat_vectors for philox4x32_10 (10 rounds): (counter, key, output)
+KNOWN_ANSWERS_10 = [
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
     ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
     ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
      (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
 ]
+# Triton 3.9's tl.randint4x(seed, offset, n_rounds=7) under TRITON_INTERPRET=1 (2026-12-01):
+# counter (offset mod 2³², offset // 2³², 0, 0), key (seed mod 2³², seed // 2³²)
+KNOWN_ANSWERS_7 = [
+    ((0, 0, 0, 0), (0, 0), (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+    ((1, 0, 0, 0), (0, 0), (0x983A586E, 0xB0CC9511, 0x5850FBB9, 0x9CF9ACD8)),
+    ((0x243F6A88, 0x85A308D3, 0, 0), (0xA4093822, 0x299F31D0),
+     (0x469A1815, 0xB11D0428, 0x78C15B7C, 0x0F092634)),
+    ((0xFFFFFFFF, 0x7FFFFFFF, 0, 0), (0xFFFFFFFF, 0x7FFFFFFF),
+     (0x901A508D, 0x279BCA9F, 0x2A648EEE, 0x76230C8B)),
+]
 
 
-@pytest.mark.parametrize("counter, key, expected", KNOWN_ANSWERS)
-def test_philox_reproduces_random123s_known_answers(counter, key, expected):
-    """The plain rounds, and the in-place rounds the kernels run on their buffers, give
-    Random123's outputs."""
-    assert tuple(int(w) for w in _flash_dropout.philox4x32(counter, key)) == expected
+@pytest.mark.parametrize("rounds, counter, key, expected",
+                         [(10, *case) for case in KNOWN_ANSWERS_10]
+                         + [(7, *case) for case in KNOWN_ANSWERS_7])
+def test_philox_reproduces_the_known_answers(rounds, counter, key, expected):
+    """The plain rounds, the in-place rounds the kernels run on their buffers, and their last
+    round packed two words to a uint64 (what keep() compares), give Random123's 10-round
+    outputs and Triton's 7-round ones: the same round function, key schedule and word order."""
+    assert tuple(int(w) for w in _flash_dropout.philox4x32(counter, key, rounds=rounds)) == expected
     buffers = [np.empty((1, 1), np.uint64) for _ in range(6)]
-    c0, c1, c2, c3 = (np.full((1, 1), c, np.uint64) for c in counter)
-    _flash_dropout._rounds(buffers, (c0, c1, c2, c3), key[0] | key[1] << 32)
+    state = tuple(np.full((1, 1), c, np.uint64) for c in counter)
+    _flash_dropout._rounds(buffers, state, key[0] | key[1] << 32, rounds=rounds)
     assert tuple(int(w[0, 0]) for w in buffers[:4]) == expected
+    packed = np.empty((1, 1, 2), np.uint64)
+    _flash_dropout._rounds(buffers, state, key[0] | key[1] << 32, rounds=rounds, packed=packed)
+    assert [int(x) for x in packed[0, 0]] == [expected[0] | expected[1] << 32,
+                                              expected[2] | expected[3] << 32]
 
 
-def element_words(seed, n_batch, rows, keys):
-    """The 32-bit word of every element (b, i, j), from the plain rounds: counter
-    (j // 4, i, b mod 2³², b // 2³²), key (seed mod 2³², seed // 2³²), word j % 4."""
+def test_the_generator_is_flashattention2s_seven_rounds():
+    """flash_lib draws with 7 rounds (FlashAttention-2's philox.cuh): its words are the 7-round
+    known answers', not the 10-round ones'."""
+    assert _flash_dropout.ROUNDS == 7
+    (counter, key, expected), = KNOWN_ANSWERS_7[:1]
+    assert tuple(int(w) for w in _flash_dropout.philox4x32(counter, key)) == expected
+
+
+def element_numbers(seed, n_batch, rows, keys):
+    """The 16-bit number of every element (b, i, j), from the plain rounds: counter
+    (j // 8, i, b mod 2³², b // 2³²), key (seed mod 2³², seed // 2³²), word (j % 8) // 2, its
+    low 16 bits for even j and its high 16 bits for odd j."""
     b, i, j = np.meshgrid(np.arange(n_batch), np.arange(*rows), np.arange(*keys), indexing="ij")
-    words = _flash_dropout.philox4x32((j // 4, i, b & 0xFFFFFFFF, b >> 32),
+    words = _flash_dropout.philox4x32((j // 8, i, b & 0xFFFFFFFF, b >> 32),
                                       (seed & 0xFFFFFFFF, seed >> 32))
-    return np.choose(j % 4, words)
+    word = np.choose((j % 8) // 2, words)
+    return np.where(j % 2 == 0, word & 0xFFFF, word >> 16)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 1 << 15])
-def test_the_chunked_mask_is_the_plain_rounds_element_by_element(chunk, monkeypatch):
-    """keep() in chunks of any size (one counter, 7 counters, the default) gives word >= t of
-    each element, for a block not aligned to 4 keys, at a large seed and offsets."""
+@pytest.mark.parametrize("rows, keys", [
+    ((2**31 + 3, 2**31 + 12), (5, 27)),  # not aligned to 8 keys, at a large row offset
+    ((0, 9), (16, 64)),  # aligned: the comparison writes the mask directly
+    ((2**32 - 2, 2**32), (2**35 - 13, 2**35)),  # the last positions a counter word holds
+])
+def test_the_chunked_mask_is_the_plain_rounds_element_by_element(chunk, rows, keys, monkeypatch):
+    """keep() in chunks of any size (one counter, 7 counters, the default) gives number >= t
+    of each element, aligned or not to a counter's 8 keys, at a large seed and offsets."""
     monkeypatch.setattr(_flash_dropout, "CHUNK", chunk)
     seed, t = 2**64 - 12345, _flash_dropout.threshold(0.3)
-    rows, keys = (2**31 + 3, 2**31 + 12), (5, 27)
-    expected = element_words(seed, 3, rows, keys) >= t
+    expected = element_numbers(seed, 3, rows, keys) >= t
     np.testing.assert_array_equal(_flash_dropout.keep(seed, t, 3, rows, keys), expected)
+
+
+@pytest.mark.parametrize("p", [1e-6, 0.1, 0.3, 0.5, 0.9, 1 - 1e-6])
+def test_the_keep_probability_is_within_2_to_the_minus_17_of_1_minus_p(p):
+    """t = round(p·2¹⁶) of the 2¹⁶ numbers are dropped: probability 1 - t/2¹⁶, exactly, within
+    2⁻¹⁷ of 1 - p; and an element whose number is t - 1 is dropped, t kept."""
+    t = _flash_dropout.threshold(p)
+    assert abs((1 - t / 2**16) - (1 - p)) <= 2**-17
+    numbers = np.array([[max(t - 1, 0) | min(t, 0xFFFF) << 16, 0, 0, 0]], np.uint64)
+    kept = numbers.view(np.uint16).reshape(1, 4, 4)[..., _flash_dropout.ORDER] >= t
+    assert kept[0, 0, :2].tolist() == [t == 0, t <= 0xFFFF]
 
 
 TRITON_SCRIPT = r"""
@@ -299,7 +341,7 @@ import triton.language as tl
 @triton.jit
 def words(seed, offsets, out, N: tl.constexpr):
     idx = tl.arange(0, N)
-    r0, r1, r2, r3 = tl.randint4x(seed, tl.load(offsets + idx))
+    r0, r1, r2, r3 = tl.randint4x(seed, tl.load(offsets + idx), n_rounds=7)
     tl.store(out + 4 * idx, r0); tl.store(out + 4 * idx + 1, r1)
     tl.store(out + 4 * idx + 2, r2); tl.store(out + 4 * idx + 3, r3)
 
@@ -312,10 +354,11 @@ print(json.dumps([int(x) & 0xFFFFFFFF for x in out.tolist()]))
 
 
 def test_the_mask_is_tritons_philox():
-    """Triton's own ``tl.randint4x(seed, offset)`` (Philox4x32-10 at counter (offset mod 2³²,
-    offset // 2³², 0, 0)) in a tiny kernel under ``TRITON_INTERPRET=1``: element (0, i, j) of
-    dropout_keep is Triton's word j % 4 at offset ``i·2³² + j // 4``, compared with t. A Triton
-    dropout kernel keyed this way draws flash_lib's mask bit for bit."""
+    """Triton's own ``tl.randint4x(seed, offset, n_rounds=7)`` (Philox4x32-7 at counter (offset
+    mod 2³², offset // 2³², 0, 0)) in a tiny kernel under ``TRITON_INTERPRET=1``: element
+    (0, i, j) of dropout_keep is the low (j even) or high (j odd) 16 bits of Triton's word
+    (j % 8) // 2 at offset ``i·2³² + j // 8``, compared with t. A Triton dropout kernel keyed
+    this way draws flash_lib's mask bit for bit."""
     import importlib.util
     import json
     import subprocess
@@ -323,13 +366,14 @@ def test_the_mask_is_tritons_philox():
 
     if importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None:
         pytest.skip("needs triton and torch (pip install '.[gpu]')")
-    seed, rows, n_k, p = 0x0123456789ABCDEF, (0, 1, 7, 2**31 - 5), 16, 0.5  # int64 offsets
-    offsets = [i << 32 | c for i in rows for c in range(n_k // 4)]
+    seed, rows, n_k, p = 0x0123456789ABCDEF, (0, 1, 7, 2**31 - 5), 32, 0.5  # int64 offsets
+    offsets = [i << 32 | c for i in rows for c in range(n_k // 8)]
     run = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, json.dumps([seed, offsets])],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    theirs = np.array(json.loads(run.stdout.splitlines()[-1]), np.uint64).reshape(len(rows), n_k)
-    ours = np.concatenate([element_words(seed, 1, (i, i + 1), (0, n_k))[0] for i in rows])
+    words = np.array(json.loads(run.stdout.splitlines()[-1]), np.uint64).reshape(len(rows), n_k // 2)
+    theirs = np.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(len(rows), n_k)
+    ours = np.concatenate([element_numbers(seed, 1, (i, i + 1), (0, n_k))[0] for i in rows])
     np.testing.assert_array_equal(ours, theirs)
     t = _flash_dropout.threshold(p)
     for row, i in enumerate(rows):
@@ -340,14 +384,14 @@ def test_the_mask_is_tritons_philox():
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_the_keep_rate_is_within_its_binomial_interval(p):
     """Over n = 4·512·512 elements (2 heads, 2 batch entries) the kept count K is Binomial(n,
-    q) with q = 1 - round(p·2³²)/2³² if the words are uniform and independent: |K - nq| <=
+    q) with q = 1 - round(p·2¹⁶)/2¹⁶ if the numbers are uniform and independent: |K - nq| <=
     5·sqrt(n·q·(1 - q)) fails with probability below 6e-7 (normal tail at 5 sigma), and a
     generator off by 1% of p (or rows sharing counters, which correlate neighbours) fails it.
     Also per row and per column blocks of 64: no block further than 5 sigma of its own."""
     shape = (2, 2, 512, 512)
     keep = flash_lib.dropout_keep(1234, p, shape)
     n = keep.size
-    q = 1 - _flash_dropout.threshold(p) / 2**32
+    q = 1 - _flash_dropout.threshold(p) / 2**16
     assert abs(keep.sum() - n * q) <= 5 * np.sqrt(n * q * (1 - q))
     blocks = keep.reshape(-1, 8, 64, 8, 64).sum(axis=(2, 4))  # 64 x 64 blocks
     m = 64 * 64
@@ -609,6 +653,8 @@ QKV = tuple(np.zeros(shape) for shape in ((2, 4, 3, 5), (2, 4, 6, 5), (2, 4, 6, 
          "dropout_offset must be non-negative"),
         (dict(dropout_p=0.1, dropout_seed=1, dropout_offset=(2**32 - 2, 0)), ValueError,
          "dropout_offset (4294967294, 0) puts a position beyond the counter's 32-bit words"),
+        (dict(dropout_p=0.1, dropout_seed=1, dropout_offset=(0, 2**35 - 5)), ValueError,
+         "dropout_offset (0, 34359738363) puts a position beyond the counter's 32-bit words"),
     ],
 )
 def test_dropout_arguments_are_checked(kwargs, error, message):
@@ -661,7 +707,8 @@ def test_scratch_is_flat_in_n_with_dropout_and_sinks(feature, backward):
         plain = scratch(4096, backward, **kw)
     assert with_it[4096] - with_it[1024] <= 0.05 * with_it[1024] + 8 * (4096 - 1024), with_it
     tile = 256 * 512
-    chunk_buffers = (6 * 8 + 4) * _flash_dropout.CHUNK  # six uint64 buffers, four words of bits
+    # six uint64 buffers, the output packed two words to a uint64, eight keys' bits a counter
+    chunk_buffers = (6 * 8 + 2 * 8 + 8) * _flash_dropout.CHUNK
     ufunc_buffers = 3 * np.getbufsize() * 8  # bool -> float32 casts are buffered (test_memory)
     # the keep tile (bool), Z / (1 - p) and P ∘ Z / (1 - p) (float32, backward only)
     assert with_it[4096] - plain <= tile * (1 + 4 + 4) + chunk_buffers + ufunc_buffers, (with_it, plain)
