@@ -23,6 +23,16 @@ for both), given the forward's global ``out`` and ``lse`` of its query shard, wh
 pair's terms exactly its share of the gradients; ``dq`` is summed over key shards and ``dk``,
 ``dv`` over query shards, by trees of fan-in ``split_every``.
 
+Dropout and attention sinks (``dropout_p``, ``dropout_seed``, ``sinks``) keep both graphs as they
+are. Each pair task passes flash_lib ``dropout_offset`` = the global position of its first query
+row and key (a causal pair cut at the diagonal passes its bottom part's own), and flash_lib draws
+an element's keep bit from its global (b, i, j) alone: the cluster's mask is one machine's, bit
+for bit. A sink is one more partial state, ``(out 0, lse = sink)``: merged once per query shard,
+after its merge tree; the pair tasks never see it (in each pair it would count once per key
+shard). The backward's pairs need no sink either (the lse they are given holds it), and
+``dsinks`` is computed once per query shard from its ``lse`` and ``D = rowsum(dout ∘ out)``, then
+summed over the shards.
+
 Where the time goes, on 2 worker processes of one core each (the forward, N = 65536, shards of
 4096, 256 pair tasks; distributed's task stream, on a 2-core machine shared with other jobs): the
 workers computed pair tasks for 98% of the run, waited on transfers for 1-2% and idled under 1%;
@@ -70,10 +80,12 @@ _EMPTY = "flash-attention-empty-"
 _BPAIR = "flash-attention-backward-pair-"
 _BSHARE = "flash-attention-backward-share-"
 _BSUM = "flash-attention-backward-sum-"
+_SINK = "flash-attention-sink-"
+_DSINKS = "flash-attention-backward-dsinks-"
 
 
 def dask_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=False,
-                   split_every=None):
+                   split_every=None, dropout_p=0.0, dropout_seed=None, sinks=None):
     """Exact attention as a Dask task graph of shard pairs, merged by log-sum-exp.
 
     Same semantics as :func:`flash_lib.flash_attention`: ``out = softmax(scale · q kᵀ) v`` with
@@ -101,6 +113,17 @@ def dask_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=F
     split_every : int >= 2, optional
         Fan-in of the merge tree: each merge task folds up to this many partial states. Default
         ``dask.config.get("split_every", 4)``, as for Dask's own reductions.
+    dropout_p, dropout_seed : float in [0, 1) and int in [0, 2**64), optional
+        Dropout, as ``flash_attention``'s: each pair task calls it with ``dropout_offset`` = the
+        global positions of its first query row and its first key, so every element (b, i, j)
+        draws its keep bit at its own global counter and the cluster's mask is
+        ``flash_lib.dropout_keep(dropout_seed, dropout_p, out.shape[:-1] + (Nk,))``, bit for bit,
+        whatever the shards. The partials' lse are the undropped ones, so they merge as without
+        dropout.
+    sinks : array broadcastable to the batch dims, optional
+        Attention sinks, as ``flash_attention``'s (one logit per head). A sink is one more partial
+        state, ``(out 0, lse = sink)``: the pair tasks run without it and each query shard merges
+        it exactly once, after its merge tree (in every pair it would count once per key shard).
 
     Returns
     -------
@@ -133,14 +156,16 @@ def dask_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=F
     if mask is not None and mask.ndim < 2:  # a (Nk,) or scalar mask broadcasts over queries too
         mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
     # flash_lib's own check of dtypes and shapes (it reads shapes only: nothing is computed), then
-    # of causal and scale on arrays of one row: one source of truth for what the kernel accepts,
-    # and the dtypes it returns.
+    # of causal, scale, dropout and sinks on arrays of one row: one source of truth for what the
+    # kernel accepts, and the dtypes it returns.
     batch = flash_lib.check_arrays(q, k, v, mask)
     n_q, n_k, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    dropout = _dropout_keywords(dropout_p, dropout_seed)
+    sinks = None if sinks is None else np.asarray(sinks)
     out_meta, lse_meta = flash_lib.flash_attention(
-        np.zeros((1, d), q.dtype), np.zeros((1, d), k.dtype), np.zeros((1, dv), v.dtype),
+        *_one_row(batch, (d, q.dtype), (d, k.dtype), (dv, v.dtype)),
         mask=None if mask is None else np.ones((1, 1), mask.dtype),
-        causal=causal, scale=scale, return_lse=True)
+        causal=causal, scale=scale, return_lse=True, sinks=sinks, **dropout)
     out_dtype, lse_dtype = out_meta.dtype, lse_meta.dtype
     # flash_attention computes 16-bit inputs in float32, its lse's dtype; keeping the partials in
     # that dtype too means the only 16-bit rounding is the final one, as in one call.
@@ -159,17 +184,19 @@ def dask_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=F
             numpy_mask = np.broadcast_to(mask, mask.shape[:-2] + (n_q, n_k))  # a view
         mask = _as_dask("mask", mask, (q_chunks, k_chunks), None)
 
-    token = tokenize(q, k, v, mask, bool(causal), scale, split_every)
+    token = tokenize(q, k, v, mask, bool(causal), scale, split_every, dropout, sinks)
     pair_name, merge_name, empty_name = _PAIR + token, _MERGE + token, _EMPTY + token
     layer = {}
     finals = []
     pairs = _shard_pairs(n_q, n_k, q_chunks, k_chunks, causal, numpy_mask)
+    q_starts, k_starts = _starts(q_chunks), _starts(k_chunks)
     for i, n_qi in enumerate(q_chunks):
         parts = []
         for j, delta in pairs.get(i, {}).items():
             key = (pair_name, i, j)
             # scale=None lets every shard's flash_attention pick the default, 1/sqrt(d)
-            task = functools.partial(_attend_pair, scale=scale, delta=delta, work=work)
+            task = functools.partial(_attend_pair, scale=scale, delta=delta, work=work,
+                                     dropout=dropout, offset=(q_starts[i], k_starts[j]))
             shards = (_block_key(q, i), _block_key(k, j), _block_key(v, j))
             layer[key] = (task, *shards) + (() if mask is None else (_mask_key(mask, i, j),))
             parts.append(key)
@@ -177,7 +204,12 @@ def dask_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=F
             key = (empty_name, i)
             layer[key] = (functools.partial(_no_keys, batch + (n_qi,), dv, work),)
             parts = [key]
-        finals.append(_tree(layer, (merge_name, i), parts, split_every, _merge_parts))
+        final = _tree(layer, (merge_name, i), parts, split_every, _merge_parts)
+        if sinks is not None:  # the sink: one more partial, merged once per query shard
+            layer[(_SINK + token, i)] = (functools.partial(_merge_sink, sink=_batch_sinks(
+                sinks, batch, work)), final)
+            final = (_SINK + token, i)
+        finals.append(final)
 
     inputs = [x for x in (q, k, v, mask) if x is not None]
     graph = HighLevelGraph.from_collections(pair_name, layer, dependencies=inputs)
@@ -205,7 +237,7 @@ def attention_task_count(array):
 
 
 def dask_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False, scale=None,
-                            split_every=None):
+                            split_every=None, dropout_p=0.0, dropout_seed=None, sinks=None):
     """The gradients of :func:`dask_attention` as a Dask task graph of the same shard pairs.
 
     Same semantics as :func:`flash_lib.flash_attention_backward`: the gradients of
@@ -224,9 +256,16 @@ def dask_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False,
     ``split_every``. (``D_i`` costs ``O(rows · dv)`` per pair against the pair's
     ``O(rows · keys · d)``: it is recomputed in each pair rather than sent as one more input.)
 
+    With dropout each pair task regenerates the forward's keep mask from the seed at its global
+    positions (``dropout_offset``, as in the forward). With sinks the pair tasks run without
+    them (the lse they are given already holds the sink, and given the lse the tile loop is the
+    same), and ``dsinks = -Σ_i exp(sink - lse_i)·D_i`` is computed once per query shard from its
+    ``lse``, ``out`` and ``dout`` (``D_i = rowsum(dout_i ∘ out_i)``), then summed over the
+    shards by a tree of fan-in ``split_every``.
+
     Parameters
     ----------
-    q, k, v, mask, causal, scale, split_every
+    q, k, v, mask, causal, scale, split_every, dropout_p, dropout_seed, sinks
         As for :func:`dask_attention`, with the same chunking rules, and the same as the
         forward call.
     out, lse : dask or NumPy arrays
@@ -244,6 +283,10 @@ def dask_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False,
         every other axis. An input broadcast over leading dims gets the sum of the gradients
         over those dims, as in ``flash_attention_backward``. ``dask.compute(dq, dk, dv)`` runs
         the graph once.
+    dsinks : dask.array.Array
+        Only with ``sinks``: of sinks' shape (one chunk), summed over the axes they were
+        broadcast along, in the compute dtype (float32 for 16-bit inputs), as
+        ``flash_attention_backward``'s.
 
     Raises
     ------
@@ -269,13 +312,17 @@ def dask_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False,
         if x.shape != shape:
             raise ValueError(f"{name} must have shape {shape}, what the forward returns for "
                              f"these q, k, v (and mask), got {x.shape}")
-    # flash_lib's own check of the dtypes, causal and scale, on arrays of one row
+    # flash_lib's own check of the dtypes, causal, scale, dropout and sinks, on arrays of one row
+    dropout = _dropout_keywords(dropout_p, dropout_seed)
+    sinks = None if sinks is None else np.asarray(sinks)
+    one_q, one_k, one_v, one_out, one_dout = _one_row(
+        batch, (d, q.dtype), (d, k.dtype), (dv, v.dtype), (dv, out.dtype), (dv, dout.dtype))
     grads_meta = flash_lib.flash_attention_backward(
-        np.zeros((1, d), q.dtype), np.zeros((1, d), k.dtype), np.zeros((1, dv), v.dtype),
-        np.zeros((1, dv), out.dtype), np.zeros((1,), lse.dtype), np.zeros((1, dv), dout.dtype),
-        mask=None if mask is None else np.ones((1, 1), mask.dtype), causal=causal, scale=scale)
+        one_q, one_k, one_v, one_out, np.zeros(batch + (1,), lse.dtype), one_dout,
+        mask=None if mask is None else np.ones((1, 1), mask.dtype), causal=causal, scale=scale,
+        sinks=sinks, **dropout)
     dtypes = [g.dtype for g in grads_meta]
-    work = np.result_type(np.float32, *dtypes)  # 16-bit -> float32, as flash_lib computes them
+    work = np.result_type(np.float32, *dtypes[:3])  # 16-bit -> float32, as flash_lib computes
 
     q_chunks = _sequence_chunks([("q", q, -2), ("out", out, -2), ("dout", dout, -2),
                                  ("lse", lse, -1), ("mask", mask, -2)], n_q)
@@ -292,15 +339,18 @@ def dask_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False,
             numpy_mask = np.broadcast_to(mask, mask.shape[:-2] + (n_q, n_k))
         mask = _as_dask("mask", mask, (q_chunks, k_chunks), None)
 
-    token = tokenize(q, k, v, out, lse, dout, mask, bool(causal), scale, split_every)
+    token = tokenize(q, k, v, out, lse, dout, mask, bool(causal), scale, split_every, dropout,
+                     sinks)
     pair_name, share_name, sum_name = _BPAIR + token, _BSHARE + token, _BSUM + token
     layer = {}
     pairs = _shard_pairs(n_q, n_k, q_chunks, k_chunks, causal, numpy_mask)
+    q_starts, k_starts = _starts(q_chunks), _starts(k_chunks)
     shares = {"dq": {}, "dk": {}, "dv": {}}  # gradient -> shard -> keys of its shares
     for i, row in pairs.items():
         for j, delta in row.items():
             key = (pair_name, i, j)
-            task = functools.partial(_backward_pair, scale=scale, delta=delta, work=work)
+            task = functools.partial(_backward_pair, scale=scale, delta=delta, work=work,
+                                     dropout=dropout, offset=(q_starts[i], k_starts[j]))
             args = (_block_key(q, i), _block_key(k, j), _block_key(v, j), _block_key(out, i),
                     _lse_key(lse, i), _block_key(dout, i))
             layer[key] = (task, *args) + (() if mask is None else (_mask_key(mask, i, j),))
@@ -323,6 +373,17 @@ def dask_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False,
             roots[s] = _tree(layer, (sum_name, grad, s), parts, split_every, _add_parts)
         arrays.append((grad, x, chunks, index, roots))
 
+    dsinks_root = None
+    if sinks is not None:  # once per query shard, from its lse, out and dout; then summed
+        name = _DSINKS + token
+        share = functools.partial(_dsinks_share, sink=_batch_sinks(sinks, batch, work),
+                                  shape=sinks.shape)
+        parts = []
+        for i in range(len(q_chunks)):
+            layer[(name, i)] = (share, _block_key(out, i), _lse_key(lse, i), _block_key(dout, i))
+            parts.append((name, i))
+        dsinks_root = _tree(layer, (name, "sum"), parts, split_every, _add_parts)
+
     inputs = [x for x in (q, k, v, out, lse, dout, mask) if x is not None]
     graph = HighLevelGraph.from_collections(pair_name, layer, dependencies=inputs)
     results = []
@@ -333,6 +394,11 @@ def dask_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False,
             graph, pair_name, f"flash-attention-{grad}-" + token,
             {zeros + (s, 0): (cast, root) for s, root in roots.items()},
             tuple((b,) for b in x.shape[:-2]) + (chunks, (x.shape[-1],)), dtypes[index]))
+    if dsinks_root is not None:
+        cast = functools.partial(_cast, dtype=dtypes[3])
+        results.append(_new_array(graph, pair_name, "flash-attention-dsinks-" + token,
+                                  {(0,) * sinks.ndim: (cast, dsinks_root)},
+                                  tuple((n,) for n in sinks.shape), dtypes[3]))
     return tuple(results)
 
 
@@ -352,7 +418,7 @@ def backward_task_count(array):
 # --------------------------------------------------------------------------------------------
 
 
-def _attend_pair(q, k, v, mask=None, *, scale, delta, work):
+def _attend_pair(q, k, v, mask=None, *, scale, delta, work, dropout, offset):
     """One query shard against one key shard: ``(out, lse)`` of ``flash_attention``.
 
     ``delta`` is None when every (query, key) pair of the shards is allowed by causality (or
@@ -360,47 +426,86 @@ def _attend_pair(q, k, v, mask=None, *, scale, delta, work):
     shards iff ``c <= r + delta``. flash_attention's causal mask is aligned to the bottom-right
     corner of the arrays it is given, that is ``c <= r + (n_k - n_q)``, so the shards are cut
     until that corner lies on the diagonal; flash_attention then skips its own tiles above it.
+    ``offset`` is the global (query, key) position of the shards' first row and key: each call
+    passes its own first row's as ``dropout_offset`` (the bottom part of a cut shard starts
+    ``n`` rows further down), so every element keeps its global keep bit.
     """
     q, k, v = (x.astype(work, copy=False) for x in (q, k, v))  # 16-bit -> float32 only
     attend = functools.partial(flash_lib.flash_attention, scale=scale, return_lse=True)
+    q0, k0 = offset
     if delta is None:
-        return attend(q, k, v, mask=mask)
+        return attend(q, k, v, mask=mask, **_at(dropout, q0, k0))
     n_q, n_k = q.shape[-2], k.shape[-2]
     if n_q + delta <= n_k:
         # Keys from n_q + delta on are past the last query's diagonal: drop them.
         n = n_q + delta
-        return attend(q, k[..., :n, :], v[..., :n, :], mask=_cut(mask, -1, slice(n)), causal=True)
+        return attend(q, k[..., :n, :], v[..., :n, :], mask=_cut(mask, -1, slice(n)), causal=True,
+                      **_at(dropout, q0, k0))
     # The first n_k - delta queries cross the diagonal; the others see every key of the shard.
     n = n_k - delta
-    top = attend(q[..., :n, :], k, v, mask=_cut(mask, -2, slice(n)), causal=True)
-    bottom = attend(q[..., n:, :], k, v, mask=_cut(mask, -2, slice(n, None)))
+    top = attend(q[..., :n, :], k, v, mask=_cut(mask, -2, slice(n)), causal=True,
+                 **_at(dropout, q0, k0))
+    bottom = attend(q[..., n:, :], k, v, mask=_cut(mask, -2, slice(n, None)),
+                    **_at(dropout, q0 + n, k0))
     return np.concatenate([top[0], bottom[0]], axis=-2), np.concatenate([top[1], bottom[1]], -1)
 
 
-def _backward_pair(q, k, v, out, lse, dout, mask=None, *, scale, delta, work):
+def _backward_pair(q, k, v, out, lse, dout, mask=None, *, scale, delta, work, dropout, offset):
     """One query shard against one key shard: its shares ``(dq, dk, dv)`` of the gradients.
 
     ``out`` and ``lse`` are the forward's global ones for the query shard (see
-    :func:`dask_attention_backward`); ``delta`` as for :func:`_attend_pair`, and the shards are
-    cut the same way so that flash_lib's bottom-right causal mask lies on the diagonal.
+    :func:`dask_attention_backward`); ``delta`` and ``offset`` as for :func:`_attend_pair`, and
+    the shards are cut the same way so that flash_lib's bottom-right causal mask lies on the
+    diagonal and each part regenerates its own rows' keep bits.
     """
     q, k, v, out, lse, dout = (x.astype(work, copy=False) for x in (q, k, v, out, lse, dout))
     grads = functools.partial(flash_lib.flash_attention_backward, scale=scale)
+    q0, k0 = offset
     if delta is None:
-        return grads(q, k, v, out, lse, dout, mask=mask)
+        return grads(q, k, v, out, lse, dout, mask=mask, **_at(dropout, q0, k0))
     n_q, n_k = q.shape[-2], k.shape[-2]
     if n_q + delta <= n_k:
         # Keys from n_q + delta on are past the last query's diagonal: their share is 0.
         n = n_q + delta
         dq, dk, dv = grads(q, k[..., :n, :], v[..., :n, :], out, lse, dout,
-                           mask=_cut(mask, -1, slice(n)), causal=True)
+                           mask=_cut(mask, -1, slice(n)), causal=True, **_at(dropout, q0, k0))
         return dq, _pad_rows(dk, n_k), _pad_rows(dv, n_k)
     # The first n_k - delta queries cross the diagonal; the others see every key of the shard.
     n = n_k - delta
-    rows = [(slice(n), True), (slice(n, None), False)]
+    rows = [(slice(n), True, q0), (slice(n, None), False, q0 + n)]
     top, bottom = (grads(q[..., r, :], k, v, out[..., r, :], lse[..., r], dout[..., r, :],
-                         mask=_cut(mask, -2, r), causal=c) for r, c in rows)
+                         mask=_cut(mask, -2, r), causal=c, **_at(dropout, start, k0))
+                   for r, c, start in rows)
     return np.concatenate([top[0], bottom[0]], axis=-2), top[1] + bottom[1], top[2] + bottom[2]
+
+
+def _at(dropout, q0, k0):
+    """flash_lib's dropout keywords for a call whose first row and key are at (q0, k0)."""
+    return {**dropout, "dropout_offset": (q0, k0)} if dropout else {}
+
+
+def _merge_sink(part, sink):
+    """Merge the sink into a query shard's final state, as the partial (out 0, lse = sink)."""
+    out, lse = part
+    sink = np.broadcast_to(sink, lse.shape).astype(lse.dtype)
+    return flash_lib.merge_attention(out, lse, np.zeros_like(out), sink)
+
+
+def _dsinks_share(out, lse, dout, *, sink, shape):
+    """One query shard's share of dsinks: ``-Σ_i exp(sink - lse_i)·D_i`` over its rows,
+    summed to the sinks' shape."""
+    work = sink.dtype
+    D = (dout.astype(work) * out.astype(work)).sum(axis=-1)
+    share = -(np.exp(sink - lse.astype(work)) * D).sum(axis=-1)
+    return _sum_to(share, shape)
+
+
+def _sum_to(x, shape):
+    """``x`` summed over the axes along which ``shape`` was broadcast to ``x.shape``."""
+    lead = x.ndim - len(shape)
+    x = x.sum(axis=tuple(range(lead))) if lead else x
+    axes = tuple(a for a, n in enumerate(shape) if n == 1 and x.shape[a] != 1)
+    return x.sum(axis=axes, keepdims=True) if axes else x
 
 
 def _pad_rows(x, n):
@@ -443,6 +548,30 @@ def _take_out(part, dtype):
 # --------------------------------------------------------------------------------------------
 # Input checking and the shards
 # --------------------------------------------------------------------------------------------
+
+
+def _dropout_keywords(dropout_p, dropout_seed):
+    """flash_lib's dropout keywords, or none when dropout is off (no generator runs; flash_lib
+    checks the values)."""
+    if isinstance(dropout_p, numbers.Real) and dropout_p == 0 and dropout_seed is None:
+        return {}
+    return {"dropout_p": dropout_p, "dropout_seed": dropout_seed}
+
+
+def _one_row(batch, *specs):
+    """Arrays of one row, ``batch + (1, width)`` of ``dtype`` for each ``(width, dtype)``: what
+    flash_lib checks the keywords on (sinks must broadcast to the batch dims)."""
+    return tuple(np.zeros(batch + (1, width), dtype) for width, dtype in specs)
+
+
+def _batch_sinks(sinks, batch, work):
+    """The sinks broadcast to the batch dims, with a trailing axis for the rows, in ``work``."""
+    return np.ascontiguousarray(np.broadcast_to(sinks.astype(work), batch)[..., None])
+
+
+def _starts(chunks):
+    """The global position of each shard's first row (Python ints)."""
+    return [int(x) for x in np.cumsum((0,) + tuple(chunks))[:-1]]
 
 
 def _check_split_every(split_every):

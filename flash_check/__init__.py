@@ -65,21 +65,31 @@ case needs it; :data:`FEATURES` describes the built-in ones. A case with its own
 The variants
 ------------
 Features ``"window"`` (``window=(left, right)``), ``"softcap"``, ``"alibi"`` (``alibi_slopes=``),
-``"gqa"`` (``enable_gqa=True``) and ``"mask_mod"`` (:data:`VARIANTS`), with FlashAttention's
+``"gqa"`` (``enable_gqa=True``), ``"mask_mod"``, and the training features ``"sinks"`` and
+``"dropout"`` (``dropout_p=``, ``dropout_seed=``) (:data:`VARIANTS`), with FlashAttention's
 conventions as flash_lib documents them, each have cases of their own, skipped unless the feature
-is listed. Their failures are diagnosed by comparing the output with the classic mistakes
-(:mod:`flash_check.diagnose`): a window off by one at an edge, aligned top-left or with its sides
-swapped; softcap applied after the mask, after the bias or before the scale; ALiBi's sign
-flipped, its distance aligned top-left, or attention-gym's causal-only form used without causal
-(and, under causal, an lse shifted by that form's per-row constant); GQA grouped as ``h mod Hkv``;
-a mask_mod inverted, called with its arguments swapped, on tile-local positions, with its batch
-dims dropped, or whose tiles are skipped by their corners; and each variant ignored.
+is listed. Given the kernel's ``backward=``, the sinks and dropout cases check its gradients too
+(``dsinks``; the backward's keep mask against the forward's). Their failures are diagnosed by
+comparing the output with the classic mistakes (:mod:`flash_check.diagnose`): a window off by one
+at an edge, aligned top-left or with its sides swapped; softcap applied after the mask, after the
+bias or before the scale; ALiBi's sign flipped, its distance aligned top-left, or attention-gym's
+causal-only form used without causal (and, under causal, an lse shifted by that form's per-row
+constant); GQA grouped as ``h mod Hkv``; a mask_mod inverted, called with its arguments swapped, on
+tile-local positions, with its batch dims dropped, or whose tiles are skipped by their corners; a
+sink counted twice (split-KV), scaled, softcapped or with its sign flipped, an empty row's lse that
+is not the sink, dsinks' sign; a dropout mask drawn per tile from a stateful generator (it changes
+with the block sizes), rows whose streams overlap, the keep probability p for 1 - p, a missing
+1/(1 - p), a backward that regenerates another mask; and each variant ignored. A kernel's dropout mask
+is read off its output (``q = 0`` makes ``P`` uniform, ``v`` = the identity makes ``out[i, j] =
+P_ij·Z_ij/(1 - p)``), so the checks hold any generator to what dropout must be, not to flash_lib's
+Philox.
 
 The package
 -----------
 This module holds the API: the constants, the types, the registry and the runner
 (:func:`check_kernel`). Beside it: ``cases.py`` (the built-in cases, registered on import),
-``diagnose.py`` (the known mistakes, a table of condition and message per check), ``adapters.py``
+``diagnose.py`` (the known mistakes, a table of condition and message per check), ``training.py``
+(the sinks and dropout cases, and the gradient checks), ``adapters.py``
 (PyTorch and JAX as kernels), ``bugs.py`` (small tiled kernels with one classic bug each, for the
 tests and chapter 20) and ``__main__.py`` (the command line).
 """
@@ -138,9 +148,15 @@ FEATURES = {
            "h reads kv head h // (Hq / Hkv)",
     "mask_mod": "takes mask_mod=f, f(q_idx, k_idx) -> bool array (True = may attend) of global "
                 "positions, q_idx of shape (rows, 1), k_idx (1, keys), leading dims allowed",
+    # The training features (flash_check/training.py)
+    "sinks": "takes sinks= of shape (H,) or (B, H), one logit per head, unscaled and uncapped: "
+             "lse_i = log(exp(sink) + sum_j exp(s_ij)); a row with no allowed key gives out 0, "
+             "lse = sink",
+    "dropout": "takes dropout_p=, dropout_seed=: out = (P∘Z/(1 - p))·V, Z Bernoulli(1 - p) per "
+               "(b, i, j) from the seed (a function of the element alone), the lse undropped",
 }
-#: The variants' features, each with its cases below.
-VARIANTS = ("window", "softcap", "alibi", "gqa", "mask_mod")
+#: The variants' features, each with its cases below (the training features' in training.py).
+VARIANTS = ("window", "softcap", "alibi", "gqa", "mask_mod", "sinks", "dropout")
 DEFAULT_FEATURES = ("mask", "causal", "lse")
 #: The dtypes a kernel can be checked in, in the order they are checked.
 DTYPES = ("float64", "float32", "float16")
@@ -408,6 +424,7 @@ class _Context:
     lse_empty: float
     seed: int
     done: dict  # (case name, dtype) -> Result, for the runs so far
+    backward: Callable | None = None  # the kernel's backward, if given
 
     def fail(self, result, check, measured, bound, diagnosis):
         result.failures.append(Failure(self.case.name, self.dtype, check, measured, bound,
@@ -605,7 +622,7 @@ def _kernel_name(fn):
 
 
 def check_kernel(fn, *, features=DEFAULT_FEATURES, dtypes=DTYPES, lse_empty=-np.inf, seed=0,
-                 cases=None):
+                 cases=None, backward=None):
     """Run the attention kernel ``fn`` through every registered case; return a :class:`Report`.
 
     Parameters
@@ -614,7 +631,9 @@ def check_kernel(fn, *, features=DEFAULT_FEATURES, dtypes=DTYPES, lse_empty=-np.
         ``fn(q, k, v, *, mask=None, causal=False, scale=None)`` returning ``out`` (or
         ``(out, lse)`` with the ``"lse"`` feature); only the keywords a case uses are passed,
         among them, with their features, ``window``, ``softcap``, ``alibi_slopes``,
-        ``enable_gqa`` and ``mask_mod`` (flash_lib's keywords).
+        ``enable_gqa``, ``mask_mod``, ``sinks``, ``dropout_p`` and ``dropout_seed`` (flash_lib's
+        keywords; the dropout case also passes ``block_q`` and ``block_k`` to a kernel whose
+        signature has them, to check that the mask does not depend on the tiles).
     features : iterable of str
         What the kernel supports (see :data:`FEATURES`); cases needing anything else are skipped.
     dtypes : iterable of str
@@ -626,9 +645,18 @@ def check_kernel(fn, *, features=DEFAULT_FEATURES, dtypes=DTYPES, lse_empty=-np.
         Seeds every case's inputs (each case has its own stream, independent of the others).
     cases : iterable of str, optional
         Only these cases (default: all of :data:`CASES`).
+    backward : callable, optional
+        The kernel's backward, ``backward(q, k, v, out, lse, dout, **keywords)`` returning
+        ``(dq, dk, dv)``, and ``(dq, dk, dv, dsinks)`` with ``sinks=``
+        (``flash_lib.flash_attention_backward``'s signature; ``out`` and ``lse`` are what the
+        kernel returned, so it needs the ``"lse"`` feature). Given, the ``sinks`` and
+        ``sinks_empty_rows`` cases check the gradients and ``dsinks``, and the ``dropout`` case
+        the backward's keep mask and the gradients under the forward's seed.
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if backward is not None and not callable(backward):
+        raise TypeError(f"backward must be callable or None, got {type(backward).__name__}")
     if isinstance(features, str) or isinstance(dtypes, str):
         raise TypeError("features and dtypes must be sequences of names, e.g. ('mask',), "
                         f"got {features!r}, {dtypes!r}")
@@ -670,7 +698,7 @@ def check_kernel(fn, *, features=DEFAULT_FEATURES, dtypes=DTYPES, lse_empty=-np.
         if case.once:
             run_dtypes = ["float32" if "float32" in run_dtypes else run_dtypes[0]]
         for dtype in run_dtypes:
-            ctx = _Context(fn, case, dtype, features, lse_empty, int(seed), done)
+            ctx = _Context(fn, case, dtype, features, lse_empty, int(seed), done, backward)
             try:
                 with np.errstate(all="ignore"):  # the diagnoses handle non-finite output
                     result = (case.run or _accuracy)(ctx)

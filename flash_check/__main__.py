@@ -55,14 +55,20 @@ def main(argv=None):
                         help="the lse the kernel writes for a fully masked row (default: -inf)")
     parser.add_argument("--cases", nargs="+", metavar="CASE", help="run only these cases")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backward", metavar="BACKWARD",
+                        help="package.module:function, the kernel's backward (q, k, v, out, lse, "
+                             "dout, **keywords) -> (dq, dk, dv[, dsinks]): the sinks and dropout "
+                             "cases then check the gradients")
     args = parser.parse_args(argv)
     try:
         fn = _load(args.kernel)
+        backward = None if args.backward is None else _load(args.backward)
     except (ValueError, ImportError, AttributeError) as exc:
-        parser.error(f"cannot load the kernel {args.kernel!r}: {exc}")
+        parser.error(f"cannot load the kernel {args.kernel!r} or its backward: {exc}")
     try:
         report = check_kernel(_with_lse(fn, args.features), features=args.features, dtypes=args.dtypes,
-                              lse_empty=args.lse_empty, seed=args.seed, cases=args.cases)
+                              lse_empty=args.lse_empty, seed=args.seed, cases=args.cases,
+                              backward=backward)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     print(report)

@@ -7,17 +7,24 @@ kernel passing the cases is evidence about the cases and not about flash_lib's c
 
 - :func:`tiled_attention` is FlashAttention's forward pass over block × block tiles, returning
   ``(out, lse)``; ``bug=`` one of :data:`BUGS` changes one line of it.
-- :func:`variant_attention` adds the variants (window, softcap, ALiBi, GQA, mask_mod); ``bug=``
-  one of :data:`VARIANT_BUGS` gets one of them wrong the way real kernels do.
+- :func:`variant_attention` adds the variants (window, softcap, ALiBi, GQA, mask_mod, attention
+  sinks, dropout); ``bug=`` one of :data:`VARIANT_BUGS` gets one of them wrong the way real
+  kernels do. :func:`variant_attention_backward` is its backward (masks, causal, sinks, dropout),
+  with the bugs of :data:`VARIANT_BUGS` that belong to a backward.
 
-Both are plain Python loops over tiles: small inputs only.
+All are plain Python loops over tiles: small inputs only. The dropout mask here comes from a
+generator of its own (SplitMix64's finaliser applied to the seed, the batch index and the global
+positions), not flash_lib's Philox: flash_check holds a kernel to what dropout must be (a keep
+rate of 1 - p, the same mask whatever the tiles, a backward that regenerates it), never to one
+library's random numbers.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["BUGS", "VARIANT_BUGS", "tiled_attention", "variant_attention"]
+__all__ = ["BUGS", "VARIANT_BUGS", "BACKWARD_BUGS", "tiled_attention", "variant_attention",
+           "variant_attention_backward", "counter_keep"]
 
 #: The classic bugs of :func:`tiled_attention`: name -> what the kernel then does.
 BUGS = {
@@ -45,7 +52,18 @@ VARIANT_BUGS = {
     "mask_mod_swapped": "mask_mod called as mask_mod(k_idx, q_idx)",
     "mask_mod_corner_skip": "a tile skipped when mask_mod is False at its four corners",
     "mask_mod_local_indices": "mask_mod called with positions local to the tile",
+    "dropout_stateful_tiles": "each tile's keep mask drawn, in visiting order, from one stateful "
+                              "generator seeded once per call",
+    "dropout_backward_other_mask": "the backward regenerates the mask with i and j swapped in "
+                                   "the counter: another mask than the forward's",
+    "dropout_no_rescale": "kept weights not divided by 1 - p",
+    "sink_counted_twice": "split-KV over two halves of the keys, each started from the sink, "
+                          "then merged: the sink counted twice",
+    "dsinks_sign": "the backward returns +sum exp(sink - lse) D for dsinks, not minus",
 }
+#: The bugs of :data:`VARIANT_BUGS` that only :func:`variant_attention_backward` makes (the
+#: forward makes the others; "dropout_stateful_tiles" both, each in its own visiting order).
+BACKWARD_BUGS = ("dropout_backward_other_mask", "dsinks_sign")
 
 
 def _check_bug(bug, known):
@@ -111,11 +129,61 @@ def tiled_attention(q, k, v, *, mask=None, causal=False, scale=None, bug=None, b
     return out, lse
 
 
+def counter_keep(seed, p, b, i, j):
+    """The keep mask of element (b, i, j) (batch index, global query and key positions, arrays
+    that broadcast): a function of the seed and the element alone, so the same whatever the
+    tiles. SplitMix64's finaliser, chained over (seed, b, i, j); kept iff its top 53 bits, as a
+    fraction of 2**53, are >= p."""
+    def mix(x):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+    with np.errstate(over="ignore"):
+        h = mix(np.asarray(seed, np.uint64) ^ np.asarray(b, np.uint64))
+        h = mix(h ^ np.asarray(i, np.uint64))
+        h = mix(h ^ np.asarray(j, np.uint64))
+    return (h >> np.uint64(11)).astype(np.float64) * 2.0 ** -53 >= p
+
+
+def _batch_index(batch):
+    """The flat C-order index of each batch element, shaped to broadcast over (rows, keys)."""
+    return np.arange(int(np.prod(batch, dtype=np.int64))).reshape(batch + (1, 1))
+
+
+def _keep_tile(dropout, batch, qs, qe, ks, ke, bug):
+    """The keep mask of one tile, (*batch, qe - qs, ke - ks), or None without dropout."""
+    if dropout is None:
+        return None
+    p, seed, (oq, ok), state = dropout
+    if bug == "dropout_stateful_tiles":  # one generator, advanced tile by tile
+        return state.random(batch + (qe - qs, ke - ks)) >= p
+    i, j = np.arange(oq + qs, oq + qe)[:, None], np.arange(ok + ks, ok + ke)[None, :]
+    if bug == "dropout_backward_other_mask":  # the backward's counter, positions swapped
+        return counter_keep(seed, p, _batch_index(batch), j, i)
+    return counter_keep(seed, p, _batch_index(batch), i, j)
+
+
+def _dropout_state(dropout_p, dropout_seed, dropout_offset):
+    if not dropout_p:
+        return None
+    return (dropout_p, dropout_seed, tuple(dropout_offset), np.random.default_rng(dropout_seed))
+
+
 def variant_attention(q, k, v, *, mask=None, causal=False, scale=None, window=None, softcap=None,
-                      alibi_slopes=None, enable_gqa=False, mask_mod=None, block=16, bug=None):
+                      alibi_slopes=None, enable_gqa=False, mask_mod=None, sinks=None,
+                      dropout_p=0.0, dropout_seed=None, dropout_offset=(0, 0), block_q=16,
+                      block_k=16, bug=None):
     """The variants, tiled like a GPU kernel, written from FlashAttention's conventions; returns
-    (out, lse). Unlike :func:`tiled_attention` it does not zero the values of masked keys."""
+    (out, lse). Unlike :func:`tiled_attention` it does not zero the values of masked keys.
+
+    A sink starts each row's state at ``m = sink, l = 1, acc = 0`` (one more key, of score
+    ``sink`` and value 0). Dropout multiplies each tile's weights by its keep mask / (1 - p) in
+    ``acc`` only, so that ``l`` and the lse stay the undropped ones (FlashAttention's)."""
     _check_bug(bug, VARIANT_BUGS)
+    if bug in BACKWARD_BUGS:
+        bug = None  # the forward of a backward's bug is right
     acc = np.float32 if q.dtype == np.float16 else q.dtype.type
     n_q, n_k = q.shape[-2], k.shape[-2]
     scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
@@ -131,67 +199,158 @@ def variant_attention(q, k, v, *, mask=None, causal=False, scale=None, window=No
     window_offset = 0 if bug == "window_top_left" else offset
     out = np.zeros(batch + (n_q, v.shape[-1]), acc)
     lse = np.full(batch + (n_q,), -np.inf, acc)
+    sink = None if sinks is None else np.broadcast_to(np.asarray(sinks, acc), batch)[..., None]
+    dropout = _dropout_state(dropout_p, dropout_seed, dropout_offset)
+    rescale = acc(1 if bug == "dropout_no_rescale" else 1 / (1 - dropout_p))
+    # The keys in splits, each from a fresh state: one split, unless the bug is flash-decoding's
+    # split-KV with the sink in every split's start.
+    splits = ([(0, n_k // 2), (n_k // 2, n_k)] if bug == "sink_counted_twice" else [(0, n_k)])
 
     def cap(x):
         return acc(softcap) * np.tanh(x / acc(softcap))
 
-    for qs in range(0, n_q, block):
-        qe = min(qs + block, n_q)
+    for qs in range(0, n_q, block_q):
+        qe = min(qs + block_q, n_q)
         i = np.arange(qs, qe)[:, None]
-        m = np.full(batch + (qe - qs,), -np.inf, acc)
-        l = np.zeros_like(m)
-        o = np.zeros(batch + (qe - qs, v.shape[-1]), acc)
-        for ks in range(0, n_k, block):
-            ke = min(ks + block, n_k)
-            j = np.arange(ks, ke)[None, :]
-            ok = np.ones((qe - qs, ke - ks), bool)
-            if mask_mod is not None:
-                if bug == "mask_mod_corner_skip":  # looks at the tile's corners only
-                    corners = np.asarray(mask_mod(np.array([[qs], [qe - 1]]),
-                                                  np.array([[ks, ke - 1]])))
-                    if not corners.any():
+        states = []
+        for key_start, key_stop in splits:
+            m = np.full(batch + (qe - qs,), -np.inf, acc)
+            l = np.zeros_like(m)
+            if sink is not None:  # the sink: one more key, of score sink and value 0
+                m, l = np.broadcast_to(sink, m.shape).copy(), np.ones_like(m)
+            o = np.zeros(batch + (qe - qs, v.shape[-1]), acc)
+            for ks in range(key_start, key_stop, block_k):
+                ke = min(ks + block_k, key_stop)
+                j = np.arange(ks, ke)[None, :]
+                ok = np.ones((qe - qs, ke - ks), bool)
+                if mask_mod is not None:
+                    if bug == "mask_mod_corner_skip":  # looks at the tile's corners only
+                        corners = np.asarray(mask_mod(np.array([[qs], [qe - 1]]),
+                                                      np.array([[ks, ke - 1]])))
+                        if not corners.any():
+                            continue
+                    a, b = (i - qs, j - ks) if bug == "mask_mod_local_indices" else (i, j)
+                    mod = np.asarray(mask_mod(b, a) if bug == "mask_mod_swapped"
+                                     else mask_mod(a, b))
+                    mod = ~mod if bug == "mask_mod_inverted" else mod
+                    if not mod.any():  # no pair allowed: the tile is never multiplied
                         continue
-                a, b = (i - qs, j - ks) if bug == "mask_mod_local_indices" else (i, j)
-                mod = np.asarray(mask_mod(b, a) if bug == "mask_mod_swapped" else mask_mod(a, b))
-                mod = ~mod if bug == "mask_mod_inverted" else mod
-                if not mod.any():  # no pair allowed: the tile is never multiplied
-                    continue
-                ok = ok & mod
-            if mask is not None:
-                ok = ok & np.broadcast_to(mask, np.shape(mask)[:-2] + (n_q, n_k))[..., qs:qe, ks:ke]
-            if causal:
-                ok = ok & (j <= i + offset)
-            if window is not None:
-                left, right = window
-                if left is not None:
-                    first = i + window_offset - left
-                    ok = ok & ((j > first) if bug == "window_left_off_by_one" else (j >= first))
-                if right is not None:
-                    ok = ok & (j <= i + window_offset + right)
-            s = (q[..., qs:qe, :].astype(acc) @ np.swapaxes(k[..., ks:ke, :], -1, -2).astype(acc)
-                 * acc(scale))
-            if softcap is not None and bug not in ("softcap_after_mask", "softcap_after_bias"):
-                s = cap(s)
-            if slopes is not None:
-                if bug == "alibi_gym_form":
-                    s = s + slopes * (j - i)
-                elif bug == "alibi_top_left":
-                    s = s - slopes * np.abs(i - j)
-                else:
-                    s = s - slopes * np.abs(i + offset - j)
-            if softcap is not None and bug == "softcap_after_bias":
-                s = cap(s)
-            s = np.where(ok, s, -np.inf)
-            if softcap is not None and bug == "softcap_after_mask":
-                s = cap(s)
-            m_new = np.maximum(m, s.max(axis=-1))
+                    ok = ok & mod
+                if mask is not None:
+                    ok = ok & np.broadcast_to(mask, np.shape(mask)[:-2] + (n_q, n_k))[
+                        ..., qs:qe, ks:ke]
+                if causal:
+                    ok = ok & (j <= i + offset)
+                if window is not None:
+                    left, right = window
+                    if left is not None:
+                        first = i + window_offset - left
+                        ok = ok & ((j > first) if bug == "window_left_off_by_one" else (j >= first))
+                    if right is not None:
+                        ok = ok & (j <= i + window_offset + right)
+                s = (q[..., qs:qe, :].astype(acc)
+                     @ np.swapaxes(k[..., ks:ke, :], -1, -2).astype(acc) * acc(scale))
+                if softcap is not None and bug not in ("softcap_after_mask", "softcap_after_bias"):
+                    s = cap(s)
+                if slopes is not None:
+                    if bug == "alibi_gym_form":
+                        s = s + slopes * (j - i)
+                    elif bug == "alibi_top_left":
+                        s = s - slopes * np.abs(i - j)
+                    else:
+                        s = s - slopes * np.abs(i + offset - j)
+                if softcap is not None and bug == "softcap_after_bias":
+                    s = cap(s)
+                s = np.where(ok, s, -np.inf)
+                if softcap is not None and bug == "softcap_after_mask":
+                    s = cap(s)
+                m_new = np.maximum(m, s.max(axis=-1))
+                m_ref = np.where(m_new == -np.inf, 0, m_new)
+                p = np.exp(s - m_ref[..., None])
+                alpha = np.exp(m - m_ref)
+                l = alpha * l + p.sum(axis=-1)  # undropped: the softmax's own denominator
+                keep = _keep_tile(dropout, batch, qs, qe, ks, ke, bug)
+                if keep is not None:
+                    p = np.where(keep, p * rescale, 0)
+                o = alpha[..., None] * o + p @ v[..., ks:ke, :].astype(acc)
+                m = m_new
+            states.append((m, l, o))
+        m, l, o = states[0]
+        for m2, l2, o2 in states[1:]:  # the splits merged by their maxima (split-KV)
+            m_new = np.maximum(m, m2)
             m_ref = np.where(m_new == -np.inf, 0, m_new)
-            p = np.exp(s - m_ref[..., None])
-            alpha = np.exp(m - m_ref)
-            l = alpha * l + p.sum(axis=-1)
-            o = alpha[..., None] * o + p @ v[..., ks:ke, :].astype(acc)
-            m = m_new
+            a, a2 = np.exp(m - m_ref), np.exp(m2 - m_ref)
+            m, l, o = m_new, a * l + a2 * l2, a[..., None] * o + a2[..., None] * o2
         empty = l == 0
         out[..., qs:qe, :] = o / np.where(empty, 1, l)[..., None]
         lse[..., qs:qe] = np.where(empty, -np.inf, m + np.log(np.where(empty, 1, l)))
     return out.astype(q.dtype), lse.astype(np.float32 if q.dtype == np.float16 else q.dtype)
+
+
+def variant_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False, scale=None,
+                               sinks=None, dropout_p=0.0, dropout_seed=None,
+                               dropout_offset=(0, 0), block_q=16, block_k=16, bug=None):
+    """The backward of :func:`variant_attention` for masks, causal, sinks and dropout, tiled key
+    block by key block (FlashAttention-2's order); returns ``(dq, dk, dv)``, and ``dsinks`` with
+    sinks. ``bug`` is one of :data:`BACKWARD_BUGS` (the others are the forward's: ignored here).
+
+    With ``Z`` the keep mask and ``P = exp(S - lse)`` (lse holds the sink): ``dV = (P∘Z/(1-p))ᵀ
+    dO``, ``dP = (dO Vᵀ)∘Z/(1-p)``, ``dS = P∘(dP - D)``, ``D = rowsum(dO∘O)``, and
+    ``dsinks_h = -Σ_i exp(sink_h - lse_i)·D_i``."""
+    _check_bug(bug, VARIANT_BUGS)
+    acc = np.float32 if q.dtype == np.float16 else q.dtype.type
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    scale = acc(1 / np.sqrt(q.shape[-1]) if scale is None else scale)
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
+                                () if mask is None else np.shape(mask)[:-2])
+    q_in, k_in, v_in = q, k, v
+    q, k, v, out, dout = (np.broadcast_to(x, batch + x.shape[-2:]).astype(acc)
+                          for x in (q, k, v, out, dout))
+    lse = np.broadcast_to(lse, batch + (n_q,)).astype(acc)
+    lse_ref = np.where(lse == -np.inf, 0, lse)[..., None]  # an empty row: every P is 0
+    D = (dout * out).sum(axis=-1, keepdims=True)
+    dropout = _dropout_state(dropout_p, dropout_seed, dropout_offset)
+    rescale = acc(1 / (1 - dropout_p))
+    # the mask's bugs a backward can make: another counter, or a stateful generator visited
+    # key block first (so another mask than the forward's, which visits query blocks first)
+    mask_bug = bug if bug in ("dropout_backward_other_mask", "dropout_stateful_tiles") else None
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros(batch + v.shape[-2:], acc)
+    for ks in range(0, n_k, block_k):
+        ke = min(ks + block_k, n_k)
+        j = np.arange(ks, ke)[None, :]
+        for qs in range(0, n_q, block_q):
+            qe = min(qs + block_q, n_q)
+            ok = np.ones((qe - qs, ke - ks), bool)
+            if mask is not None:
+                ok = ok & np.broadcast_to(mask, np.shape(mask)[:-2] + (n_q, n_k))[
+                    ..., qs:qe, ks:ke]
+            if causal:
+                ok = ok & (j <= np.arange(qs, qe)[:, None] + n_k - n_q)
+            s = q[..., qs:qe, :] @ np.swapaxes(k[..., ks:ke, :], -1, -2) * scale
+            p = np.where(ok, np.exp(np.where(ok, s, 0) - lse_ref[..., qs:qe, :]), 0)
+            dp = dout[..., qs:qe, :] @ np.swapaxes(v[..., ks:ke, :], -1, -2)
+            keep = _keep_tile(dropout, batch, qs, qe, ks, ke, mask_bug)
+            p_dropped = p if keep is None else np.where(keep, p * rescale, 0)
+            if keep is not None:
+                dp = np.where(keep, dp * rescale, 0)
+            dv[..., ks:ke, :] += np.swapaxes(p_dropped, -1, -2) @ dout[..., qs:qe, :]
+            ds = p * (dp - D[..., qs:qe, :])
+            dq[..., qs:qe, :] += ds @ k[..., ks:ke, :] * scale
+            dk[..., ks:ke, :] += np.swapaxes(ds, -1, -2) @ q[..., qs:qe, :] * scale
+    grads = tuple(_sum_to(g, x.shape).astype(x.dtype) for g, x in
+                  ((dq, q_in), (dk, k_in), (dv, v_in)))
+    if sinks is None:
+        return grads
+    sinks = np.asarray(sinks)
+    sink = np.broadcast_to(sinks.astype(acc), batch)[..., None]
+    share = (np.exp(sink - lse) * D[..., 0]).sum(axis=-1)  # Σ_i exp(sink - lse_i)·D_i
+    dsinks = _sum_to(share if bug == "dsinks_sign" else -share, sinks.shape)
+    return grads + (dsinks.astype(acc),)
+
+
+def _sum_to(x, shape):
+    """``x`` summed over the axes along which ``shape`` was broadcast to ``x.shape``."""
+    lead = x.ndim - len(shape)
+    x = x.sum(axis=tuple(range(lead))) if lead else x
+    axes = tuple(a for a, n in enumerate(shape) if n == 1 and x.shape[a] != 1)
+    return x.sum(axis=axes, keepdims=True) if axes else x

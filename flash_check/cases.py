@@ -3,7 +3,8 @@
 Imported once by ``flash_check`` itself; a new case is one :func:`flash_check.register_case` call
 in any module, as below. The classic cases come first (each exposes one classic bug), then the
 variants' (window, softcap, ALiBi, GQA, mask_mod; skipped unless the kernel lists the feature),
-then the memory case (its own check, ``run=``).
+then the memory case (its own check, ``run=``), then training.py's (sinks, dropout) and
+serving.py's.
 """
 
 from __future__ import annotations
@@ -378,5 +379,7 @@ register_case(Case("memory", f"scratch memory at N = {_MEMORY_SIZES[0]} and {_ME
 
 
 
-# The serving cases (varlen, kvcache, paged): flash_check/serving.py, registered on import, last.
+# The training features' cases (sinks, dropout): flash_check/training.py; the serving cases
+# (varlen, kvcache, paged): flash_check/serving.py, last. Each registers its cases on import.
+from flash_check import training  # noqa: E402, F401
 from flash_check import serving  # noqa: E402, F401

@@ -29,7 +29,7 @@ _KEEP = object()  # "as the case says", for Evidence.allowed
 #: The keywords that decide which pairs may attend.
 _PAIRWISE = ("mask", "causal", "window", "mask_mod")
 #: The keywords whose answer depends on the keys' positions or heads.
-_POSITIONAL = ("window", "alibi_slopes", "mask_mod", "enable_gqa")
+_POSITIONAL = ("window", "alibi_slopes", "mask_mod", "enable_gqa", "sinks")
 #: Block sizes tried when a mistake depends on the kernel's tiles (square tiles).
 _BLOCKS = (8, 16, 32, 64, 128, 256, 512)
 
@@ -45,6 +45,16 @@ class Mistake:
 
 def _always(evidence, facts):
     return True
+
+
+def explain(table, evidence, **facts):
+    """The message of the first mistake in ``table`` that explains the facts."""
+    for mistake in table:
+        found = mistake.test(evidence, facts)
+        if found:
+            return mistake.message.format(**{**facts, **(found if isinstance(found, dict)
+                                                          else {})})
+    raise AssertionError("every table of mistakes ends with one that always holds")
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,12 +78,13 @@ def _alibi_bias(slopes, n_q, n_k, form):
     return -slopes * distance
 
 
-def _misplaced(q, k, v, scale, allowed, *, softcap=None, bias=None, cap_at="scores"):
+def _misplaced(q, k, v, scale, allowed, *, softcap=None, bias=None, cap_at="scores", sinks=None):
     """Dense attention in longdouble with softcap applied at a chosen step and a given bias: the
     one softmax written here rather than taken from flash_lib, because it computes what flash_lib
     never does, a variant in the wrong order or with a wrong bias. ``cap_at``: "scores" (the
     scaled scores: right), "unscaled" (q·kᵀ before the scale), "biased" (after the bias) or
-    "masked" (after the mask, where c·tanh(-inf) = -c). k and v hold q's heads (GQA expanded)."""
+    "masked" (after the mask, where c·tanh(-inf) = -c). k and v hold q's heads (GQA expanded).
+    ``sinks`` (broadcast to the batch dims) join each row's denominator, unscaled and uncapped."""
     wide = np.longdouble
     q, k, v = (x.astype(wide) for x in (q, k, v))
     raw = q @ np.swapaxes(k, -1, -2)
@@ -93,8 +104,13 @@ def _misplaced(q, k, v, scale, allowed, *, softcap=None, bias=None, cap_at="scor
     if cap is not None and cap_at == "masked":
         s = capped(s)
     m = s.max(axis=-1, keepdims=True)
-    p = np.exp(s - np.where(np.isfinite(m), m, 0))
-    total = p.sum(axis=-1, keepdims=True)
+    sink = None
+    if sinks is not None:
+        sink = np.broadcast_to(np.asarray(sinks, wide), s.shape[:-2])[..., None, None]
+        m = np.maximum(m, sink)
+    m = np.where(np.isfinite(m), m, 0)
+    p = np.exp(s - m)
+    total = p.sum(axis=-1, keepdims=True) + (0 if sink is None else np.exp(sink - m))
     return (p @ v) / np.where(total == 0, 1, total)
 
 
@@ -128,12 +144,7 @@ class Evidence:
 
     def explain(self, table, **facts):
         """The message of the first mistake in ``table`` that explains the failure."""
-        for mistake in table:
-            found = mistake.test(self, facts)
-            if found:
-                return mistake.message.format(**{**facts, **(found if isinstance(found, dict)
-                                                              else {})})
-        raise AssertionError("every table of mistakes ends with one that always holds")
+        return explain(table, self, **facts)
 
     def explain_out(self):
         """Why the output's error is above the bound (computed once, reused for the lse)."""
@@ -177,12 +188,12 @@ class Evidence:
     def other_kwargs(self, *drop):
         return {key: val for key, val in self.inputs.kwargs.items() if key not in drop}
 
-    def precise(self, allowed, *drop, k=None, v=None):
-        """precise_attention with the pairs ``allowed`` as its mask and the keywords ``drop``
-        left out: the case's attention with one thing changed."""
+    def precise(self, allowed, *drop, k=None, v=None, **replace):
+        """precise_attention with the pairs ``allowed`` as its mask, the keywords ``drop`` left
+        out and those of ``replace`` replaced: the case's attention with one thing changed."""
         return flash_lib.precise_attention(
             self.q, self.k if k is None else k, self.v if v is None else v, mask=allowed,
-            **self.other_kwargs(*_PAIRWISE, *drop))
+            **{**self.other_kwargs(*_PAIRWISE, *drop), **replace})
 
     def misplaced(self, cap_at="scores", alibi="bottom-right"):
         """The case's attention with softcap at ``cap_at`` and ALiBi's bias in the form
@@ -197,7 +208,7 @@ class Evidence:
             g = self.q.shape[-3] // k.shape[-3]
             k, v = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
         return _misplaced(self.q, k, v, scale, self.allowed(), softcap=kwargs.get("softcap"),
-                          bias=bias, cap_at=cap_at)
+                          bias=bias, cap_at=cap_at, sinks=kwargs.get("sinks"))
 
     def closer_to(self, alt, rows=None):
         """True if the kernel's output is far closer to ``alt`` than to the truth."""
@@ -365,6 +376,22 @@ _WINDOW = lambda ev: _kw(ev, "window") is not None  # noqa: E731
 _CAP = lambda ev: _kw(ev, "softcap") is not None  # noqa: E731
 _ALIBI = lambda ev: _kw(ev, "alibi_slopes") is not None  # noqa: E731
 _MASK_MOD = lambda ev: _kw(ev, "mask_mod") is not None  # noqa: E731
+_SINKS = lambda ev: _kw(ev, "sinks") is not None  # noqa: E731
+
+
+def _sinks(ev):
+    return np.asarray(_kw(ev, "sinks"), np.float64)
+
+
+def _scale(ev):
+    scale = _kw(ev, "scale")
+    return 1 / math.sqrt(ev.q.shape[-1]) if scale is None else scale
+
+
+def _sink_counts(ev):
+    if _SINKS(ev):
+        for n in (2, 3, 4):
+            yield {"n": n}
 
 VARIANT_MISTAKES = (
     VariantMistake(
@@ -459,6 +486,26 @@ VARIANT_MISTAKES = (
         "be skipped only if mask_mod is False on every pair of it (create_block_mask sums the "
         "whole block)",
         lambda ev, b, last: ev.precise(ev.allowed() & _tile_corners_kept(_mod(ev), b))),
+    VariantMistake(
+        _sink_counts,
+        "the sink is counted {n} times (its weight {n}·exp(sink) in every row, as a sink of "
+        "sink + ln {n}): each split or partial state started from the sink and the merge added "
+        "them; a sink is one more partial (out 0, lse = sink), merged exactly once",
+        lambda ev, n: ev.precise(ev.allowed(), sinks=_sinks(ev) + math.log(n))),
+    VariantMistake(_if(_SINKS), "the sinks are ignored: each row's denominator is exp(sink) + "
+                   "Σ_j exp(s_ij)", lambda ev: ev.precise(ev.allowed(), "sinks")),
+    VariantMistake(
+        _if(lambda ev: _SINKS(ev) and _scale(ev) != 1),
+        "the sink is multiplied by the scale: a sink is a logit, added to the denominator as it "
+        "is (gpt-oss, FlashAttention-3's s_aux), not a score q·k to scale",
+        lambda ev: ev.precise(ev.allowed(), sinks=_sinks(ev) * _scale(ev))),
+    VariantMistake(
+        _if(lambda ev: _SINKS(ev) and _CAP(ev)),
+        "the sink is softcapped: the cap applies to the scaled scores, not to the sink",
+        lambda ev: ev.precise(ev.allowed(), sinks=_kw(ev, "softcap") * np.tanh(
+            _sinks(ev) / _kw(ev, "softcap")))),
+    VariantMistake(_if(_SINKS), "the sink's sign is flipped: the denominator holds exp(+sink)",
+                   lambda ev: ev.precise(ev.allowed(), sinks=-_sinks(ev))),
 )
 
 
@@ -620,8 +667,21 @@ OUT_ERROR = (
     _hint(),
 )
 
+def _sink_empty_rows(ev, facts):
+    """The rows ``bad`` have no allowed key, and a sink: out 0 and lse = sink there."""
+    if not _SINKS(ev):
+        return None
+    allowed = np.broadcast_to(ev.allowed(), ev.ref.lse.shape + (ev.n_k,))
+    none = ~allowed.any(axis=-1)
+    return bool(none[facts["bad"]].all()) and {"what": "lse" if facts["of_lse"] else "out"}
+
+
 #: Why out (or the lse, ``of_lse``) is not finite in the rows ``bad``, where the truth is.
 NON_FINITE = (
+    Mistake(_sink_empty_rows,
+            "{what} of a row with no allowed key is not finite, and the row has a sink: with a "
+            "sink no row is empty (it starts at m = sink, l = 1, acc = 0 and ends with out = 0, "
+            "lse = sink); the empty-row guard (lse = -inf, or 0 / 0) overrides the sink"),
     TOP_LEFT,
     Mistake(lambda ev, facts: ev.ctx.case.name == "late_max",
             "exp overflowed where the row max rises: p = exp(s - m) is taken against a stale "
@@ -691,4 +751,162 @@ LSE_ERROR = (
             "lse wrong in float16 only, where float32 passed: part of it (the scores, exp or the "
             "sum l) is computed at float16 precision; FlashAttention keeps them in float32"),
     _hint("lse wrong: "),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# The training features' checks (flash_check/training.py): dropout and the gradients. Their
+# conditions look at the facts the check measured (the evidence is the check's context).
+# --------------------------------------------------------------------------------------------
+
+
+def _near(x, value, tol):
+    return x.size > 0 and bool(np.all(np.abs(x - value) <= tol))
+
+
+# The conditions on a keep mask read off a kernel (``ratio``: 0 dropped, 1 kept), forward or
+# backward: not finite; no entry dropped or scaled (dropout ignored); kept entries unscaled.
+def _is(field, value):
+    """A condition: the fact ``field`` is ``value``."""
+    return lambda ev, f: f[field] == value
+
+
+def _ratio_nonfinite(ev, f):
+    return not np.isfinite(f["ratio"]).all()
+
+
+def _ratio_ignored(ev, f):
+    return _near(f["ratio"], 1 - f["p"], f["tol"])
+
+
+def _ratio_unscaled(ev, f):
+    return _near(f["ratio"][f["ratio"] != 0], 1 - f["p"], f["tol"])
+
+
+#: Why the output on uniform weights (q = 0) and v = identity is not a keep mask over
+#: Nk·(1 - p): ``ratio`` = out·Nk·(1 - p), which must be 0 (dropped) or 1 (kept) everywhere.
+DROPOUT_VALUES = (
+    Mistake(_ratio_nonfinite, "NaN or inf in the output with dropout on, on finite inputs"),
+    Mistake(_ratio_ignored, "dropout is ignored: every weight is kept and none is scaled (is "
+            "dropout_p passed through to the kernel?)"),
+    Mistake(_ratio_unscaled,
+            "the kept weights are not divided by 1 - p: out = (P∘Z)·V where dropout is "
+            "(P∘Z/(1 - p))·V, whose expectation over the mask Z is P·V"),
+    Mistake(lambda ev, f: _near(f["row_sums"], 1.0, f["tol"]),
+            "the kept weights are renormalised to sum to 1 (the mask applied before the row sum "
+            "l, or a softmax over the kept keys): dropout keeps the undropped softmax P, zeroes "
+            "the dropped entries and divides the rest by 1 - p"),
+    Mistake(_always, "on uniform weights (q = 0) and v = identity, out·Nk·(1 - p) must be 0 or 1 "
+            "(out = (P∘Z/(1 - p))·V, Z a mask of 0s and 1s); found {values}"),
+)
+
+#: Why the keep rate is outside 1 - p ± 5σ (``rate``, ``p``, ``half``: the half-width).
+DROPOUT_RATE = (
+    Mistake(lambda ev, f: abs(f["rate"] - f["p"]) <= f["half"],
+            "the kernel keeps with probability p = {p:g}, not 1 - p: keep an element iff its "
+            "uniform number is >= p (FlashAttention: iff its random word >= p·2³²)"),
+    Mistake(_always, "the keep rate is outside 1 - p ± 5σ: the uniform numbers or the threshold "
+            "are wrong (a word scaled by 2⁻³¹ instead of 2⁻³², a signed comparison, a threshold "
+            "rounded from p in low precision?)"),
+)
+
+#: Why two masks that must be independent agree more (or less) often than independent ones:
+#: ``what`` is "rows" (row i + 1 against row i, ``shift`` keys on), "batch", "keys" or "seed".
+DROPOUT_CORRELATED = (
+    Mistake(lambda ev, f: f["what"] == "rows" and f["shift"] != 0,
+            "row i + 1's keep mask is row i's shifted by {shift} keys (agreement {agree:.3f}; "
+            "independent masks agree {expected:.3f} ± {half:.3f}): one generator stream per row "
+            "started at counter=[row, 0, 0, 0] overlaps the next row's stream (NumPy's Philox "
+            "advances the counter once per 4 words); derive each element's counter so that no "
+            "two coincide, e.g. (j // 4, i, b) taking word j % 4"),
+    Mistake(_is("what", "rows"),
+            "neighbouring query rows have the same keep mask (agreement {agree:.3f}; independent "
+            "masks agree {expected:.3f} ± {half:.3f}): the counter ignores the query position i"),
+    Mistake(_is("what", "batch"),
+            "neighbouring batch elements (heads) have the same keep mask (agreement {agree:.3f}; "
+            "independent masks agree {expected:.3f} ± {half:.3f}): the counter ignores the batch "
+            "index b"),
+    Mistake(_is("what", "seed"),
+            "the masks of seeds s and s + 1 agree on {agree:.3f} of the pairs (independent masks "
+            "agree {expected:.3f} ± {half:.3f}): the mask does not follow dropout_seed"),
+    Mistake(_always, "neighbouring keys' masks agree on {agree:.3f} of the pairs (independent "
+            "masks agree {expected:.3f} ± {half:.3f}): the random numbers are not independent "
+            "from key to key"),
+)
+
+#: Why the kept pairs change between calls: with other block sizes (``blocks``), or with the same.
+DROPOUT_UNSTABLE = (
+    Mistake(lambda ev, f: f["blocks"] is None,
+            "two calls with the same seed kept different pairs ({differ} of {total}): the mask "
+            "must be a function of the seed and the element alone (a global or stateful "
+            "generator that is not reseeded?)"),
+    Mistake(_always, "the kept pairs change with the block sizes: (block_q, block_k) = {blocks} "
+            "keeps {differ} of {total} pairs differently from the default tiles: the mask is "
+            "drawn tile by tile from a stateful generator (np.random.Generator, "
+            "torch.Generator), so it depends on the tiles and the order they are visited, or "
+            "from tile-local positions; draw each element's number from a counter-based "
+            "generator keyed by the seed, at a counter made of the element's own (b, i, j), as "
+            "FlashAttention does with Philox"),
+)
+
+#: Why the keep mask read off the backward (``ratio`` = dV·Nk·(1 - p) on q = 0, dout = identity)
+#: is not the forward's (``differ`` of ``total`` pairs).
+DROPOUT_BACKWARD = (
+    Mistake(_ratio_nonfinite, "NaN or inf in dv with dropout on, on finite inputs"),
+    Mistake(_ratio_ignored,
+            "the backward ignores dropout: dV = Pᵀ·dO, where it must be (P∘Z/(1 - p))ᵀ·dO with "
+            "the forward's mask Z, regenerated from the seed"),
+    Mistake(_ratio_unscaled,
+            "the backward omits 1/(1 - p): dV = (P∘Z)ᵀ·dO, where it must be (P∘Z/(1 - p))ᵀ·dO, "
+            "as must dP = (dO·Vᵀ)∘Z/(1 - p)"),
+    Mistake(lambda ev, f: f["differ"] > 0,
+            "the backward's keep mask differs from the forward's in {differ} of {total} pairs "
+            "(read off dV on q = 0, dout = identity): the backward must regenerate the forward's "
+            "mask element by element, from the same seed and the same counter (b, i, j), "
+            "whatever order it visits the tiles in (key block first, in FlashAttention-2); a "
+            "stateful generator, a counter with i and j swapped or tile-local positions give "
+            "another mask"),
+    Mistake(_always, "dV·Nk·(1 - p) on q = 0, dout = identity must be 0 or 1; found {values}"),
+)
+
+#: Why the output with dropout, on random inputs, is above its bound against (P∘Z/(1-p))·V built
+#: with the mask read off the kernel (``closest``: the alternative it matches, if one does).
+DROPOUT_OUT = (
+    Mistake(_is("closest", "no rescale"),
+            "the output is (P∘Z)·V: the kept weights are not divided by 1 - p"),
+    Mistake(_is("closest", "renormalised"),
+            "the output is softmax over the kept keys: the mask is applied before the row sum "
+            "l, which must stay the undropped one"),
+    Mistake(_is("closest", "undropped"),
+            "the output is attention without dropout on these inputs, although dropout showed on "
+            "the probe: dropout depends on the inputs?"),
+    Mistake(_always, "wrong with dropout on random inputs, although the keep mask read off the "
+            "probe (same seed, shape and p) was right: the mask depends on q, k or v, or the "
+            "dropped weights reach P·V"),
+)
+
+#: Why the lse with dropout is above its bound (the undropped lse).
+DROPOUT_LSE = (
+    Mistake(_is("closest", "kept only"),
+            "the lse is that of the kept scores only: FlashAttention's lse is the undropped one, "
+            "which the backward's P = exp(S - lse) needs"),
+    Mistake(_always, "lse wrong with dropout on: it is the undropped log-sum-exp of the scores"),
+)
+
+#: Why a gradient (``name``) is above its bound (``flipped``: it matches the truth negated).
+GRADIENT = (
+    Mistake(lambda ev, f: f["name"] == "dsinks" and f["flipped"],
+            "dsinks has the wrong sign: dsinks_h = -Σ_i exp(sink_h - lse_i)·D_i (the sink takes "
+            "probability exp(sink - lse_i) from row i's keys, and d out_i / d sink = "
+            "-exp(sink - lse_i)·out_i)"),
+    Mistake(_is("name", "dsinks"),
+            "dsinks wrong: dsinks_h = -Σ_i exp(sink_h - lse_i)·D_i, D_i = rowsum(dO∘O), summed "
+            "over every axis the sinks were broadcast along"),
+    Mistake(lambda ev, f: f["dropout"],
+            "{name} wrong with dropout on, although dV's mask is the forward's: dP = "
+            "(dO·Vᵀ)∘Z/(1 - p) and dS = P∘(dP - D) with D = rowsum(dO∘O) of the dropped output"),
+    Mistake(lambda ev, f: f["sinks"],
+            "{name} wrong with sinks: the backward's P = exp(S - lse) must use the lse that "
+            "includes the sink; the tile loop is otherwise unchanged"),
+    Mistake(_always, "{name} wrong: {hint}"),
 )

@@ -18,8 +18,8 @@ import pytest
 
 import flash_check
 import flash_lib
-from flash_check import bugs
-from flash_check.bugs import tiled_attention, variant_attention
+from flash_check import bugs, training
+from flash_check.bugs import tiled_attention, variant_attention, variant_attention_backward
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ALL = ("mask", "causal", "lse", "dv")
@@ -50,18 +50,24 @@ def diagnoses(report, case=None):
 @pytest.mark.parametrize("blocks", [{}, {"block_q": 16, "block_k": 16}, {"block_q": 7, "block_k": 1}],
                          ids=["default tiles", "16x16", "7x1"])
 def test_flash_lib_passes_every_case(blocks):
-    """With every feature, the variants included, at the default and 16 x 16 tiles; at 7 x 1
-    (a thousand rescales in a row) the classic cases only, since one key per tile makes the
-    variant cases' per-tile work (mask_mod, bias) cost seconds here."""
+    """With every feature, the variants included (sinks and dropout, with the backward's
+    gradients), at the default and 16 x 16 tiles; at 7 x 1 (a thousand rescales in a row) the
+    classic cases only, since one key per tile makes the variant cases' per-tile work (mask_mod,
+    bias) cost seconds here."""
     kernel = functools.partial(flash_lib.flash_attention, return_lse=True, **blocks)
+    backward = functools.partial(flash_lib.flash_attention_backward, **blocks)
     variants = VARIANTS if blocks.get("block_k") != 1 else ()
     features = ALL + variants + (("memory",) if not blocks else ())
-    report = flash_check.check_kernel(kernel, features=features)
+    report = flash_check.check_kernel(kernel, features=features, backward=backward)
     assert report.ok, str(report)
     skipped = (set() if "memory" in features else {"memory"}) | (
         set() if variants else set(VARIANT_CASES)) | set(SERVING_CASES)
     assert {s.case for s in report.skipped} == skipped
     assert {r.case for r in report.results} == set(flash_check.CASES) - skipped
+    if variants:
+        notes = {r.case: r.note for r in report.results}
+        assert "the backward's mask and gradients checked" in notes["dropout"], notes["dropout"]
+        assert notes["sinks"] == notes["sinks_empty_rows"] == "gradients checked, dsinks included"
 
 
 def test_the_clean_tiled_kernel_passes():
@@ -97,7 +103,7 @@ def test_every_bug_of_the_zoo_is_tested():
     """Each bug flash_check.bugs can make has its test here (quadratic_memory: the memory test),
     and a misspelt bug is refused rather than run as the clean kernel."""
     assert set(bugs.BUGS) == set(BUGS) | {"quadratic_memory"}
-    assert set(bugs.VARIANT_BUGS) == set(VARIANT_BUGS)
+    assert set(bugs.VARIANT_BUGS) == set(VARIANT_BUGS) | set(TRAINING_BUGS)
     q, k, v = flash_check.random_qkv(np.random.default_rng(0), 4, 4)
     for kernel in (tiled_attention, variant_attention):
         with pytest.raises(ValueError, match="bug must be None or one of"):
@@ -328,9 +334,10 @@ def test_the_variants_written_here_pass_every_variant_case():
     """A second implementation, tiled, passes in every dtype: the cases hold each variant to
     its conventions, not to flash_lib's code."""
     report = flash_check.check_kernel(variant_attention, features=ALL + VARIANTS,
-                                      cases=VARIANT_CASES)
+                                      cases=VARIANT_CASES, backward=variant_attention_backward)
     assert report.ok, str(report)
-    assert len(report.results) == 3 * len(VARIANT_CASES)
+    assert len(report.results) == sum(1 if flash_check.CASES[name].once else 3
+                                      for name in VARIANT_CASES)
 
 
 def test_the_diagnoses_reference_is_the_truth():
@@ -338,6 +345,8 @@ def test_the_diagnoses_reference_is_the_truth():
     ALiBi's wrong forms), set to the right step and form, is precise_attention on every variant
     case: so a mistake's output differs from the truth by that mistake only."""
     for name in VARIANT_CASES:
+        if flash_check.CASES[name].make is None:  # the dropout case: a check of its own
+            continue
         ref = flash_check._reference(flash_check.CASES[name], "float64", 0)
         ctx = flash_check._Context(variant_attention, flash_check.CASES[name], "float64",
                                    ALL + VARIANTS, -np.inf, 0, {})
@@ -382,6 +391,221 @@ def test_each_variant_bug_is_caught_with_its_cause(bug):
                    for f in causal), diagnoses(report, "alibi_cap_causal")
 
 
+# --- the training features: sinks and dropout -----------------------------------------------
+
+TRAINING_BUGS = {
+    # bug: (the case it must fail, the check, words of the diagnosis there)
+    "dropout_stateful_tiles": ("dropout", "same mask", "the kept pairs change with the block "
+                               "sizes: (block_q, block_k) = (40, 24)"),
+    "dropout_backward_other_mask": ("dropout", "backward mask", "the backward's keep mask "
+                                    "differs from the forward's"),
+    "dropout_no_rescale": ("dropout", "keep values", "the kept weights are not divided by 1 - p"),
+    "sink_counted_twice": ("sinks", "out error", "the sink is counted 2 times"),
+    "dsinks_sign": ("sinks", "dsinks error", "dsinks has the wrong sign"),
+}
+TRAINING = ("sinks", "dropout")
+#: The cases of the training features (sinks and dropout).
+TRAINING_CASES = [name for name, case in flash_check.CASES.items()
+                  if set(case.needs) & set(TRAINING)]
+
+
+@pytest.mark.parametrize("bug", TRAINING_BUGS)
+def test_each_training_bug_is_caught_with_its_cause(bug):
+    """The bug zoo's kernel and its backward, each with one training bug: its signature case
+    fails that check with the diagnosis naming the mistake (in every dtype the case runs)."""
+    case, check, words = TRAINING_BUGS[bug]
+    report = flash_check.check_kernel(
+        functools.partial(variant_attention, bug=bug), features=ALL + VARIANTS,
+        cases=TRAINING_CASES, backward=functools.partial(variant_attention_backward, bug=bug))
+    failing = [f for f in report.failures if f.case == case and f.check == check]
+    dtypes = {"float32"} if flash_check.CASES[case].once else set(flash_check.DTYPES)
+    assert {f.dtype for f in failing} == dtypes, str(report)
+    assert all(words in f.diagnosis for f in failing), diagnoses(report, case)
+    if bug.startswith("sink"):  # every case with a sink shows it, and dropout is untouched
+        assert set(report.failed_cases()) == {n for n in TRAINING_CASES if n != "dropout"}
+    elif bug.startswith("dropout"):
+        assert report.failed_cases() == ["dropout"], str(report)
+
+
+def test_training_cases_are_skipped_unless_their_feature_is_listed():
+    report = flash_check.check_kernel(variant_attention, features=ALL, cases=TRAINING_CASES)
+    skipped = {s.case: s.reason for s in report.skipped}
+    assert set(skipped) == set(TRAINING_CASES) and not report.results
+    assert skipped["dropout"].startswith("needs feature 'dropout': takes dropout_p=")
+    assert skipped["sinks"].startswith("needs feature 'sinks': takes sinks=")
+    assert skipped["sinks_softcap"].startswith("needs feature 'sinks', 'softcap'")
+    report = flash_check.check_kernel(variant_attention, features=ALL + ("sinks",),
+                                      cases=TRAINING_CASES)
+    assert {r.case for r in report.results} == {"sinks", "sinks_empty_rows", "sinks_causal"}
+    assert report.ok and all(r.note == "gradients not checked: no backward= given"
+                             for r in report.results if r.case != "sinks_causal")
+
+
+def test_the_dropout_probe_reads_flash_libs_own_mask():
+    """The mask the dropout case reads off flash_lib's output (q = 0, v = identity) is exactly
+    flash_lib.dropout_keep's, at the default tiles and at the others the case tries."""
+    ctx = flash_check._Context(functools.partial(flash_lib.flash_attention, return_lse=True),
+                               flash_check.CASES["dropout"], "float32", ALL + TRAINING, -np.inf,
+                               0, {})
+    probe = training._Dropout(ctx, flash_check.Result("dropout", "float32"))
+    expected = flash_lib.dropout_keep(probe.seed, probe.p, probe.batch + (probe.n_q, probe.n_k))
+    assert np.array_equal(probe.keep("keep values"), expected)
+    for block_q, block_k in training.DROPOUT_BLOCKS:
+        assert np.array_equal(probe.keep("keep values", block_q=block_q, block_k=block_k),
+                              expected)
+    assert not probe.result.failures
+
+
+def test_the_agreement_interval_is_the_derived_one():
+    """The dropout case's σ for the agreement of neighbouring keys within one mask, whose
+    indicators share an element pairwise, is (a(1 - a) + 2|c|)/n, not the independent a(1 - a)/n:
+    measured over 2000 independent masks, the spread of the agreement is the derived σ to within
+    6% (the estimate's own error is 1.6%; the independent formula is 13% too small)."""
+    ctx = flash_check._Context(variant_attention, flash_check.CASES["dropout"], "float64",
+                               ("dropout",), -np.inf, 0, {})
+    probe = training._Dropout(ctx, flash_check.Result("dropout", "float64"))
+    rng = np.random.default_rng(5)
+    shape = (probe.n_q, probe.n_k)
+    agree = np.concatenate([
+        np.mean((lambda m: m[..., 1:] == m[..., :-1])(rng.random((100,) + shape) >= probe.p),
+                axis=(1, 2)) for _ in range(20)])
+    keep = np.zeros(shape, bool)
+    sigma = probe.agreement("keys", keep[:, 1:], keep[:, :-1], shared=True)["half"] / 5
+    independent = probe.agreement("keys", keep[:, 1:], keep[:, :-1], shared=False)["half"] / 5
+    assert abs(agree.std() / sigma - 1) < 0.06, (agree.std(), sigma)
+    assert agree.std() > 1.08 * independent
+
+
+def _dense_dropout(keep_of, *, rescale=True, renormalise=False, kept_lse=False,
+                   backward_rescale=True, backward_keep=True):
+    """A dense kernel with dropout and its backward, the mask from ``keep_of(seed, p, shape)``;
+    the switches plant one mistake each. Returns (kernel, backward)."""
+    def scores(q, k, scale):
+        scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+        return q.astype(np.float64) @ np.swapaxes(k, -1, -2).astype(np.float64) * scale, scale
+
+    def kernel(q, k, v, *, dropout_p=0.0, dropout_seed=None, scale=None):
+        s, _ = scores(q, k, scale)
+        keep = keep_of(dropout_seed, dropout_p, s.shape)
+        e = np.exp(s - s.max(axis=-1, keepdims=True))
+        kept = np.where(keep, e, 0)
+        l = (kept if renormalise else e).sum(axis=-1, keepdims=True)
+        out = (kept / l / ((1 - dropout_p) if rescale and not renormalise else 1)) @ v
+        lse = np.log((kept if kept_lse else e).sum(axis=-1)) + s.max(axis=-1)
+        return out.astype(q.dtype), lse.astype(q.dtype)
+
+    def backward(q, k, v, out, lse, dout, *, dropout_p=0.0, dropout_seed=None, scale=None):
+        s, scale = scores(q, k, scale)
+        p = np.exp(s - lse[..., None].astype(np.float64))
+        keep = keep_of(dropout_seed, dropout_p, s.shape) if backward_keep else True
+        z = np.where(keep, 1 / (1 - dropout_p) if backward_rescale else 1, 0)
+        dout = dout.astype(np.float64)
+        dv = np.swapaxes(p * z, -1, -2) @ dout
+        ds = p * ((dout @ np.swapaxes(v, -1, -2)) * z - (dout * out).sum(-1, keepdims=True))
+        return tuple(g.astype(q.dtype) for g in (ds @ k * scale,
+                                                  np.swapaxes(ds, -1, -2) @ q * scale, dv))
+
+    return kernel, backward
+
+
+def _philox_per_row(seed, p, shape):
+    """The issue's trap: one NumPy Philox stream per row, started at counter=[row, 0, 0, 0]
+    (and one key per batch element): row i + 1's numbers are row i's, 4 on."""
+    batch, (n_q, n_k) = shape[:-2], shape[-2:]
+    rows = [np.random.Generator(np.random.Philox(key=[seed, b], counter=[r, 0, 0, 0])).random(n_k)
+            for b in range(int(np.prod(batch))) for r in range(n_q)]
+    return np.reshape(rows, shape) >= p
+
+
+def _counter(seed, p, shape):
+    b = bugs._batch_index(shape[:-2])
+    return bugs.counter_keep(seed, p, b, np.arange(shape[-2])[:, None],
+                             np.arange(shape[-1])[None, :])
+
+
+DROPOUT_MISTAKES = {
+    # name: (the kernel and backward, the check that fails, words of its diagnosis)
+    "correct": (_dense_dropout(_counter), None, None),
+    "one Philox stream per row": (_dense_dropout(_philox_per_row), "independent rows",
+                                  "row i + 1's keep mask is row i's shifted by 4 keys"),
+    "keeps with probability p": (_dense_dropout(lambda s, p, shape: ~_counter(s, p, shape)),
+                                 "keep rate", "keeps with probability p = 0.3, not 1 - p"),
+    "heads share a mask": (_dense_dropout(lambda s, p, shape: np.broadcast_to(
+        _counter(s, p, shape[-2:]), shape)), "independent batch", "the counter ignores the batch"),
+    "seed ignored": (_dense_dropout(lambda s, p, shape: _counter(7, p, shape)),
+                     "independent seed", "the mask does not follow dropout_seed"),
+    "renormalised": (_dense_dropout(_counter, renormalise=True), "keep values",
+                     "renormalised to sum to 1"),
+    "lse of the kept scores": (_dense_dropout(_counter, kept_lse=True), "lse error",
+                               "the lse is that of the kept scores only"),
+    "backward ignores dropout": (_dense_dropout(_counter, backward_keep=False,
+                                                backward_rescale=False),
+                                 "backward mask", "the backward ignores dropout"),
+    "backward omits 1/(1-p)": (_dense_dropout(_counter, backward_rescale=False), "backward mask",
+                               "the backward omits 1/(1 - p)"),
+}
+
+
+@pytest.mark.parametrize("mistake", DROPOUT_MISTAKES)
+def test_dropout_mistakes_are_named(mistake):
+    """Dense kernels with one dropout mistake each (the issue's overlapping Philox streams among
+    them): the dropout case fails the right check with the right diagnosis; the correct one,
+    with a mask of its own (not flash_lib's), passes."""
+    (kernel, backward), check, words = DROPOUT_MISTAKES[mistake]
+    report = flash_check.check_kernel(kernel, features=("lse", "dropout"), cases=["dropout"],
+                                      backward=backward)
+    if check is None:
+        assert report.ok, str(report)
+        assert "block sizes not checked (no block_q, block_k)" in report.results[0].note
+        return
+    failing = [f for f in report.failures if f.check == check]
+    assert failing and all(words in f.diagnosis for f in failing), str(report)
+
+
+SINK_MISTAKES = {
+    # name: (what the kernel does to the sinks before flash_lib sees them, case, words)
+    "scaled": (lambda sinks, kw: sinks / 4, "sinks", "the sink is multiplied by the scale"),
+    "softcapped": (lambda sinks, kw: 3 * np.tanh(sinks / 3) if "softcap" in kw else sinks,
+                   "sinks_softcap", "the sink is softcapped"),
+    "sign flipped": (lambda sinks, kw: -sinks, "sinks", "the sink's sign is flipped"),
+    "ignored": (lambda sinks, kw: None, "sinks", "the sinks are ignored"),
+}
+
+
+@pytest.mark.parametrize("mistake", SINK_MISTAKES)
+def test_sink_mistakes_are_named(mistake):
+    change, case, words = SINK_MISTAKES[mistake]
+
+    def kernel(q, k, v, *, sinks=None, **kwargs):
+        return flash_lib.flash_attention(q, k, v, sinks=change(np.asarray(sinks), kwargs),
+                                         return_lse=True, **kwargs)
+
+    report = flash_check.check_kernel(kernel, features=ALL + VARIANTS, cases=[case])
+    assert report.failed_cases() == [case], str(report)
+    assert all(words in f.diagnosis for f in report.failures if f.check == "out error"), (
+        diagnoses(report))
+
+
+def test_an_empty_rows_lse_that_is_not_the_sink_is_named():
+    """A kernel whose empty-row guard overrides the sink (lse -inf where no key is allowed)."""
+    def kernel(q, k, v, **kwargs):
+        out, lse = flash_lib.flash_attention(q, k, v, return_lse=True, **kwargs)
+        _, bare = flash_lib.flash_attention(q, k, v, return_lse=True,
+                                            **{**kwargs, "sinks": None})
+        return out, np.where(bare == -np.inf, -np.inf, lse)
+
+    report = flash_check.check_kernel(kernel, features=ALL + VARIANTS,
+                                      cases=["sinks_empty_rows", "sinks_causal"])
+    assert set(report.failed_cases()) == {"sinks_empty_rows", "sinks_causal"}, str(report)
+    assert {f.check for f in report.failures} == {"lse non-finite"}, str(report)
+    assert all("with a sink no row is empty" in f.diagnosis for f in report.failures)
+
+
+def test_backward_must_be_callable():
+    with pytest.raises(TypeError, match="backward must be callable or None"):
+        flash_check.check_kernel(flash_lib.flash_attention, backward="flash_lib.backward")
+
+
 # --- the command line -----------------------------------------------------------------------
 
 
@@ -391,7 +615,10 @@ def _cli(tmp_path, *args):
         "good = functools.partial(flash_lib.flash_attention, return_lse=True)\n"
         "def base2(q, k, v, **kw):\n"
         "    out, lse = flash_lib.flash_attention(q, k, v, **kw, return_lse=True)\n"
-        "    return out, lse * 1.4426950408889634\n")
+        "    return out, lse * 1.4426950408889634\n"
+        "def flipped(*args, **kw):\n"
+        "    *grads, dsinks = flash_lib.flash_attention_backward(*args, **kw)\n"
+        "    return (*grads, -dsinks)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
     return subprocess.run([sys.executable, "-m", "flash_check", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
@@ -407,6 +634,11 @@ def test_cli_passes_a_good_kernel_and_fails_a_bad_one(tmp_path):
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert "lse is in log base 2" in bad.stdout
     assert "empty_rows: needs feature 'mask'" in bad.stdout
+    grads = _cli(tmp_path, "kernels_under_test:good", "--features", "lse", "sinks",
+                 "--dtypes", "float64", "--cases", "sinks", "--backward",
+                 "kernels_under_test:flipped")
+    assert grads.returncode == 1, grads.stdout + grads.stderr
+    assert "dsinks has the wrong sign" in grads.stdout
 
 
 def test_cli_rejects_what_it_cannot_load(tmp_path):

@@ -757,3 +757,185 @@ def test_a_worker_killed_mid_backward_loses_nothing(own_client):
     _assert_grads_equal(got, flash_lib.flash_attention_backward(q, k, v, ref_out, ref_lse, dout,
                                                                 causal=True))
     del held
+
+
+# --------------------------------------------------------------------------------------------
+# Training features: dropout (the cluster's mask is flash_lib's, bit for bit) and sinks (merged
+# once per query shard)
+# --------------------------------------------------------------------------------------------
+
+DROPOUT = {"dropout_p": 0.25, "dropout_seed": 2**40 + 2027}  # both 32-bit halves of the key used
+
+#: CASES on which dropout and sinks are run: causal (its cut shards), masks, Nq != Nk, broadcast
+#: batch dims, and a mask wider than q, k, v's batch.
+TRAINING_CASES = ["causal, Nq = Nk, uneven shards", "causal, Nq < Nk, uneven shards",
+                  "causal, Nq > Nk: top rows see no key", "masked, NumPy mask",
+                  "masked and causal, Dask mask", "broadcast batch dims, dv != d, scale",
+                  "batched mask over broadcast heads"]
+
+
+def _sinks_for(batch, rng):
+    """One sink per head (the last batch axis; a scalar without one), from -1 to 4."""
+    return rng.uniform(-1, 4, batch[-1:]) if batch else np.array(rng.uniform(-1, 4))
+
+
+def _training_inputs(case):
+    q, k, v, dout, q_chunks, k_chunks, kwargs, np_kwargs = _grad_inputs(case)
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
+                                np_kwargs["mask"].shape[:-2] if "mask" in np_kwargs else ())
+    sinks = _sinks_for(batch, np.random.default_rng(len(case) + 1))
+    return q, k, v, dout, q_chunks, k_chunks, kwargs, np_kwargs, sinks
+
+
+@pytest.mark.parametrize("features", ["dropout", "sinks", "dropout and sinks"])
+@pytest.mark.parametrize("case", TRAINING_CASES, ids=TRAINING_CASES)
+def test_dropout_and_sinks_equal_flash_lib_on_the_cluster(client, case, features):
+    """Forward and backward on the cluster against flash_lib on one machine with the same
+    keywords: with dropout the keep mask is the same bit for bit (else the outputs would differ
+    by O(1), not by rounding); with sinks the sink counts once (merged in every pair it would
+    count once per key shard), and dsinks is summed over the query shards. The pair tasks are
+    those of the same call without these keywords."""
+    q, k, v, dout, q_chunks, k_chunks, kwargs, np_kwargs, sinks = _training_inputs(case)
+    extra = {**(DROPOUT if "dropout" in features else {}),
+             **({"sinks": sinks} if "sinks" in features else {})}
+    qd, kd, vd = _chunked(q, q_chunks), _chunked(k, k_chunks), _chunked(v, k_chunks)
+    out, lse = flash_dask.dask_attention(qd, kd, vd, return_lse=True, **kwargs, **extra)
+    grads = flash_dask.dask_attention_backward(qd, kd, vd, out, lse, _chunked(dout, q_chunks),
+                                               **kwargs, **extra)
+    assert len(grads) == (4 if "sinks" in extra else 3)
+    plain = flash_dask.dask_attention(qd, kd, vd, **kwargs)
+    assert flash_dask.attention_task_count(out) == flash_dask.attention_task_count(plain)
+    assert flash_dask.backward_task_count(grads[0]) == flash_dask.attention_task_count(plain)
+    got_out, got_lse, *got = client.compute([out, lse, *grads], sync=True)
+    ref_out, ref_lse = flash_lib.flash_attention(q, k, v, return_lse=True, **np_kwargs, **extra)
+    _assert_equals_flash(got_out, got_lse, ref_out, ref_lse)
+    ref = flash_lib.flash_attention_backward(q, k, v, ref_out, ref_lse, dout, **np_kwargs, **extra)
+    _assert_grads_equal(got[:3], ref[:3])
+    if "sinks" in extra:
+        dsinks, ref_dsinks = got[3], ref[3]
+        assert dsinks.shape == sinks.shape and dsinks.dtype == ref_dsinks.dtype
+        assert np.abs(dsinks - ref_dsinks).max() <= 1e-12 * np.abs(ref_dsinks).max()
+
+
+def test_the_clusters_keep_mask_is_dropout_keeps(client):
+    """Read off the output (q = 0: uniform weights 1/Nk; v = identity: out[..., i, j] =
+    Z_ij / (Nk (1 - p))), on uneven shards with causal (shards cut at the diagonal, their bottom
+    rows at an offset of their own): exactly flash_lib.dropout_keep's mask where causal allows."""
+    n_q, n_k, p = 150, 200, DROPOUT["dropout_p"]
+    q = np.zeros((2, 3, n_q, 4))
+    k = np.random.default_rng(0).standard_normal((2, 3, n_k, 4))
+    v = np.broadcast_to(np.eye(n_k), (2, 3, n_k, n_k))
+    q_chunks, k_chunks = (40, 70, 40), (30, 90, 80)
+    out, lse = flash_dask.dask_attention(_chunked(q, q_chunks), _chunked(k, k_chunks),
+                                         _chunked(np.ascontiguousarray(v), k_chunks),
+                                         causal=True, return_lse=True, **DROPOUT)
+    got, got_lse = client.compute([out, lse], sync=True)
+    allowed = causal_mask(n_q, n_k)
+    seen = allowed.sum(axis=-1)[:, None]  # keys each row may see: P = 1 / seen
+    keep = got * seen * (1 - p)
+    assert np.all((np.abs(keep - 1) < 1e-9) | (keep == 0))
+    expected = flash_lib.dropout_keep(DROPOUT["dropout_seed"], p, (2, 3, n_q, n_k)) & allowed
+    np.testing.assert_array_equal(keep > 0.5, expected)
+    np.testing.assert_allclose(got_lse, np.broadcast_to(np.log(seen[:, 0]), got_lse.shape),
+                               rtol=0, atol=1e-13)  # the undropped lse
+
+
+def test_the_sink_is_merged_once_per_query_shard_never_in_a_pair():
+    """The pair tasks' partials are attention without the sink (their lse holds no exp(sink)),
+    and the result is flash_lib's: a sink merged in every pair would count once per key shard
+    (here 4), and one merged nowhere not at all; both are far from 1e-12."""
+    rng = np.random.default_rng(21)
+    q, k, v = _inputs(rng, (2,), (2,), (2,), 60, 200, 8, 8)
+    sinks = np.array([1.0, 3.0])
+    qd, kd, vd = _chunked(q, 30), _chunked(k, 50), _chunked(v, 50)
+    out, lse = flash_dask.dask_attention(qd, kd, vd, sinks=sinks, return_lse=True)
+    graph = dict(out.__dask_graph__())
+    pair = next(key for key in _pair_keys(graph) if key[1:] == (1, 2))  # rows 30:60, keys 100:150
+    _, pair_lse = dask.get(graph, pair)
+    _, bare_lse = flash_lib.flash_attention(q[:, 30:60], k[:, 100:150], v[:, 100:150],
+                                            return_lse=True)
+    np.testing.assert_allclose(pair_lse, bare_lse, rtol=0, atol=1e-13)
+    sink_tasks = [key for key in graph if str(key[0]).startswith("flash-attention-sink-")]
+    assert len(sink_tasks) == 2  # one per query shard
+    got_out, got_lse = dask.compute(out, lse, scheduler="sync")
+    _assert_equals_flash(got_out, got_lse,
+                         *flash_lib.flash_attention(q, k, v, sinks=sinks, return_lse=True))
+
+
+@settings(max_examples=100)
+@given(_sharded_cases())
+def test_dropout_and_sinks_any_shards_any_alignment(case):
+    """Every way of cutting small sequences into shards, causal or not, masked or not, with
+    dropout and a sink: forward and backward equal flash_lib's (so every pair task, cut or not,
+    regenerates its elements' keep bits at their global positions, and the sink counts once)."""
+    n_q, n_k, q_chunks, k_chunks, causal, density, split_every, seed = case
+    rng = np.random.default_rng(seed)
+    q, k, v = _inputs(rng, (2,), (2,), (2,), n_q, n_k, 4, 3)
+    mask = None if density is None else rng.random((n_q, n_k)) < density
+    kwargs = dict(mask=mask, causal=causal, sinks=np.array([0.5, -1.0]), dropout_p=0.4,
+                  dropout_seed=seed)
+    qd, kd, vd = _chunked(q, q_chunks), _chunked(k, k_chunks), _chunked(v, k_chunks)
+    out, lse = flash_dask.dask_attention(qd, kd, vd, return_lse=True, split_every=split_every,
+                                         **kwargs)
+    got_out, got_lse = dask.compute(out, lse, scheduler="sync")
+    ref_out, ref_lse = flash_lib.flash_attention(q, k, v, return_lse=True, **kwargs)
+    _assert_equals_flash(got_out, got_lse, ref_out, ref_lse)
+    dout = rng.standard_normal(ref_out.shape)
+    got = dask.compute(*flash_dask.dask_attention_backward(qd, kd, vd, ref_out, ref_lse, dout,
+                                                           split_every=split_every, **kwargs),
+                       scheduler="sync")
+    ref = flash_lib.flash_attention_backward(q, k, v, ref_out, ref_lse, dout, **kwargs)
+    for name, g, r in zip(("dq", "dk", "dv", "dsinks"), got, ref):
+        assert g.shape == r.shape, name
+        assert np.abs(g - r).max(initial=0) <= 1e-12 * np.abs(r).max(initial=1.0), name
+
+
+def test_dropout_off_is_the_graph_without_it():
+    """dropout_p = 0 (no seed needed) runs no generator: the very graph of a call without it."""
+    q, k, v = _qkv()
+    assert (flash_dask.dask_attention(q, k, v, dropout_p=0.0).name
+            == flash_dask.dask_attention(q, k, v).name)
+
+
+def test_dropout_and_sinks_errors_come_from_flash_lib():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="dropout_p"):
+        flash_dask.dask_attention(q, k, v, dropout_p=1.0, dropout_seed=0)
+    with pytest.raises(ValueError, match="dropout_seed"):
+        flash_dask.dask_attention(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match="sinks"):
+        flash_dask.dask_attention(q, k, v, sinks=np.array(np.inf))
+    with pytest.raises(ValueError, match="sinks"):
+        flash_dask.dask_attention(q, k, v, sinks=np.zeros(3))  # no head axis to broadcast to
+    out, lse = da.zeros((100, 8), chunks=(50, 8)), da.zeros((100,), chunks=(50,))
+    with pytest.raises(ValueError, match="dropout_seed"):
+        flash_dask.dask_attention_backward(q, k, v, out, lse, out, dropout_p=0.5,
+                                           dropout_seed=-1)
+    with pytest.raises(ValueError, match="sinks"):
+        flash_dask.dask_attention_backward(q, k, v, out, lse, out, sinks=np.array(np.nan))
+
+
+def test_dropout_and_sinks_in_float16():
+    """16-bit inputs with dropout and a sink: computed in float32 and rounded once, as one
+    flash_lib call (so at most one rounding apart, in few elements); dsinks in float32."""
+    rng = np.random.default_rng(13)
+    q, k, v = _inputs(rng, (2,), (2,), (2,), 100, 130, 8, 8, np.float16)
+    kwargs = dict(causal=True, sinks=np.array([1.0, 2.0]), **DROPOUT)
+    qd, kd, vd = _chunked(q, 30), _chunked(k, 40), _chunked(v, 40)
+    out, lse = flash_dask.dask_attention(qd, kd, vd, return_lse=True, **kwargs)
+    got, got_lse = dask.compute(out, lse, scheduler="sync")
+    ref, ref_lse = flash_lib.flash_attention(q, k, v, return_lse=True, **kwargs)
+    eps = float(np.finfo(np.float16).eps)
+    assert got.dtype == np.float16 and got_lse.dtype == np.float32
+    g, r = got.astype(np.float64), ref.astype(np.float64)
+    assert np.all(np.abs(g - r) <= eps * np.abs(r)) and np.mean(g != r) <= 0.02
+    assert np.abs(got_lse - ref_lse).max() <= 1e-5 * (1 + np.abs(ref_lse).max())
+    dout = rng.standard_normal(ref.shape).astype(np.float16)
+    grads = dask.compute(*flash_dask.dask_attention_backward(qd, kd, vd, ref, ref_lse, dout,
+                                                             **kwargs), scheduler="sync")
+    refs = flash_lib.flash_attention_backward(q, k, v, ref, ref_lse, dout, **kwargs)
+    for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, refs):
+        assert g.dtype == r.dtype == (np.float32 if name == "dsinks" else np.float16), name
+        g, r = g.astype(np.float64), r.astype(np.float64)
+        tol = 1e-5 if name == "dsinks" else eps  # float32 sums, then one float16 rounding
+        assert np.abs(g - r).max() <= tol * np.abs(r).max(), name

@@ -1,0 +1,505 @@
+"""The training features' cases: attention sinks (feature ``"sinks"``) and dropout
+(``"dropout"``), each skipped unless the feature is listed; and the gradient checks they run when
+:func:`flash_check.check_kernel` is given the kernel's ``backward=``.
+
+Registered by ``cases.py`` on import. The conventions are flash_lib's (issue 24), FlashAttention's
+and gpt-oss's:
+
+* ``sinks=``: one logit per head, broadcastable to the result's batch dims (``(H,)`` or
+  ``(B, H)``), neither scaled nor softcapped: ``lse_i = log(exp(sink) + Σ_j exp(s_ij))``,
+  ``P_ij = exp(s_ij - lse_i)``, ``out = P·V``. A row with no allowed key gives ``out = 0`` and
+  ``lse = sink`` (no row is empty). The sinks cases are ordinary accuracy cases (the truth is
+  ``flash_lib.precise_attention(..., sinks=)``); the first two also check the gradients,
+  ``dsinks`` included (``dsinks_h = -Σ_i exp(sink_h - lse_i)·D_i``, summed over the axes the
+  sinks were broadcast along), when a backward is given.
+* ``dropout_p=, dropout_seed=``: ``out = (P∘Z/(1 - p))·V`` with ``P`` the undropped softmax and
+  ``Z`` a keep mask, Bernoulli(1 - p) per element (b, i, j); the lse is the undropped one. A
+  kernel's random numbers are its own, so the dropout case reads the kernel's mask off its output
+  and holds it to what dropout must be, never to flash_lib's Philox stream: on ``q = 0`` (uniform
+  ``P = 1/Nk``) and ``v`` = the identity, ``out[i, j] = Z_ij / (Nk·(1 - p))``. Then:
+
+  - the keep rate is within ``1 - p ± 5σ``, ``σ = sqrt(p(1 - p)/n)`` over the ``n`` pairs
+    (binomial; a correct generator falls outside with probability 6e-7);
+  - masks that must be independent agree as often as independent masks do, ``a = p² + (1 - p)²``
+    ± 5σ: row ``i + 1`` against row ``i`` shifted by -8 ... 8 keys (the trap of one stream per
+    row started at ``counter=[row, 0, 0, 0]``), neighbouring keys, neighbouring batch elements,
+    seeds ``s`` and ``s + 1``. Comparisons within one array share elements (each indicator
+    ``[x == y]`` shares one with at most two others), so σ² here is ``(a(1 - a) + 2|c|)/n``, ``c =
+    p³ + (1 - p)³ - a²`` the covariance of two indicators that share an element;
+  - the same seed gives the same mask twice, and, for a kernel that takes ``block_q`` and
+    ``block_k``, at other block sizes (a mask drawn tile by tile from a stateful generator
+    changes with the tiles);
+  - on random inputs of the same shapes and seed, ``out`` is within the usual bound of ``(P∘Z/(1 -
+    p))·V`` built in extended precision with that mask (and ``naive`` with it in the kernel's
+    dtype), the lse within its bound of the undropped lse;
+  - with a backward: the mask read off ``dV`` (``q = 0``, ``dout`` = the identity: ``dV[j, i] =
+    Z_ij / (Nk·(1 - p))``) is the forward's, pair for pair, and ``dq``, ``dk``, ``dv`` on the
+    random inputs are within their bound of the dense backward with that mask, which is the
+    gradient of the forward just checked: the gradient is consistent with the forward under
+    the same seed.
+
+The gradient bound is the output's rule applied to each gradient as a whole: ``max|g - t| /
+max|t| <= FACTOR · naive's + GRAD_FLOOR[dtype]`` (a row of ``dk`` can be a few ulps by
+cancellation, so it is not measured row by row).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+import zlib
+
+import numpy as np
+
+import flash_lib
+from flash_check import (FACTOR, LSE_FLOOR, OUT_FLOOR, Case, Inputs, Result, _accuracy, _call,
+                         _lse_error, _max_error, _reference, _split, random_qkv, register_case)
+from flash_check import diagnose
+
+#: The floor of a gradient's error (max |g - t| / max |t|), in eps of the dtype: a backward sums
+#: dS·K over key blocks and dSᵀ·Q over query blocks in another order than the dense product.
+#: Measured need, max(error - FACTOR · naive's), over flash_lib at 512 x 512 and 16 x 16 tiles
+#: and the bug zoo's backward, on the sinks and dropout cases (AVX-512 machine, OpenBLAS
+#: SkylakeX): 1.1 eps (float32's dsinks) and below 0.5 eps everywhere else; float16: 0.4 eps
+#: (dsinks, whose D = rowsum(dO∘O) uses the float16 out the kernel returned).
+GRAD_FLOOR = {"float64": 8 * float(np.finfo(np.float64).eps),
+              "float32": 8 * float(np.finfo(np.float32).eps),
+              "float16": 2 * float(np.finfo(np.float16).eps)}
+#: The dropout case: p, the batch dims and sizes of its arrays, the block sizes it tries.
+DROPOUT_P = 0.3
+DROPOUT_SHAPE = ((2, 2), 96, 160)
+DROPOUT_BLOCKS = ((16, 16), (40, 24))
+#: Masks are compared at 5 standard deviations (two-sided: 5.7e-7 for one comparison).
+SIGMAS = 5.0
+#: Shifts (in keys) at which row i + 1's mask is compared with row i's.
+ROW_SHIFTS = range(-8, 9)
+
+
+# --------------------------------------------------------------------------------------------
+# Sinks
+# --------------------------------------------------------------------------------------------
+
+
+def _sinks(rng, dtype):
+    # Sinks of -1 ... 6 against ~70 keys of scores ~N(0, 1/4): the sink takes 0.5% to 85% of a row
+    q, k, v = random_qkv(rng, 40, 70, dtype=dtype, batch=(2, 4))
+    return Inputs(q, k, v, {"sinks": np.array([-1.0, 2.0, 4.0, 6.0])})
+
+
+def _sinks_empty_rows(rng, dtype):
+    q, k, v = random_qkv(rng, 30, 50, dtype=dtype, batch=(2, 3))
+    mask = rng.random((2, 3, 30, 50)) < 0.6
+    mask[:, :, [0, 7, 29]] = False  # rows with no allowed key: out 0, lse = sink
+    sinks = np.array([[-3.0, 0.5, 2.0], [1.0, 5.0, -0.5]])  # (B, H)
+    return Inputs(q, k, v, {"mask": mask, "sinks": sinks})
+
+
+def _sinks_causal(rng, dtype):
+    q, k, v = random_qkv(rng, 80, 50, dtype=dtype, batch=(2,))  # Nq > Nk: 30 rows see no key
+    return Inputs(q, k, v, {"causal": True, "sinks": np.array([1.5, 3.0])})
+
+
+def _sinks_softcap(rng, dtype):
+    q, k, v = random_qkv(rng, 48, 64, batch=(2,))
+    q = (4 * q).astype(dtype)  # scaled scores of spread ~4, capped at 3; sinks above the cap
+    return Inputs(q, k.astype(dtype), v.astype(dtype), {"softcap": 3.0,
+                                                        "sinks": np.array([4.0, 5.0])})
+
+
+_SINKS_HINT = ("wrong with sinks: lse_i = log(exp(sink) + Σ_j exp(s_ij)), the sink unscaled and "
+               "uncapped; start each row at m = sink, l = 1, acc = 0")
+
+
+def _with_gradients(ctx):
+    """The accuracy check, then the gradients' when the kernel's backward is given."""
+    result = _accuracy(ctx)
+    if ctx.backward is None or "lse" not in ctx.features:
+        result.note = ("gradients not checked: " + ("no backward= given" if ctx.backward is None
+                                                    else "the backward needs the lse feature"))
+    elif result.ok:
+        _sinks_gradients(ctx, result)
+    return result
+
+
+def _sinks_gradients(ctx, result):
+    ref = _reference(ctx.case, ctx.dtype, ctx.seed)
+    inputs = ref.inputs
+    rng = np.random.default_rng([ctx.seed, zlib.crc32(ctx.case.name.encode()), 1])
+    dout = rng.standard_normal(ref.out.shape).astype(inputs.q.dtype)
+    returned, _ = _call(ctx.fn, inputs.q.copy(), inputs.k.copy(), inputs.v.copy(),
+                        dict(inputs.kwargs))
+    out, lse, problem = _split(returned, True)
+    if problem is not None:
+        return
+    truth = flash_lib.precise_attention_backward(inputs.q, inputs.k, inputs.v, dout,
+                                                 **inputs.kwargs)
+    naive = flash_lib.naive_attention_backward(inputs.q, inputs.k, inputs.v, dout,
+                                               **inputs.kwargs)
+    grads = _backward(ctx, result, (inputs.q, inputs.k, inputs.v, out, lse, dout),
+                      dict(inputs.kwargs), 4)
+    if grads is not None:
+        _check_gradients(ctx, result, grads, truth, naive, ("dq", "dk", "dv", "dsinks"),
+                         dropout=False, sinks=True)
+        result.note = "gradients checked, dsinks included"
+
+
+for _case in [
+    Case("sinks", "attention sinks, one logit per head (-1 ... 6) broadcast over the batch, "
+         "Nq = 40 < Nk = 70; with backward=, the gradients and dsinks", _sinks,
+         needs=("sinks",), hint=_SINKS_HINT, run=_with_gradients),
+    Case("sinks_empty_rows", "sinks of shape (B, H) with a mask leaving rows with no key: there "
+         "out = 0 and lse = sink; with backward=, the gradients", _sinks_empty_rows,
+         needs=("sinks", "mask"), hint=_SINKS_HINT, run=_with_gradients),
+    Case("sinks_causal", "sinks with causal, Nq = 80 > Nk = 50: the first 30 rows see only the "
+         "sink", _sinks_causal, needs=("sinks", "causal"), hint=_SINKS_HINT),
+    Case("sinks_softcap", "sinks (4, 5) above a softcap of 3: the cap applies to the scores, not "
+         "to the sink", _sinks_softcap, needs=("sinks", "softcap"), hint=_SINKS_HINT),
+]:
+    register_case(_case)
+
+
+# --------------------------------------------------------------------------------------------
+# The gradients
+# --------------------------------------------------------------------------------------------
+
+
+def _backward(ctx, result, args, kwargs, n_grads):
+    """The kernel's backward on ``args`` (q, k, v, out, lse, dout), or None after a failure."""
+    try:
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            returned = ctx.backward(*(np.array(x, copy=True) for x in args), **kwargs)
+    except Exception as exc:
+        ctx.fail(result, "backward raised", f"{type(exc).__name__}: "
+                 f"{' '.join(str(exc).split())[:160]}", "no exception",
+                 f"the backward raised on this case ({', '.join(kwargs) or 'no keyword'})")
+        return None
+    if not isinstance(returned, (tuple, list)) or len(returned) != n_grads:
+        what = "(dq, dk, dv, dsinks)" if n_grads == 4 else "(dq, dk, dv)"
+        ctx.fail(result, "backward shape", f"returned {type(returned).__name__} of "
+                 f"{len(returned) if isinstance(returned, (tuple, list)) else 1}",
+                 what, f"the backward must return {what}" + (
+                     " with sinks= (flash_lib's flash_attention_backward)" if n_grads == 4
+                     else ""))
+        return None
+    return [np.asarray(g) for g in returned]
+
+
+def _global_error(g, t):
+    """max |g - t| / max |t| (0 when both are 0), in the wider dtype; inf if not finite."""
+    wide = np.result_type(g, t, np.float64)
+    g, t = np.asarray(g, wide), np.asarray(t, wide)
+    if g.size == 0:
+        return 0.0
+    if not np.isfinite(g).all():
+        return math.inf
+    scale = np.abs(t).max()
+    diff = np.abs(g - t).max()
+    return float(diff / scale) if scale > 0 else (0.0 if diff == 0 else math.inf)
+
+
+def _check_gradients(ctx, result, grads, truth, naive, names, *, dropout, sinks):
+    """Each gradient's shape, then its error against FACTOR · naive's + GRAD_FLOOR."""
+    for name, g, t, n in zip(names, grads, truth, naive):
+        if g.shape != np.shape(t):
+            extra = (" (dsinks has the sinks' shape: summed over every axis they were broadcast "
+                     "along)" if name == "dsinks" else " (the input's: a broadcast input gets the "
+                     "gradient summed over the axes it was broadcast along)")
+            ctx.fail(result, f"{name} shape", f"{g.shape}", f"{np.shape(t)}",
+                     f"{name} has shape {g.shape}, expected {np.shape(t)}{extra}")
+            continue
+        err, naive_err = _global_error(g, t), _global_error(n, t)
+        bound = FACTOR * naive_err + GRAD_FLOOR[ctx.dtype]
+        if err > bound:
+            flipped = _global_error(-g.astype(np.float64), t) <= bound
+            ctx.fail(result, f"{name} error", f"{err:.2g}", f"{FACTOR:g} x naive's "
+                     f"{naive_err:.2g} + {GRAD_FLOOR[ctx.dtype]:.2g} = {bound:.2g}",
+                     diagnose.explain(diagnose.GRADIENT, ctx, name=name, flipped=flipped,
+                                      dropout=dropout, sinks=sinks, hint=ctx.case.hint))
+
+
+# --------------------------------------------------------------------------------------------
+# Dropout
+# --------------------------------------------------------------------------------------------
+
+
+def _dense(q, k, v, keep, p, scale, dtype, dout=None):
+    """Dropout attention written out in ``dtype`` (longdouble: the truth): ``(out, lse)``, or the
+    gradients ``(dq, dk, dv)`` of ``sum(dout * out)``, for the mask ``keep`` (rescale 1/(1-p))."""
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    s = q @ np.swapaxes(k, -1, -2) * dtype(scale)
+    m = s.max(axis=-1, keepdims=True)
+    e = np.exp(s - m)
+    l = e.sum(axis=-1, keepdims=True)
+    prob = e / l
+    z = np.where(keep, dtype(1) / (dtype(1) - dtype(p)), dtype(0))
+    out = (prob * z) @ v
+    if dout is None:
+        return out, (m + np.log(l))[..., 0]
+    dout = dout.astype(dtype)
+    dv = np.swapaxes(prob * z, -1, -2) @ dout
+    dp = (dout @ np.swapaxes(v, -1, -2)) * z
+    ds = prob * (dp - (dout * out).sum(axis=-1, keepdims=True))
+    return ds @ k * dtype(scale), np.swapaxes(ds, -1, -2) @ q * dtype(scale), dv
+
+
+def _compute(dtype):
+    return np.float32 if dtype in (np.float16,) or dtype.name == "bfloat16" else dtype.type
+
+
+class _Stop(Exception):
+    """A failure recorded; the rest of the dropout case cannot run."""
+
+
+class _Dropout:
+    """The dropout case's probes of one kernel: the masks read off its output."""
+
+    def __init__(self, ctx, result):
+        self.ctx, self.result = ctx, result
+        self.dtype = np.dtype(ctx.dtype)
+        self.batch, self.n_q, self.n_k = DROPOUT_SHAPE
+        self.p = DROPOUT_P
+        # a seed with both 32-bit halves nonzero (Philox's two key words), below 2**63
+        self.seed = (0x9E3779B97F4A7C15 * (ctx.seed + 1)) % 2**63
+        self.rng = np.random.default_rng([ctx.seed, zlib.crc32(b"dropout")])
+        self.want_lse = "lse" in ctx.features
+        self.tol = 1e-2  # of out·Nk·(1 - p), 0 or 1: float16's rounding is 5e-4
+
+    def keywords(self, seed=None, **extra):
+        return {"dropout_p": self.p, "dropout_seed": self.seed if seed is None else seed,
+                **extra}
+
+    def call(self, q, k, v, kwargs, what):
+        try:
+            returned, _ = _call(self.ctx.fn, q, k, v, kwargs)
+        except Exception as exc:
+            self.ctx.fail(self.result, "raised", f"{type(exc).__name__}: "
+                          f"{' '.join(str(exc).split())[:160]}", "no exception",
+                          f"the kernel raised on {what} ({', '.join(f'{key}=' for key in kwargs)});"
+                          f" if it has no dropout, leave the feature out")
+            raise _Stop from None
+        out, lse, problem = _split(returned, self.want_lse)
+        if problem is None and out.shape != q.shape[:-1] + (v.shape[-1],):
+            problem = f"out has shape {out.shape}, expected {q.shape[:-1] + (v.shape[-1],)}"
+        if problem is not None:
+            self.ctx.fail(self.result, "shape", problem, "as documented", problem)
+            raise _Stop
+        return out, lse
+
+    def probe_inputs(self, dv=None):
+        shape = self.batch
+        q = np.zeros(shape + (self.n_q, 16), self.dtype)
+        k = self.rng.standard_normal(shape + (self.n_k, 16)).astype(self.dtype)
+        if dv is None:  # v = identity: out[i, j] = P_ij Z_ij / (1 - p)
+            v = np.broadcast_to(np.eye(self.n_k, dtype=self.dtype), shape + (self.n_k,) * 2)
+        else:
+            v = self.rng.standard_normal(shape + (self.n_k, dv)).astype(self.dtype)
+        return q, k, np.ascontiguousarray(v)
+
+    def keep(self, check, **kwargs):
+        """The keep mask of one call on q = 0 and v = identity (fails the case if it is none)."""
+        q, k, v = self.probe_inputs()
+        out, _ = self.call(q, k, v, self.keywords(**kwargs), "the dropout probe (q = 0, v = I)")
+        ratio = out.astype(np.float64) * self.n_k * (1 - self.p)
+        return self.read(ratio, out.astype(np.float64).sum(axis=-1), check,
+                         diagnose.DROPOUT_VALUES, "keep values")
+
+    def read(self, ratio, row_sums, check, table, name):
+        kept, dropped = np.abs(ratio - 1) <= self.tol, np.abs(ratio) <= self.tol
+        if not (kept | dropped).all():
+            odd = ratio[~(kept | dropped)]
+            values = ", ".join(f"{x:.4g}" for x in np.unique(np.round(odd, 4))[:4])
+            self.ctx.fail(self.result, name, f"{odd.size} of {ratio.size} entries neither 0 "
+                          f"nor 1 ({values}{'...' if odd.size > 4 else ''})", "0 or 1",
+                          diagnose.explain(table, self.ctx, ratio=ratio, p=self.p,
+                                           tol=self.tol, row_sums=row_sums, values=values,
+                                           differ=0, total=ratio.size))
+            raise _Stop
+        return kept
+
+    def agreement(self, what, a, b, shared, shift=0):
+        """How masks a and b (equal shapes) agree, against independent masks: a dict of the
+        facts, with ``z`` the deviation in units of the 5σ half-width (above 1: a failure);
+        ``shared``: the indicators share elements (compared within one array)."""
+        p, n = self.p, a.size
+        agree = float(np.mean(a == b)) if n else 0.0
+        expected = p * p + (1 - p) ** 2
+        var = expected * (1 - expected)
+        if shared:
+            var += 2 * abs(p ** 3 + (1 - p) ** 3 - expected ** 2)
+        half = SIGMAS * math.sqrt(var / max(n, 1))
+        return {"what": what, "shift": shift, "agree": agree, "expected": expected,
+                "half": half, "z": abs(agree - expected) / half if n else 0.0}
+
+    def independent(self, comparisons):
+        """Fail on the comparisons whose masks are copies (agreement 1), else on the most
+        significant one beyond 5σ: one finding, the most telling (a copied stream makes every
+        other comparison over the same elements noisier than independent masks would be)."""
+        copies = [c for c in comparisons if c["agree"] == 1.0]
+        worst = max(comparisons, key=lambda c: c["z"])
+        for c in copies or ([worst] if worst["z"] > 1 else []):
+            self.ctx.fail(self.result, f"independent {c['what']}", f"agreement {c['agree']:.3f}",
+                          f"{c['expected']:.3f} ± {c['half']:.3f}",
+                          diagnose.explain(diagnose.DROPOUT_CORRELATED, self.ctx, **c))
+
+    def same(self, keep, other, blocks):
+        differ = int((keep != other).sum())
+        if differ:
+            self.ctx.fail(self.result, "same mask", f"{differ} of {keep.size} pairs differ",
+                          "the same kept pairs",
+                          diagnose.explain(diagnose.DROPOUT_UNSTABLE, self.ctx, blocks=blocks,
+                                           differ=differ, total=keep.size))
+
+
+def _takes_blocks(fn):
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "block_q" in parameters and "block_k" in parameters
+
+
+def _dropout(ctx):
+    result = Result(ctx.case.name, ctx.dtype)
+    probe = _Dropout(ctx, result)
+    try:
+        _dropout_checks(ctx, result, probe)
+    except _Stop:
+        pass
+    return result
+
+
+def _dropout_checks(ctx, result, probe):
+    p = probe.p
+    keep = probe.keep("keep values")
+    notes = []
+    # The keep rate: binomial, n pairs
+    n = keep.size
+    rate = float(keep.mean())
+    half = SIGMAS * math.sqrt(p * (1 - p) / n)
+    notes.append(f"keep rate {rate:.4f}, 1 - p = {1 - p:g} ± {half:.4f}")
+    if abs(rate - (1 - p)) > half:
+        ctx.fail(result, "keep rate", f"{rate:.4f} over {n} pairs", f"{1 - p:g} ± {half:.4f} "
+                 f"(5σ)", diagnose.explain(diagnose.DROPOUT_RATE, ctx, rate=rate, p=p,
+                                           half=half))
+    # Independence: rows against shifted rows and keys (in the first batch element: the others
+    # may be its copies, reported as such), batch elements, seeds
+    n_k = probe.n_k
+    flat = keep.reshape((-1,) + keep.shape[-2:])
+    first = flat[0]
+    comparisons = [probe.agreement("rows", first[1:, max(0, -shift):n_k - max(0, shift)],
+                                   first[:-1, max(0, shift):n_k - max(0, -shift)], shared=True,
+                                   shift=shift) for shift in ROW_SHIFTS]
+    comparisons += [probe.agreement("keys", first[:, 1:], first[:, :-1], shared=True),
+                    probe.agreement("batch", flat[1:], flat[:-1], shared=True),
+                    probe.agreement("seed", keep, probe.keep("keep values", seed=probe.seed + 1),
+                                    shared=False)]
+    probe.independent(comparisons)
+    # The same mask again, and at other block sizes
+    probe.same(keep, probe.keep("keep values"), None)
+    if _takes_blocks(ctx.fn):
+        for block_q, block_k in DROPOUT_BLOCKS:
+            probe.same(keep, probe.keep("keep values", block_q=block_q, block_k=block_k),
+                       (block_q, block_k))
+        notes.append(f"block sizes {', '.join(f'{a}x{b}' for a, b in DROPOUT_BLOCKS)}")
+    else:
+        notes.append("block sizes not checked (no block_q, block_k)")
+    if not result.ok:
+        result.note = "; ".join(notes)
+        return
+
+    # Accuracy on random inputs, against (P∘Z/(1-p))·V with the mask just read
+    q, k, v = random_qkv(probe.rng, probe.n_q, n_k, dtype=probe.dtype, batch=probe.batch)
+    kwargs = probe.keywords()
+    out, lse = probe.call(q.copy(), k.copy(), v.copy(), kwargs, "random inputs")
+    scale = 1 / math.sqrt(q.shape[-1])
+    compute = _compute(probe.dtype)
+    truth, truth_lse = _dense(q, k, v, keep, p, scale, np.longdouble)
+    naive, naive_lse = _dense(q, k, v, keep, p, scale, compute)
+    naive = naive.astype(probe.dtype)
+    err, naive_err = _max_error(out, truth), _max_error(naive, truth)
+    bound = FACTOR * naive_err + OUT_FLOOR[ctx.dtype]
+    result.out_error, result.out_naive, result.out_bound = err, naive_err, bound
+    if err > bound:
+        alternatives = {
+            "no rescale": truth * (1 - p),
+            "renormalised": _renormalised(q, k, v, keep, scale),
+            "undropped": _dense(q, k, v, np.ones_like(keep), 0.0, scale, np.longdouble)[0]}
+        closest = next((name for name, alt in alternatives.items()
+                        if _max_error(out, alt) <= 0.01 * err), None)
+        ctx.fail(result, "out error", f"{err:.2g}", f"{FACTOR:g} x naive's {naive_err:.2g} + "
+                 f"{OUT_FLOOR[ctx.dtype]:.2g} = {bound:.2g}",
+                 diagnose.explain(diagnose.DROPOUT_OUT, ctx, closest=closest))
+    if lse is not None:
+        err = _lse_error(lse, truth_lse)
+        naive_err = _lse_error(naive_lse.astype(lse.dtype), truth_lse)
+        bound = FACTOR * naive_err + LSE_FLOOR[ctx.dtype]
+        result.lse_error, result.lse_naive, result.lse_bound = err, naive_err, bound
+        if err > bound:
+            s = q.astype(np.longdouble) @ np.swapaxes(k, -1, -2).astype(np.longdouble) * scale
+            kept_lse = np.log(np.where(keep, np.exp(s), 0).sum(axis=-1))
+            closest = "kept only" if _lse_error(lse, kept_lse) <= 0.01 * err else None
+            ctx.fail(result, "lse error", f"{err:.2g}", f"{bound:.2g}",
+                     diagnose.explain(diagnose.DROPOUT_LSE, ctx, closest=closest))
+    if ctx.backward is None or lse is None:
+        notes.append("gradients not checked" + (": no backward= given" if ctx.backward is None
+                                                else ": needs the lse feature"))
+        result.note = "; ".join(notes)
+        return
+    if not result.ok:
+        result.note = "; ".join(notes)
+        return
+
+    # The backward: its mask, read off dV on q = 0 and dout = identity, is the forward's
+    pq, pk, pv = probe.probe_inputs(dv=probe.n_q)
+    pout, plse = probe.call(pq.copy(), pk.copy(), pv.copy(), kwargs, "the backward's probe")
+    eye = np.ascontiguousarray(np.broadcast_to(np.eye(probe.n_q, dtype=probe.dtype),
+                                               probe.batch + (probe.n_q,) * 2))
+    grads = _backward(ctx, result, (pq, pk, pv, pout, plse, eye), dict(kwargs), 3)
+    if grads is None:
+        return
+    if grads[2].shape != pv.shape:
+        ctx.fail(result, "dv shape", f"{grads[2].shape}", f"{pv.shape}",
+                 f"dv has shape {grads[2].shape}, expected v's {pv.shape}")
+        return
+    ratio = np.swapaxes(grads[2].astype(np.float64), -1, -2) * n_k * (1 - p)
+    try:
+        back = probe.read(ratio, ratio.sum(axis=-1), "backward keep", diagnose.DROPOUT_BACKWARD,
+                          "backward mask")
+    except _Stop:
+        return
+    differ = int((back != keep).sum())
+    if differ:
+        ctx.fail(result, "backward mask", f"{differ} of {keep.size} pairs differ",
+                 "the forward's mask", diagnose.explain(
+                     diagnose.DROPOUT_BACKWARD, ctx, ratio=ratio, p=p, tol=probe.tol,
+                     differ=differ, total=keep.size, values=""))
+        return
+    # The gradients on the random inputs, against the dense backward with the same mask
+    dout = probe.rng.standard_normal(out.shape).astype(probe.dtype)
+    grads = _backward(ctx, result, (q, k, v, out, lse, dout), dict(kwargs), 3)
+    if grads is None:
+        return
+    truth = _dense(q, k, v, keep, p, scale, np.longdouble, dout)
+    naive = [g.astype(probe.dtype) for g in _dense(q, k, v, keep, p, scale, compute, dout)]
+    _check_gradients(ctx, result, grads, truth, naive, ("dq", "dk", "dv"), dropout=True,
+                     sinks=False)
+    notes.append("the backward's mask and gradients checked")
+    result.note = "; ".join(notes)
+
+
+def _renormalised(q, k, v, keep, scale):
+    """Softmax over the kept keys only: the mask applied before the row sum."""
+    wide = np.longdouble
+    s = q.astype(wide) @ np.swapaxes(k, -1, -2).astype(wide) * scale
+    e = np.where(keep, np.exp(s - s.max(axis=-1, keepdims=True)), 0)
+    return (e / e.sum(axis=-1, keepdims=True)) @ v.astype(wide)
+
+
+register_case(Case(
+    "dropout", f"dropout p = {DROPOUT_P:g}, the mask read off q = 0, v = I: keep rate within 5σ, "
+    f"independent rows, keys, heads and seeds, the same mask again and at other block sizes, "
+    f"out and lse on random inputs; with backward=, the backward's mask and the gradients", None,
+    needs=("dropout",), once=True, run=_dropout,
+    hint="wrong with dropout: out = (P∘Z/(1 - p))·V with the undropped P"))
