@@ -94,8 +94,9 @@ for bug in [None, *BUGS]:
 # `fn(q, k, v, mask=..., causal=..., scale=...)` (only the keywords a case uses) and returns a
 # `Report`. `features` says what the kernel supports ("mask", "causal", "lse", "dv" for
 # $d_v \ne d$, "memory" for kernels whose allocations `tracemalloc` can see, and the variants of
-# chapters 14 and 15, `flash_check.VARIANTS`: "window", "softcap", "alibi", "gqa", "mask_mod"); a case that
-# needs another feature is skipped and listed as skipped. Each registered case says why it is there:
+# chapters 14, 15 and 17, `flash_check.VARIANTS`: "window", "softcap", "alibi", "gqa",
+# "mask_mod", "sinks", "dropout"); a case that needs another feature is skipped and listed as
+# skipped. Each registered case says why it is there:
 
 # %%
 for case in flash_check.CASES.values():
