@@ -48,10 +48,16 @@ call per row here. This one computes ``CHUNK`` counters at once with uint64 prod
 preallocated buffers (NumPy has no 32 × 32 → 64-bit multiply-high, so a word lives in a
 uint64). The first two rounds cost vectors only (a word depends on the line alone or the counter
 alone); the last writes the output two words to a uint64, whose four uint16s are then the eight
-keys' numbers in order, so one comparison gives the mask. One 512 × 512 tile (32768 counters,
-about 50 array passes each) took 0.46-0.67 ms on one AMD EPYC Zen 4 core (2026-12-01, a loaded
-machine), against 1.5-1.7 ms, timed alongside, for the Philox4x32-10 at 32 bits an element this
-module used before (65536 counters, about 90 passes).
+keys' numbers in order, so one comparison gives the mask. One 512 × 512 tile (32768 counters)
+takes about 0.5 ms on one AMD EPYC Zen 4 core (2026-12-01), against 1.5-1.7 ms, timed alongside,
+for the Philox4x32-10 at 32 bits an element this module used before.
+
+Why the words go in pairs, ``(c0, c2)`` and ``(c1, c3)`` as one array each: the kernels' worker
+threads draw masks at the same time, and every NumPy call gives the GIL up and takes it back.
+A round on 32768 counters is ten calls of ~7 µs, about as short as a hand-over of the GIL
+between two threads on this machine: two threads drawing at once took 1.4-1.6 ms a tile each
+(three times the 0.5 ms of one alone), while two processes took 0.5 ms each. A round on the
+pairs is five calls of twice the length: the same arithmetic, half the hand-overs.
 
 Private to flash_lib: imported by ``flash_lib.py`` and ``_flash_inputs.py`` only (and by
 ``tests/test_training.py``, which checks :func:`philox4x32` against the known answers).
@@ -130,11 +136,11 @@ def keep(seed, t, n_batch, rows, keys, scratch=None):
     for start in range(0, n_batch * n_rows, lines):
         line = np.arange(start, min(start + lines, n_batch * n_rows), dtype=np.uint64)[:, None]
         b, row = np.divmod(line, np.uint64(n_rows))
-        c = [x[: len(line)] for x in buffers]
         hi = b >> np.uint64(32)  # one number unless the chunk crosses b = 2³² (never, in practice)
         hi = hi[0, 0] if hi[0, 0] == hi[-1, 0] else hi
         w = packed[: len(line)]
-        _rounds(c, (ctr0, row + np.uint64(i0), b & np.uint64(LO), hi), seed, packed=w)
+        _rounds([x[:, : len(line)] for x in buffers], (ctr0, row + np.uint64(i0), b & np.uint64(LO), hi),
+                seed, packed=w)
         # the uint16s of (word0 | word1·2³², word2 | word3·2³²) are the 8 keys' numbers in order
         numbers = w.view(np.uint16).reshape(len(line), 2 * n_ctr, 4)[..., ORDER]
         if aligned:  # straight into the mask (tiles start at multiples of 8 keys)
@@ -147,13 +153,13 @@ def keep(seed, t, n_batch, rows, keys, scratch=None):
 
 
 def _scratch(scratch, lines, n_ctr):
-    """The buffers for ``lines × n_ctr`` counters: six uint64 (the state and the two products),
-    the output packed two words to a uint64, and the eight keys' keep bits, ``6·8 + 2·8 + 8``
-    bytes per counter; kept in ``scratch`` from one tile to the next (fresh ones each tile cost
-    their page faults again)."""
+    """The buffers for ``lines × n_ctr`` counters: three pairs of uint64 words (the state's (c0,
+    c2) and (c1, c3), and the two products), the output packed two words to a uint64, and the
+    eight keys' keep bits, ``6·8 + 2·8 + 8`` bytes per counter; kept in ``scratch`` from one tile
+    to the next (fresh ones each tile cost their page faults again)."""
     held = getattr(scratch, "buffers", None)
     if held is None or held[1].shape != (lines, n_ctr, 2):
-        held = ([np.empty((lines, n_ctr), np.uint64) for _ in range(6)],
+        held = ([np.empty((2, lines, n_ctr), np.uint64) for _ in range(3)],
                 np.empty((lines, n_ctr, 2), np.uint64),
                 np.empty((lines, PER_COUNTER * n_ctr), bool))
         if scratch is not None:
@@ -161,10 +167,18 @@ def _scratch(scratch, lines, n_ctr):
     return held
 
 
-def _rounds(c, counter, seed, rounds=ROUNDS, packed=None):
-    """The ``rounds`` rounds (at least 3), from the third on in place on the buffers ``c`` (four
-    state words, two products); with ``packed`` (uint64, the state's shape plus 2) the last round
-    writes ``(c0 | c1·2³², c2 | c3·2³²)`` there instead of ``c0, ..., c3``.
+#: (M0, M1) as a column for the pair (c0, c2): one call multiplies both words
+MULTIPLIERS = np.array([M0, M1], np.uint64)
+
+
+def _rounds(buffers, counter, seed, rounds=ROUNDS, packed=None):
+    """The ``rounds`` rounds (at least 3), from the third on in place on ``buffers = (A, B, P)``,
+    uint64 arrays of shape ``(2,) + state``: A holds the words (c0, c2), B (c1, c3), P the products
+    (c0·M0, c2·M1). Each word pair is one array so that one NumPy call does both words' step:
+    half the calls, each twice as long, matters when two threads draw masks at once (each call
+    takes and gives back the GIL). At the end ``(c0, c1, c2, c3) = (A[0], B[0], A[1], B[1])``;
+    with ``packed`` (uint64, the state's shape plus 2) the last round writes ``(c0 | c1·2³², c2 |
+    c3·2³²)`` there instead.
 
     The counter comes as broadcast columns, c0 per counter of a line and c1, c2 (and c3 unless
     it is one number) per line. Through the first rounds a word depends on the counter's c0
@@ -173,42 +187,29 @@ def _rounds(c, counter, seed, rounds=ROUNDS, packed=None):
     and c3 = lo(c0·M0) per line, which round 3 xors into its outputs as they are."""
     key = (seed & LO, seed >> 32)
     y0, y1, y2, y3 = _round(counter, *_round_key(key, 0))  # y0, y1 per line; y2, y3 per counter
-    x0, x1, x2, x3, p0, p1 = c
+    A, B, P = buffers
+    column = (2,) + (1,) * (A.ndim - 1)
     k0, k1 = _round_key(key, 1)
     q0, q1 = y0 * np.uint64(M0), y2 * np.uint64(M1)  # round 2 writes c0, c2 to the buffers
-    np.bitwise_xor(q1 >> np.uint64(32), y1 ^ np.uint64(k0), out=x0)
-    np.bitwise_xor(q0 >> np.uint64(32), y3 ^ np.uint64(k1), out=x2)
+    np.bitwise_xor(q1 >> np.uint64(32), y1 ^ np.uint64(k0), out=A[0])
+    np.bitwise_xor(q0 >> np.uint64(32), y3 ^ np.uint64(k1), out=A[1])
     s1, s3 = q1 & np.uint64(LO), q0 & np.uint64(LO)  # its c1 (per counter), c3 (per line)
+    swapped = P[::-1]  # (c2·M1, c0·M0): the products in the order of the words they make
     for r in range(2, rounds):
         k0, k1 = _round_key(key, r)
-        np.multiply(x0, M0, out=p0)
-        np.multiply(x2, M1, out=p1)
-        if r == 2:  # c1 ^ k0 and c3 ^ k1 on round 2's vectors
-            s1, s3 = s1 ^ np.uint64(k0), s3 ^ np.uint64(k1)
+        np.multiply(A, MULTIPLIERS.reshape(column), out=P)
+        # (c0, c2) ← (hi(c2·M1) ^ c1 ^ k0, hi(c0·M0) ^ c3 ^ k1)
+        np.right_shift(swapped, 32, out=A)
+        if r == 2:  # c1, c3 are round 2's vectors
+            np.bitwise_xor(A[0], s1 ^ np.uint64(k0), out=A[0])
+            np.bitwise_xor(A[1], s3 ^ np.uint64(k1), out=A[1])
         else:
-            s1, s3 = np.bitwise_xor(x1, k0, out=x1), np.bitwise_xor(x3, k1, out=x3)
+            np.bitwise_xor(B, np.array([k0, k1], np.uint64).reshape(column), out=B)
+            np.bitwise_xor(A, B, out=A)
         if packed is not None and r == rounds - 1:
-            _last_round_packed(x0, s1, x2, s3, p0, p1, packed)
+            # c1·2³² = lo(c2·M1)·2³² = (c2·M1)·2³² mod 2⁶⁴: the high half shifts out
+            np.left_shift(swapped, 32, out=B)
+            np.bitwise_or(A, B, out=np.moveaxis(packed, -1, 0))
             return
-        # c0 ← hi(p1) ^ c1 ^ k0, c1 ← lo(p1)
-        np.right_shift(p1, 32, out=x0)
-        np.bitwise_xor(x0, s1, out=x0)
-        np.bitwise_and(p1, LO, out=x1)
-        # c2 ← hi(p0) ^ c3 ^ k1, c3 ← lo(p0)
-        np.right_shift(p0, 32, out=x2)
-        np.bitwise_xor(x2, s3, out=x2)
-        np.bitwise_and(p0, LO, out=x3)
-
-
-def _last_round_packed(x0, s1, x2, s3, p0, p1, packed):
-    """The last round, its products computed and the key xored into ``s1 = c1 ^ k0``, ``s3 = c3
-    ^ k1``, written two words to a uint64: ``c0 | c1·2³²`` with ``c1·2³² = p1·2³² mod 2⁶⁴``
-    (lo(p1) shifted up, its high half shifted out), and ``c2 | c3·2³²`` likewise from p0."""
-    np.right_shift(p1, 32, out=x0)
-    np.bitwise_xor(x0, s1, out=x0)  # c0
-    np.left_shift(p1, 32, out=p1)  # c1·2³²
-    np.bitwise_or(x0, p1, out=packed[..., 0])
-    np.right_shift(p0, 32, out=x2)
-    np.bitwise_xor(x2, s3, out=x2)  # c2
-    np.left_shift(p0, 32, out=p0)  # c3·2³²
-    np.bitwise_or(x2, p0, out=packed[..., 1])
+        # (c1, c3) ← (lo(c2·M1), lo(c0·M0))
+        np.bitwise_and(swapped, LO, out=B)

@@ -535,8 +535,8 @@ def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=
     derivative 1 - tanh² (or None); by default (q kᵀ, None).
     ``dropout``: ``(Z_ij, 1 / (1 - p))``, the tile's boolean keep mask and the kept weights'
     factor, as the forward drew them (or None). ``dp_buffer``: an array of the tile's shape to
-    hold dP and dS (the kernel reuses one per worker: a fresh 2 MiB tile each time can cost
-    its page faults again), or None.
+    hold P ∘ Z (with dropout), then dP and dS (the kernel reuses one per worker: a fresh 2 MiB
+    tile each time can cost its page faults again), or None.
     """
     matmul = matmul or (lambda a, b, which: a @ b)
     # S_ij, recomputed as the forward computed it
@@ -553,7 +553,8 @@ def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=
         # the forward weighed V_j by P̃_ij = P_ij ∘ Z_ij / (1 - p); the factor 1 / (1 - p) rides
         # on dO_i (rows × dv) instead of on the tile (rows × keys)
         keep, factor = dropout
-        p_used, dout_used = p * keep, dout * factor
+        # P_ij ∘ Z_ij goes to the buffer dP takes next: dV's product is done with it by then
+        p_used, dout_used = np.multiply(p, keep, out=dp_buffer), dout * factor
     # dV_j += P̃_ijᵀ dO_i = (P_ij ∘ Z_ij)ᵀ (dO_i / (1 - p))
     dv += matmul(np.swapaxes(p_used, -1, -2), dout_used, "dout")
     # dP_ij = dO_i V_jᵀ (∘ Z_ij / (1 - p): P_ij reaches the loss only through P̃_ij)
