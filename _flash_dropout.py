@@ -52,12 +52,15 @@ keys' numbers in order, so one comparison gives the mask. One 512 × 512 tile (3
 takes about 0.5 ms on one AMD EPYC Zen 4 core (2026-12-01), against 1.5-1.7 ms, timed alongside,
 for the Philox4x32-10 at 32 bits an element this module used before.
 
-Why the words go in pairs, ``(c0, c2)`` and ``(c1, c3)`` as one array each: the kernels' worker
-threads draw masks at the same time, and every NumPy call gives the GIL up and takes it back.
-A round on 32768 counters is ten calls of ~7 µs, about as short as a hand-over of the GIL
-between two threads on this machine: two threads drawing at once took 1.4-1.6 ms a tile each
-(three times the 0.5 ms of one alone), while two processes took 0.5 ms each. A round on the
-pairs is five calls of twice the length: the same arithmetic, half the hand-overs.
+Why the words go in pairs, ``(c0, c2)`` and ``(c1, c3)`` as one array each: one NumPy call then
+does both words' step, so a round is five calls instead of ten, with the same arithmetic and
+shorter code. Fewer calls mean fewer trips through the GIL, which each call gives up and takes
+back; that is what the mask costs when the kernels' two worker threads draw at the same time.
+Measured per tile on a 2-core AMD EPYC Zen 4 (2026-12-01, interleaved rounds, medians): 0.55-0.64
+ms on one thread alone, 0.99 ms each on two threads at once, 0.59-0.66 ms each in two processes
+at once (which share no GIL). Halving the calls did not shorten the two-thread time measurably
+(0.99 ms with ten calls a round and with five): the hand-overs between the threads, not the
+arithmetic, set it.
 
 Private to flash_lib: imported by ``flash_lib.py`` and ``_flash_inputs.py`` only (and by
 ``tests/test_training.py``, which checks :func:`philox4x32` against the known answers).
@@ -174,9 +177,8 @@ MULTIPLIERS = np.array([M0, M1], np.uint64)
 def _rounds(buffers, counter, seed, rounds=ROUNDS, packed=None):
     """The ``rounds`` rounds (at least 3), from the third on in place on ``buffers = (A, B, P)``,
     uint64 arrays of shape ``(2,) + state``: A holds the words (c0, c2), B (c1, c3), P the products
-    (c0·M0, c2·M1). Each word pair is one array so that one NumPy call does both words' step:
-    half the calls, each twice as long, matters when two threads draw masks at once (each call
-    takes and gives back the GIL). At the end ``(c0, c1, c2, c3) = (A[0], B[0], A[1], B[1])``;
+    (c0·M0, c2·M1). Each word pair is one array so that one NumPy call does both words' step
+    (module docstring). At the end ``(c0, c1, c2, c3) = (A[0], B[0], A[1], B[1])``;
     with ``packed`` (uint64, the state's shape plus 2) the last round writes ``(c0 | c1·2³², c2 |
     c3·2³²)`` there instead.
 
