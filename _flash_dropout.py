@@ -54,13 +54,15 @@ for the Philox4x32-10 at 32 bits an element this module used before.
 
 Why the words go in pairs, ``(c0, c2)`` and ``(c1, c3)`` as one array each: one NumPy call then
 does both words' step, so a round is five calls instead of ten, with the same arithmetic and
-shorter code. Fewer calls mean fewer trips through the GIL, which each call gives up and takes
-back; that is what the mask costs when the kernels' two worker threads draw at the same time.
-Measured per tile on a 2-core AMD EPYC Zen 4 (2026-12-01, interleaved rounds, medians): 0.55-0.64
-ms on one thread alone, 0.99 ms each on two threads at once, 0.59-0.66 ms each in two processes
-at once (which share no GIL). Halving the calls did not shorten the two-thread time measurably
-(0.99 ms with ten calls a round and with five): the hand-overs between the threads, not the
-arithmetic, set it.
+shorter code. It did not make two threads measurably faster, and two threads are where the mask
+costs most: each call gives the GIL up and takes it back, and two worker threads drawing at once
+hand it to each other at nearly every call. ``bench/threads_vs_processes.py`` measured it (AMD
+EPYC Zen 4, 2 cores, 2026-12-01, forward at N = 4096, with dropout minus without): the mask cost
+0.65 ms a 512 × 512 tile on one thread, 0.56 ms a tile in each of two processes, and 1.22 ms a
+tile in each of two threads (float32; float64 0.89, 0.80, 1.63). Drawing four tiles' masks in one
+call cut the two-thread cost by about a third in a separate test, but it needs four tiles'
+buffers per worker (about 9 MiB) and would make the kernels' scratch grow with N up to four
+tiles, so the kernels draw one tile at a time.
 
 Private to flash_lib: imported by ``flash_lib.py`` and ``_flash_inputs.py`` only (and by
 ``tests/test_training.py``, which checks :func:`philox4x32` against the known answers).

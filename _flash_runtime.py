@@ -53,9 +53,10 @@ def run_blocks(work_on, blocks, *, n_blocks, n_scores, threads):
     caller's context, so ``np.errstate`` (a context variable) holds inside the workers as it
     does for the caller. What threads cost against processes: every NumPy call gives the GIL up
     and takes it back, and between two busy threads a short call hands it over. The forward at
-    N = 4096 (d = 64) ran 1.90x (float32) and 1.84x (float64) faster on two threads than on one,
-    and 2.03x and 2.06x as two processes of half the queries each (AMD EPYC Zen 4, 2 cores,
-    2026-12-01, best of 7 settled runs; the dropout mask's ~50 short calls a tile lose more). If a worker raises, or the caller is interrupted (Ctrl-C),
+    N = 4096 (d = 64, float32) ran 1.83x faster on two threads than on one and 1.93x as two
+    processes of half the queries each; with dropout, whose mask is ~50 short calls a tile,
+    1.44x and 2.06x (AMD EPYC Zen 4, 2 cores, 2026-12-01, ``bench/threads_vs_processes.py``).
+    If a worker raises, or the caller is interrupted (Ctrl-C),
     ``cancelled`` is set: every worker stops before its next tile, and the exception reaches
     the caller once they have.
     """
