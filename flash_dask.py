@@ -7,9 +7,16 @@ chunks of Dask arrays along the sequence axis -2), and the work is a task graph:
 * one **pair task** per (query shard ``i``, key shard ``j``) that holds at least one allowed
   (query, key) pair: ``flash_attention(q_i, k_j, v_j, ..., return_lse=True)``, which returns
   the shard's partial output ``out_ij`` and its log-sum-exp ``lse_ij``;
-* for each query shard, a tree of **merge tasks**, each folding up to ``split_every`` partial
-  states with :func:`flash_lib.merge_attention` (the merge chapter 3 derives), until one
-  ``(out_i, lse_i)`` is left.
+* the pair tasks of a query shard are folded in **chains**, ring attention's data flow: the
+  query shard visits its key shards in the ring's order (``i``, ``i - 1``, ... modulo the
+  number of key shards; causal: from the diagonal down), cut into ``split_every`` runs of
+  consecutive ones, and in a run each pair task takes the running ``(out, lse)`` of the one
+  before and merges its own partial into it (:func:`flash_lib.merge_attention`, the merge
+  chapter 3 derives). Dask runs a task where most of its input bytes are, so a chain's running
+  state stays on its worker and the key and value shards come to it (each fetched once per
+  worker, then kept);
+* per query shard one **merge task** folds the ends of its chains, at most ``split_every``
+  of them.
 
 This is the kernel's own schedule with a shard in place of a tile: ``tile_schedule(Nq, Nk,
 shard_q, shard_k, causal)`` lists exactly the pair tasks for evenly sized shards. Causal shard
@@ -20,29 +27,36 @@ graph runs on whatever scheduler computes it (threads, processes, ``distributed`
 :func:`dask_attention_backward` is the same graph for the gradients: one
 ``flash_attention_backward`` task per shard pair of the forward (one helper selects the pairs
 for both), given the forward's global ``out`` and ``lse`` of its query shard, which make the
-pair's terms exactly its share of the gradients; ``dq`` is summed over key shards and ``dk``,
-``dv`` over query shards, by trees of fan-in ``split_every``.
+pair's terms exactly its share of the gradients; ``dq`` is summed along the forward's chains
+(each step adds its share to the running ``dq`` it is given) and one addition of their ends,
+``dk`` and ``dv`` over query shards by trees of fan-in ``split_every``.
 
 Dropout and attention sinks (``dropout_p``, ``dropout_seed``, ``sinks``) keep both graphs as they
 are. Each pair task passes flash_lib ``dropout_offset`` = the global position of its first query
 row and key (a causal pair cut at the diagonal passes its bottom part's own), and flash_lib draws
 an element's keep bit from its global (b, i, j) alone: the cluster's mask is one machine's, bit
 for bit. A sink is one more partial state, ``(out 0, lse = sink)``: merged once per query shard,
-after its merge tree; the pair tasks never see it (in each pair it would count once per key
+after the merge of its chains; the pair tasks never see it (in each pair it would count once per key
 shard). The backward's pairs need no sink either (the lse they are given holds it), and
 ``dsinks`` is computed once per query shard from its ``lse`` and ``D = rowsum(dout ∘ out)``, then
 summed over the shards.
 
 Where the time goes, on 2 worker processes of one core each (the forward, N = 65536, shards of
-4096, 256 pair tasks; distributed's task stream, on a 2-core machine shared with other jobs): the
-workers computed pair tasks for 98% of the run, waited on transfers for 1-2% and idled under 1%;
-merges were 1.5% of the compute; 342 MiB (3.6 × q+k+v) moved between them, mostly partial
-outputs sent to another worker's merge. So the graph keeps both workers busy, and a run is as
-fast as its pair tasks, which run slower side by side than alone when the cores are shared.
+4096, 256 pair tasks; distributed's task stream and the workers' transfer logs, on a 2-core
+machine shared with other jobs, ``bench/bench_dask.py``). When each query shard's pair results
+were merged by a tree, the workers computed for 96-97% of the run and received 275-354 MiB
+(2.9-3.7 × q+k+v) from each other, nearly all of it partial outputs sent to another worker's
+merge; 2 workers ran 1.64-1.79 × faster than 1. With the chains (4 per query shard) 171-185 MiB
+moved, of which the partial results are only some 40 MiB (chain ends meeting at their merge;
+the rest is query shards fetched once and the output gathered), transfers took 0.1-0.4% of the
+workers' time, and 2 workers ran 1.77-1.89 × faster than 1. One chain per query shard moved
+22-36 MiB in the same time, within the noise. What is left is that a pair task runs 5-15%
+slower beside another one than alone (150-165 against 143 ms): two cores shared with the
+scheduler, the workers' own threads and other jobs.
 
-Memory: a pair task holds its q, k and v shards, its partial result and ``flash_attention``'s
-tile scratch, so a worker's working set is set by the shard sizes, never by ``Nq`` or ``Nk``.
-Only the partials of one query shard's merge tree meet, ``O(split_every)`` at a time.
+Memory: a pair task holds its q, k and v shards, the running state, its partial result and
+``flash_attention``'s tile scratch, so a worker's working set is set by the shard sizes, never
+by ``Nq`` or ``Nk``. A query shard's chains keep ``split_every`` running states at most.
 
 Within one process a ``flash_attention`` call already spreads over the cores (its own thread
 pool, ``FLASH_LIB_THREADS``), so Dask threads in the same process add no parallelism: run the
@@ -111,7 +125,11 @@ def dask_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=F
     return_lse : bool
         Also return the log-sum-exp of each row's scaled, masked scores.
     split_every : int >= 2, optional
-        Fan-in of the merge tree: each merge task folds up to this many partial states. Default
+        How many chains a query shard's pair tasks are folded in, and so the fan-in of its one
+        merge task: ``min(split_every, pairs)`` runs of consecutive pairs in ring order, their
+        lengths differing by at most one. Fewer chains move fewer partial states between
+        workers (at most ``split_every - 1`` per query shard); more let one query shard's pairs
+        run side by side (flash-decoding, ``Nq = 1``, has one query shard). Default
         ``dask.config.get("split_every", 4)``, as for Dask's own reductions.
     dropout_p, dropout_seed : float in [0, 1) and int in [0, 2**64), optional
         Dropout, as ``flash_attention``'s: each pair task calls it with ``dropout_offset`` = the
@@ -123,7 +141,8 @@ def dask_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=F
     sinks : array broadcastable to the batch dims, optional
         Attention sinks, as ``flash_attention``'s (one logit per head). A sink is one more partial
         state, ``(out 0, lse = sink)``: the pair tasks run without it and each query shard merges
-        it exactly once, after its merge tree (in every pair it would count once per key shard).
+        it exactly once, after the merge of its chains (in every pair it would count once per key
+        shard).
 
     Returns
     -------
@@ -191,15 +210,22 @@ def dask_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=F
     pairs = _shard_pairs(n_q, n_k, q_chunks, k_chunks, causal, numpy_mask)
     q_starts, k_starts = _starts(q_chunks), _starts(k_chunks)
     for i, n_qi in enumerate(q_chunks):
+        row = pairs.get(i, {})
         parts = []
-        for j, delta in pairs.get(i, {}).items():
-            key = (pair_name, i, j)
-            # scale=None lets every shard's flash_attention pick the default, 1/sqrt(d)
-            task = functools.partial(_attend_pair, scale=scale, delta=delta, work=work,
-                                     dropout=dropout, offset=(q_starts[i], k_starts[j]))
-            shards = (_block_key(q, i), _block_key(k, j), _block_key(v, j))
-            layer[key] = (task, *shards) + (() if mask is None else (_mask_key(mask, i, j),))
-            parts.append(key)
+        for chain in _chains(_ring_order(i, row, len(k_chunks)), split_every):
+            state = None
+            for j in chain:
+                key = (pair_name, i, j)
+                # scale=None lets every shard's flash_attention pick the default, 1/sqrt(d)
+                task = functools.partial(_attend_pair, scale=scale, delta=row[j], work=work,
+                                         dropout=dropout, offset=(q_starts[i], k_starts[j]))
+                shards = (_block_key(q, i), _block_key(k, j), _block_key(v, j)) + (
+                    () if mask is None else (_mask_key(mask, i, j),))
+                # the chain's running state is an input: the step runs where the state is
+                layer[key] = ((task, *shards) if state is None
+                              else (functools.partial(_fold_pair, task), state, *shards))
+                state = key
+            parts.append(state)
         if not parts:  # no key at all for this shard's queries
             key = (empty_name, i)
             layer[key] = (functools.partial(_no_keys, batch + (n_qi,), dv, work),)
@@ -252,8 +278,11 @@ def dask_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False,
     it is given, is the global ``D_i``; so ``dS_ij = P_ij ∘ (dout_i v_jᵀ - D_i)`` is the global
     ``dS`` restricted to the pair, and ``dq_i = Σ_j dS_ij k_j``, ``dk_j = Σ_i dS_ijᵀ q_i``,
     ``dv_j = Σ_i P_ijᵀ dout_i`` are sums of the pairs' shares. ``dq_i`` is summed over its key
-    shards and ``dk_j``, ``dv_j`` over their query shards, each by a tree of additions of fan-in
-    ``split_every``. (``D_i`` costs ``O(rows · dv)`` per pair against the pair's
+    shards along the forward's chains (ring order, ``split_every`` runs of consecutive pairs):
+    each pair task is given the running ``dq_i`` of the step before and returns it with its own
+    share added, so the running sum stays on its worker; one addition then sums the chains'
+    ends. ``dk_j`` and ``dv_j`` are summed over their query shards by trees of additions of
+    fan-in ``split_every``. (``D_i`` costs ``O(rows · dv)`` per pair against the pair's
     ``O(rows · keys · d)``: it is recomputed in each pair rather than sent as one more input.)
 
     With dropout each pair task regenerates the forward's keep mask from the seed at its global
@@ -265,9 +294,14 @@ def dask_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False,
 
     Parameters
     ----------
-    q, k, v, mask, causal, scale, split_every, dropout_p, dropout_seed, sinks
+    q, k, v, mask, causal, scale, dropout_p, dropout_seed, sinks
         As for :func:`dask_attention`, with the same chunking rules, and the same as the
         forward call.
+    split_every : int >= 2, optional
+        The number of chains ``dq_i`` is summed along (as the forward's) and the fan-in of the
+        additions: of the chains' ends, of the trees over the query shards of ``dk_j`` and
+        ``dv_j``, and of ``dsinks``' sum over the query shards. Default as for
+        :func:`dask_attention`.
     out, lse : dask or NumPy arrays
         What ``dask_attention(..., return_lse=True)`` (or ``flash_lib.flash_attention``)
         returned: shapes ``(..., Nq, dv)`` and ``(..., Nq)``, ``...`` the broadcast batch. Dask
@@ -347,18 +381,25 @@ def dask_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False,
     q_starts, k_starts = _starts(q_chunks), _starts(k_chunks)
     shares = {"dq": {}, "dk": {}, "dv": {}}  # gradient -> shard -> keys of its shares
     for i, row in pairs.items():
-        for j, delta in row.items():
-            key = (pair_name, i, j)
-            task = functools.partial(_backward_pair, scale=scale, delta=delta, work=work,
-                                     dropout=dropout, offset=(q_starts[i], k_starts[j]))
-            args = (_block_key(q, i), _block_key(k, j), _block_key(v, j), _block_key(out, i),
-                    _lse_key(lse, i), _block_key(dout, i))
-            layer[key] = (task, *args) + (() if mask is None else (_mask_key(mask, i, j),))
-            # one small task per share, where the pair ran: a sum then moves only its share
-            for index, (grad, shard) in enumerate((("dq", i), ("dk", j), ("dv", j))):
-                share = (share_name, grad, i, j)
-                layer[share] = (operator.getitem, key, index)
-                shares[grad].setdefault(shard, []).append(share)
+        for chain in _chains(_ring_order(i, row, len(k_chunks)), split_every):
+            running = None  # the chain's running dq: each step adds its pair's share to it
+            for j in chain:
+                key = (pair_name, i, j)
+                task = functools.partial(_backward_pair, scale=scale, delta=row[j], work=work,
+                                         dropout=dropout, offset=(q_starts[i], k_starts[j]))
+                args = (_block_key(q, i), _block_key(k, j), _block_key(v, j),
+                        _block_key(out, i), _lse_key(lse, i), _block_key(dout, i)) + (
+                    () if mask is None else (_mask_key(mask, i, j),))
+                layer[key] = ((task, *args) if running is None
+                              else (functools.partial(_fold_backward, task), running, *args))
+                # one small task per share, where the pair ran: the next step of the chain,
+                # and a sum of dk or dv, then move only the share they need
+                for index, grad in enumerate(("dq", "dk", "dv")):
+                    layer[(share_name, grad, i, j)] = (operator.getitem, key, index)
+                for grad in ("dk", "dv"):
+                    shares[grad].setdefault(j, []).append((share_name, grad, i, j))
+                running = (share_name, "dq", i, j)
+            shares["dq"].setdefault(i, []).append(running)
 
     arrays = []
     for grad, x, chunks, index in (("dq", q, q_chunks, 0), ("dk", k, k_chunks, 1),
@@ -479,6 +520,19 @@ def _backward_pair(q, k, v, out, lse, dout, mask=None, *, scale, delta, work, dr
     return np.concatenate([top[0], bottom[0]], axis=-2), top[1] + bottom[1], top[2] + bottom[2]
 
 
+def _fold_pair(attend, state, *shards):
+    """A chain's step: this pair's ``(out, lse)`` (``attend``, one flash_attention call or
+    two for a cut pair) merged into the running state of the query shard's earlier pairs."""
+    return flash_lib.merge_attention(*state, *attend(*shards))
+
+
+def _fold_backward(grads, running, *args):
+    """A dq chain's step: this pair's shares ``(dq, dk, dv)`` (``grads``), its dq added to the
+    running dq of the query shard's earlier pairs in the chain."""
+    dq, dk, dv = grads(*args)
+    return running + dq, dk, dv
+
+
 def _at(dropout, q0, k0):
     """flash_lib's dropout keywords for a call whose first row and key are at (q0, k0)."""
     return {**dropout, "dropout_offset": (q0, k0)} if dropout else {}
@@ -579,7 +633,8 @@ def _check_split_every(split_every):
         split_every = dask.config.get("split_every", 4)
     if (isinstance(split_every, bool) or not isinstance(split_every, numbers.Integral)
             or split_every < 2):
-        raise ValueError(f"split_every must be an integer >= 2 (the fan-in of the merge tree), "
+        raise ValueError(f"split_every must be an integer >= 2 (chains per query shard, the "
+                         f"fan-in of the merges and sums), "
                          f"got {split_every!r}")
     return int(split_every)
 
@@ -682,6 +737,20 @@ def _shard_pairs(n_q, n_k, q_chunks, k_chunks, causal, numpy_mask):
                 continue
             pairs.setdefault(i, {})[j] = delta if crossing else None
     return pairs
+
+
+def _ring_order(i, row, n_k):
+    """Query shard ``i``'s key shards (the keys of ``row``) in ring attention's order: ``i``,
+    ``i - 1``, ... modulo ``n_k``, the key shard device ``i`` holds at steps 0, 1, ... of the
+    ring. Causal with ``Nq = Nk`` and even shards: the diagonal first, then down to shard 0."""
+    return sorted(row, key=lambda j: (i - j) % n_k)
+
+
+def _chains(order, count):
+    """``order`` cut into ``min(count, len(order))`` runs of consecutive items, as even as
+    possible (their lengths differ by at most one)."""
+    count = min(count, len(order))
+    return [order[c * len(order) // count:(c + 1) * len(order) // count] for c in range(count)]
 
 
 def _tree(layer, prefix, parts, split_every, combine):

@@ -108,10 +108,11 @@ def place(client, arrays):
     """Persist ``arrays`` (q, k, v, dout) on the cluster, k and v replicated to every worker.
 
     Each worker then holds every key shard, as data scattered once would be, so no pair task
-    waits for one. (The partial outputs still move: Dask's scheduler places a pair task by the
-    workers' occupancy rather than where its query shard is, so a query shard's partials meet
-    on one worker only by chance. With replication the forward at N = 65536 still moved 360 MiB,
-    against 342 MiB without: the bytes are partials, and the waits for them 1-2% of the run.)
+    waits for one. What still moves is partial results: the ends of a query shard's chains
+    (flash_dask folds its pairs in ``split_every`` chains, each on one worker) meeting at its
+    merge, and in the backward the dk and dv shares meeting at their sums. (When flash_dask
+    merged each query shard's pair results by a tree, the forward at N = 65536 moved 360 MiB
+    with replication and 342 MiB without: the bytes were partials, not key shards.)
     """
     held = client.persist(arrays)
     wait(held)

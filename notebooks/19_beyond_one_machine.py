@@ -22,8 +22,9 @@
 # be cut into pieces that run anywhere. In this chapter:
 #
 # - the cluster as a bigger tile: `flash_dask.dask_attention` cuts queries and keys into
-#   *shards*, runs one `flash_attention` task per (query shard, key shard) pair and merges each
-#   query shard's partial results by a tree of `merge_attention`: `tile_schedule` one level up;
+#   *shards*, runs one `flash_attention` task per (query shard, key shard) pair and folds each
+#   query shard's partial results with `merge_attention` in a few chains, ring attention's data
+#   flow: `tile_schedule` one level up;
 # - we run it on a `distributed.LocalCluster` of two worker processes, check it against
 #   `flash_attention` to $10^{-12}$, and draw which worker computed which shard pair, and when;
 # - flash-decoding ($N_q = 1$) and ring attention (query shards stay, key shards travel) on the
@@ -94,13 +95,23 @@ print(f"{len(workers)} worker processes, flash_lib threads in each:",
 # - one **pair task** for each (query shard $i$, key shard $j$) that holds at least one allowed
 #   (query, key) pair: `flash_attention(q_i, k_j, v_j, return_lse=True)`, attention over that
 #   key shard alone;
-# - for each query shard, a tree of **merge tasks**, each folding up to `split_every` (default 4,
-#   as in Dask's own reductions) partial states with `merge_attention`:
-#   $\mathrm{lse} = \log \sum_j e^{\mathrm{lse}_{ij}}$,
-#   $o = \sum_j e^{\mathrm{lse}_{ij} - \mathrm{lse}}\, o_{ij}$, until one is left.
+# - the pair tasks of a query shard folded in **chains**: the query shard visits its key shards
+#   in ring attention's order ($i, i - 1, \dots$, from the diagonal down when causal), cut into
+#   `split_every` (default 4, as in Dask's own reductions) runs of consecutive ones, and in a run
+#   each pair task takes the running state $(o, \mathrm{lse})$ of the one before and merges its
+#   own partial into it with `merge_attention`:
+#   $\mathrm{lse} = \log (e^{\mathrm{lse}_a} + e^{\mathrm{lse}_b})$,
+#   $o = e^{\mathrm{lse}_a - \mathrm{lse}}\, o_a + e^{\mathrm{lse}_b - \mathrm{lse}}\, o_b$;
+# - per query shard one **merge task** that folds the ends of its chains.
 #
-# That is the kernel's loop of chapter 5, with a shard for a tile and a tree of merges for the
-# running update: with shards of equal size the pair tasks are the tiles of
+# Dask runs a task on the worker that holds most of its input bytes, and a chain's running state
+# is one of them: it stays where it is, and the key and value shards come to it (each fetched
+# once by a worker, then kept). An earlier version of this graph merged each query shard's pair
+# results by a tree; those partial results then travelled to wherever their merge ran, and on
+# two workers that cost more than the merges (the appendix's last section).
+#
+# That is the kernel's loop of chapter 5, with a shard for a tile and the same running update
+# (in a few chains rather than one): with shards of equal size the pair tasks are the tiles of
 # `tile_schedule(N, N, shard, shard, causal)`, for causal attention $n(n+1)/2$ of the $n^2$
 # pairs for $n$ shards per side. Queries $N = 8192$ in 8 shards of 1024, keys the same:
 
@@ -117,28 +128,24 @@ schedule_tiles = len(flash_lib.tile_schedule(n, n, shard, shard, causal=True))
 print(f"{n_shards} × {n_shards} shards: full attention {full_pairs} pair tasks, causal "
       f"{causal_pairs} = n(n+1)/2 = {n_shards * (n_shards + 1) // 2}; "
       f"tile_schedule with {shard}-row tiles: {schedule_tiles} tiles")
-merge_tasks = sum(1 for key in causal_out.__dask_graph__()
-                  if str(key[0]).startswith("flash-attention-merge-"))
-
-
-def tree_merges(parts, fan_in):
-    """Merge tasks that reduce `parts` partial states, `fan_in` at a time, level by level."""
-    tasks = 0
-    while parts > 1:
-        groups = -(-parts // fan_in)
-        tasks += groups - (parts % fan_in == 1)  # a group of one is passed up, not merged
-        parts = groups
-    return tasks
-
-
-expected_merges = sum(tree_merges(i, 4) for i in range(1, n_shards + 1))
-print(f"merge tasks of the causal graph: {merge_tasks} (counted from the tree: "
-      f"{expected_merges})")
+causal_graph = dict(causal_out.__dask_graph__())
+pair_keys = [key for key in causal_graph if str(key[0]).startswith("flash-attention-pair-")]
+merge_tasks = sum(1 for key in causal_graph if str(key[0]).startswith("flash-attention-merge-"))
+# a chain's step: a pair task that reads another pair task's result, its running state
+fold_steps = sum(1 for key in pair_keys
+                 if set(pair_keys) & dask.core.get_dependencies(causal_graph, key))
+chains = [min(4, i) for i in range(1, n_shards + 1)]  # query shard i (from 1) has i pairs
+expected_folds = sum(i - c for i, c in zip(range(1, n_shards + 1), chains))
+expected_merges = sum(1 for c in chains if c > 1)
+print(f"pair tasks that fold into the running state of the one before: {fold_steps} (from "
+      f"the chains: {expected_folds}); merge tasks: {merge_tasks} (one per query shard of two "
+      f"chains or more: {expected_merges})")
 
 # %% [markdown]
-# The merge count follows from the tree: query shard $i$ (counting from 1) has $i$ partial
-# results. With fan-in 4 that takes no merge for $i = 1$, one for $2 \le i \le 4$, two for
-# $i = 5$ (the fifth passes up a level unmerged) and three for $6 \le i \le 8$: 14 in all.
+# Both counts follow from the chains: query shard $i$ (counting from 1) has $i$ pair tasks in
+# $\min(4, i)$ chains. Shard 1 is one pair and needs no merge; shards 2 to 4 have chains of one
+# pair each and one merge; shards 5 to 8 have 4 chains, of which $i - 4$ steps take a running
+# state: $1 + 2 + 3 + 4 = 10$ such steps, and 7 merges in all.
 #
 # Now the computation, on the cluster, recording every task Dask ran (`get_task_stream`: which
 # worker, from when to when). The inputs are made on the workers (`dask.array.random`, from a
@@ -164,7 +171,8 @@ print("and so does its lse (relative to 1 + |lse|, <= 1e-12):", err_lse <= 1e-12
 # On the left, the shard pairs: the 28 above the diagonal were never computed; on the 8 on the
 # diagonal `flash_attention` applies its causal mask inside the pair; the 28 below are full.
 # Each computed pair is labelled with the worker that Dask chose to run it. On the right, the
-# same tasks in time, one row per worker; merges are the thin grey bars.
+# same tasks in time, one row per worker, coloured by query shard: a chain's steps follow one
+# another on one worker; merges are the thin grey bars.
 
 # %%
 def task_record(task):
@@ -238,8 +246,10 @@ print("pair tasks run:", len(pair_worker), "| both workers took part:",
 #
 # Flash-decoding splits the keys of one new query ({doc}`chapter 3 <03_merging_states>` explains
 # why). Here it is `dask_attention` with $N_q = 1$: one query against 65536 keys in 16 shards of
-# 4096, so 16 pair tasks, merged by a tree of fan-in 4 in $\lceil \log_4 16 \rceil = 2$ levels,
-# $4 + 1 = 5$ merge tasks. (One head; a batch of heads is a leading axis of one chunk.)
+# 4096, so 16 pair tasks in one query shard: 4 chains of 4 that run side by side, and one merge
+# task of their ends. This is why a query shard has `split_every` chains rather than one: a
+# single chain would run its 16 pairs one after another. (One head; a batch of heads is a
+# leading axis of one chunk.)
 
 # %%
 n_keys, key_shard = 65536, 4096
@@ -248,9 +258,14 @@ k_dec, v_dec = (inputs_rng.standard_normal((n_keys, d), chunks=(key_shard, d)) f
 dec_out, dec_lse = flash_dask.dask_attention(q_dec, k_dec, v_dec, causal=True, return_lse=True)
 dec_graph = dec_out.__dask_graph__()
 dec_pairs = flash_dask.attention_task_count(dec_out)
+dec_graph = dict(dec_graph)
+dec_pair_keys = {key for key in dec_graph if str(key[0]).startswith("flash-attention-pair-")}
+# a chain starts with a pair task that reads no other pair task's result
+dec_chains = sum(1 for key in dec_pair_keys
+                 if not dec_pair_keys & dask.core.get_dependencies(dec_graph, key))
 dec_merges = sum(1 for key in dec_graph if str(key[0]).startswith("flash-attention-merge-"))
-print(f"one query, {n_keys} keys in {n_keys // key_shard} shards: {dec_pairs} pair tasks, "
-      f"{dec_merges} merge tasks")
+print(f"one query, {n_keys} keys in {n_keys // key_shard} shards: {dec_pairs} pair tasks in "
+      f"{dec_chains} chains, and {dec_merges} merge task of their ends")
 got_dec, got_dec_lse = client.compute([dec_out, dec_lse], sync=True)
 q1, k1, v1 = client.compute([q_dec, k_dec, v_dec], sync=True)
 ref_dec, ref_dec_lse = flash_lib.flash_attention(q1, k1, v1, causal=True, return_lse=True)
@@ -264,10 +279,11 @@ print("equals flash_attention over all 65536 keys (rowwise relative error <= 1e-
 #
 # ## Ring attention: the same merge, another schedule
 #
-# In the graph above, Dask's scheduler decides where each pair runs and moves whatever that
-# needs. Ring attention ({doc}`chapter 3 <03_merging_states>`) fixes the schedule instead: device
-# $p$ keeps query shard $p$ and its running $(o, \mathrm{lse})$, and the key/value shards travel
-# round the ring. We follow a public implementation, zhuzilin/ring-flash-attention
+# In the graph above, each chain has ring attention's data flow, but Dask's scheduler decides
+# where each chain runs and moves whatever that needs. Ring attention
+# ({doc}`chapter 3 <03_merging_states>`) fixes the schedule instead: device $p$ keeps query
+# shard $p$ and its running $(o, \mathrm{lse})$, and the key/value shards travel round the
+# ring. We follow a public implementation, zhuzilin/ring-flash-attention
 # (`ring_flash_attn/ring_flash_attn.py` and `utils.py`): rank $p$ sends to $p + 1$ and receives
 # from $p - 1$, so at step $t$ it holds shard $(p - t) \bmod P$; with causal attention it
 # computes only at steps $t \le p$ (shards $j \le p$), with the causal mask at step 0 only (its
@@ -409,8 +425,9 @@ print("blocks computed by device 0, 1, 2, 3:", work_per_device.tolist())
 # and $D_i$ are the global ones, so each shard pair's terms are exactly its share of the three
 # sums, whichever machine computes them. `flash_dask.dask_attention_backward(q, k, v, out, lse,
 # dout, causal=...)` builds that graph: one `flash_attention_backward` task per shard pair of the
-# forward, then $dQ_i$ summed over its key shards and $dK_j$, $dV_j$ over their query shards, by
-# trees of fan-in `split_every`.
+# forward, then $dQ_i$ summed over its key shards along the forward's chains (each pair task adds
+# its share to the running $dQ_i$ it is given, which stays on its worker) and $dK_j$, $dV_j$ over
+# their query shards by trees of fan-in `split_every`.
 #
 # A small model to train: one causal attention layer over $N = 2048$ tokens of width 32, with
 # learned projections $Q = XW_q$, $K = XW_k$, $V = XW_v$ (width 16) and the loss
@@ -566,9 +583,10 @@ print("the same (query shard, key shard) pairs as dask_attention_backward's grap
 #
 # - `dask_attention`'s graph is the tile schedule one level up: 64 pair tasks for full attention
 #   over $8 \times 8$ shards, 36 $= n(n+1)/2$ for causal, as `tile_schedule` with shard-sized
-#   tiles, and the 14 merge tasks that fan-in 4 implies. On a cluster of 2 processes its output
+#   tiles, folded in chains of ring order: 10 steps that take a running state and 7 merges, as
+#   4 chains per query shard imply. On a cluster of 2 processes its output
 #   and lse equal `flash_attention`'s to $10^{-12}$, and both workers ran pair tasks.
-# - Flash-decoding is $N_q = 1$: 16 pair tasks and 5 merges for 65536 keys, equal to
+# - Flash-decoding is $N_q = 1$: 16 pair tasks in 4 chains and 1 merge for 65536 keys, equal to
 #   `flash_attention` to $10^{-12}$.
 # - Ring attention with zhuzilin's update rule, pinned 4 devices to 2 workers, equals
 #   `flash_attention` to $10^{-12}$; each device's state never left its worker; causal computes
@@ -588,11 +606,11 @@ print("the same (query shard, key shard) pairs as dask_attention_backward's grap
 assert sorted(worker_threads.values()) == [1, 1]
 assert full_pairs == n_shards**2 == 64
 assert causal_pairs == schedule_tiles == n_shards * (n_shards + 1) // 2 == 36
-assert merge_tasks == expected_merges == 14
+assert fold_steps == expected_folds == 10 and merge_tasks == expected_merges == 7
 assert err_out <= 1e-12 and err_lse <= 1e-12
 assert len(pair_worker) == causal_pairs and len(computed_by) == 2
 assert (kinds["C0"], kinds["C1"], kinds["0.92"]) == (28, 8, 28)
-assert dec_pairs == 16 and dec_merges == 5
+assert dec_pairs == 16 and dec_chains == 4 and dec_merges == 1
 assert dec_err <= 1e-12 and abs(got_dec_lse[0] - ref_dec_lse[0]) <= 1e-12
 assert ring_err <= 1e-12 and np.abs(ring_lse - ring_ref_lse).max() <= 1e-12
 assert states_home == home
@@ -633,10 +651,11 @@ print("MALLOC_TRIM_THRESHOLD_ unset in each worker:",
 #
 # A cluster of many machines loses one now and then. Every result of the graph is a pure
 # function of its inputs, so when a worker dies, the scheduler recomputes whatever died with it.
-# We run the causal graph of the first section again (36 pair tasks), wait until 6 partial
-# results are done, and kill, with `SIGKILL`, the worker process that holds the most of them: no
-# warning, no clean-up. The nanny that watches each worker process starts a new one. The
-# scheduler's warning that computed results were lost is caught, not printed.
+# We run the causal graph of the first section again (36 pair tasks), wait until 6 of them are
+# done, and kill, with `SIGKILL`, the worker process that holds the most of their results (the
+# running states of its chains): no warning, no clean-up. The nanny that watches each worker
+# process starts a new one. The scheduler's warning that computed results were lost is caught,
+# not printed.
 
 # %%
 class Records(logging.Handler):
@@ -655,6 +674,14 @@ def keys_in_memory(dask_scheduler, prefix):
         if ts.state == "memory" and isinstance(key, tuple) and str(key[0]).startswith(prefix):
             held.update(ws.address for ws in ts.who_has)
     return dict(held)
+
+
+def computed(dask_scheduler, prefix):
+    """Scheduler side: how many keys starting with `prefix` have reached memory so far (a
+    chain's step is released once the next one has read it)."""
+    return len({entry[0] for entry in dask_scheduler.transition_log
+                if entry[2] == "memory" and isinstance(entry[0], tuple)
+                and str(entry[0][0]).startswith(prefix)})
 
 
 def computed_twice(dask_scheduler, prefix):
@@ -676,7 +703,7 @@ future = client.compute(causal_out)
 deadline = time.monotonic() + 60
 while time.monotonic() < deadline:
     held = client.run_on_scheduler(keys_in_memory, prefix="flash-attention-pair-")
-    if sum(held.values()) >= 6:
+    if held and client.run_on_scheduler(computed, prefix="flash-attention-pair-") >= 6:
         break
     time.sleep(0.01)
 victim = max(held, key=held.get)
@@ -708,7 +735,11 @@ print("the result equals flash_attention (rowwise relative error <= 1e-12):", ki
 # can at best match the one-process kernel: what it buys is reach (more machines, more memory).
 # The times below, of the first causal computation and its reference, are the building
 # machine's, so the test ignores them; `make bench-dask` (`bench/bench_dask.py`) measures 1
-# worker against 2 at larger $N$.
+# worker against 2 at larger $N$. At $N = 65536$ (shards of 4096) on this 2-core machine it
+# measured 2 workers 1.77 to 1.89 times as fast as one with the chains of the first section,
+# 171 to 185 MiB moving between them; when each query shard's partial results met in a merge
+# tree, 1.64 to 1.79 times, with 275 to 354 MiB moved, mostly partial outputs travelling to
+# their merge.
 
 # %% tags=["nbval-ignore-output"]
 print(f"on the machine that built this page, causal N = {n}: 2 workers {t_cluster:.2f} s "

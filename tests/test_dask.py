@@ -340,19 +340,96 @@ def test_numpy_mask_forbidding_shard_pairs_leaves_them_out():
     assert len(pairs) == 16 - 2
 
 
-@pytest.mark.parametrize("split_every, merges", [(2, 15), (4, 4 + 1), (16, 1), (None, 4 + 1)])
-def test_merge_tree_has_fan_in_split_every(split_every, merges):
-    """16 partials per query shard: ceil(16/s) + ceil(ceil(16/s)/s) + ... merge tasks."""
-    q, k, v = _inputs(np.random.default_rng(8), (), (), (), 64, 16 * 32, 8, 8)
-    out = flash_dask.dask_attention(_chunked(q, 64), _chunked(k, 32), _chunked(v, 32),
-                                    split_every=split_every)
-    graph = out.__dask_graph__()
-    merge_keys = [key for key in graph if str(key[0]).startswith("flash-attention-merge-")]
-    assert len(merge_keys) == merges
-    dsk = dict(graph)
-    fan_in = max(len(dask.core.get_dependencies(dsk, key)) for key in merge_keys)
-    assert fan_in == min(split_every or 4, 16)
+def _chains_of(dsk, steps, row, prefix="flash-attention-pair-"):
+    """The chains of query shard ``row`` as the graph holds them: lists of key shards, each
+    from the pair that starts a chain (it takes no other step's result) to its end.
+
+    ``steps`` maps (i, j) to the key of that pair's step (the pair task, or what the next
+    step of its chain reads); a step reads the previous step of its chain, and nothing else
+    of ``steps``."""
+    key_of = {steps[i, j]: j for (i, j) in steps if i == row}
+    before = {}
+    for (i, j) in steps:
+        if i != row:
+            continue
+        deps = dask.core.get_dependencies(dsk, _pair_key(dsk, i, j, prefix))
+        read = [key_of[dep] for dep in deps if dep in key_of]
+        assert len(read) <= 1, f"pair {(i, j)} reads {len(read)} running states"
+        before[j] = read[0] if read else None
+    after = {b: j for j, b in before.items() if b is not None}
+    assert len(after) == sum(b is not None for b in before.values()), "a state read twice"
+    chains = []
+    for head in (j for j, b in before.items() if b is None):
+        chain = [head]
+        while chain[-1] in after:
+            chain.append(after[chain[-1]])
+        chains.append(chain)
+    return chains
+
+
+def _block_key(x, i):
+    """The key of shard i of a Dask array chunked along -2 only."""
+    return (x.name,) + (0,) * (x.ndim - 2) + (i, 0)
+
+
+def _pair_key(dsk, i, j, prefix="flash-attention-pair-"):
+    return next(key for key in dsk
+                if isinstance(key, tuple) and str(key[0]).startswith(prefix) and key[1:] == (i, j))
+
+
+@pytest.mark.parametrize("split_every", [2, 3, 4, 8, 16, None])
+def test_a_query_shards_pairs_fold_in_split_every_chains_merged_once(split_every):
+    """4 query shards × 8 key shards. Query shard i visits its key shards in ring attention's
+    order i, i - 1, ... (mod 8), cut into min(split_every, 8) chains of consecutive ones
+    (lengths differing by at most one); in a chain each pair task takes the running state of
+    the one before it, and one merge task per query shard folds the chains' last states, in
+    ring order: fan-in min(split_every, 8), so no tree of two levels."""
+    fan_in = min(split_every or 4, 8)
+    q, k, v = _inputs(np.random.default_rng(8), (), (), (), 4 * 16, 8 * 32, 8, 8)
+    qd, kd, vd = _chunked(q, 16), _chunked(k, 32), _chunked(v, 32)
+    out = flash_dask.dask_attention(qd, kd, vd, split_every=split_every)
+    dsk = dict(out.__dask_graph__())
+    steps = {key[1:]: key for key in _pair_keys(dsk)}
+    assert len(steps) == flash_dask.attention_task_count(out) == 32
+    merges = [key for key in dsk if str(key[0]).startswith("flash-attention-merge-")]
+    assert len(merges) == 4
+    ends = {}
+    for merge in merges:
+        args = [a for a in dsk[merge][1:] if a in steps.values()]
+        assert len(args) == len(dsk[merge]) - 1 == fan_in  # the merge reads chain ends only
+        ends[args[0][1]] = [a[2] for a in args]
+    for i in range(4):
+        chains = _chains_of(dsk, steps, i)
+        ring = [(i - t) % 8 for t in range(8)]
+        chains.sort(key=lambda c: ring.index(c[0]))
+        assert sum(chains, []) == ring, "not ring order, or not consecutive runs of it"
+        assert len(chains) == fan_in
+        assert max(map(len, chains)) - min(map(len, chains)) <= 1
+        assert ends[i] == [c[-1] for c in chains]
+        for j in range(8):  # besides the running state, the pair's own shards and nothing else
+            deps = dask.core.get_dependencies(dsk, steps[i, j]) - set(steps.values())
+            assert deps == {_block_key(qd, i), _block_key(kd, j), _block_key(vd, j)}
     np.testing.assert_allclose(out.compute(scheduler="sync"), flash_lib.flash_attention(q, k, v),
+                               rtol=0, atol=1e-14)
+
+
+def test_a_causal_query_shard_starts_its_chains_at_the_diagonal():
+    """Causal, 8 × 8 even shards: query shard i has pairs with key shards 0..i and visits them
+    from the diagonal down (i, i - 1, ..., 0: ring attention's causal order); shard 0, one
+    pair, needs no merge, shards 1..3 have 2..4 chains of one pair, shards 4..7 four chains."""
+    q, k, v = _inputs(np.random.default_rng(10), (), (), (), 8 * 16, 8 * 16, 8, 8)
+    out = flash_dask.dask_attention(_chunked(q, 16), _chunked(k, 16), _chunked(v, 16),
+                                    causal=True)
+    dsk = dict(out.__dask_graph__())
+    steps = {key[1:]: key for key in _pair_keys(dsk)}
+    for i in range(8):
+        chains = sorted(_chains_of(dsk, steps, i), key=lambda c: -c[0])
+        assert sum(chains, []) == list(range(i, -1, -1))
+        assert len(chains) == min(i + 1, 4)
+    merges = [key for key in dsk if str(key[0]).startswith("flash-attention-merge-")]
+    assert len(merges) == 7
+    np.testing.assert_allclose(out.compute(scheduler="sync"),
+                               flash_lib.flash_attention(q, k, v, causal=True),
                                rtol=0, atol=1e-14)
 
 
@@ -368,6 +445,25 @@ def _keys_in_memory(dask_scheduler, prefix):
         if ts.state == "memory" and isinstance(key, tuple) and str(key[0]).startswith(prefix):
             held.update(ws.address for ws in ts.who_has)
     return dict(held)
+
+
+def _reached_memory(dask_scheduler, prefix):
+    """Scheduler side: how many keys with ``prefix`` have been computed so far (a chain's
+    step is released once the next step has read it, so it is no longer in memory)."""
+    return len({entry[0] for entry in dask_scheduler.transition_log
+                if entry[2] == "memory" and isinstance(entry[0], tuple)
+                and str(entry[0][0]).startswith(prefix)})
+
+
+def _strike_when(client, prefix, done, deadline):
+    """Wait until ``done`` keys with ``prefix`` were computed and some worker holds one in
+    memory; return {worker: keys with ``prefix`` held} at that moment."""
+    while True:
+        held = client.run_on_scheduler(_keys_in_memory, prefix=prefix)
+        finished = client.run_on_scheduler(_reached_memory, prefix=prefix)
+        if (finished >= done and held) or time.monotonic() > deadline:
+            return held
+        time.sleep(0.01)
 
 
 def _computed_twice(dask_scheduler, prefix):
@@ -394,12 +490,9 @@ def test_a_worker_killed_mid_computation_loses_nothing(own_client):
     pids = client.run(os.getpid)
     futures = client.compute([out, lse])
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while True:  # wait until 6 of the 36 partial results are done, then strike
-            held = client.run_on_scheduler(_keys_in_memory, prefix=prefix + "pair-")
-            if sum(held.values()) >= 6 or time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
+        # wait until 6 of the 36 pair tasks are done and a worker holds running states of
+        # the chains, then strike
+        held = _strike_when(client, prefix + "pair-", 6, time.monotonic() + TIMEOUT)
         victim = max(held, key=held.get)
         assert held[victim] >= 1, "no partial result in memory to lose"
         assert not all(f.done() for f in futures), "the graph finished before the kill"
@@ -675,21 +768,47 @@ def test_backward_graph_holds_the_forwards_pairs(n_q, n_k, qc, kc):
     assert flash_dask.backward_task_count(dk) == q.numblocks[0] * k.numblocks[0]
 
 
-@pytest.mark.parametrize("split_every, sums", [(2, 15), (4, 4 + 1), (16, 1), (None, 4 + 1)])
-def test_backward_sums_have_fan_in_split_every(split_every, sums):
-    """dq of one query shard from 16 key shards; dk and dv of each key shard from 1 query shard
-    (nothing to add); ceil(16/s) + ceil(ceil(16/s)/s) + ... additions, fan-in split_every."""
+def _tree_additions(parts, fan_in):
+    """Additions a tree of fan-in ``fan_in`` takes to sum ``parts`` terms, level by level."""
+    tasks = 0
+    while parts > 1:
+        tasks += parts // fan_in + (parts % fan_in > 1)  # a group of one is passed up
+        parts = -(-parts // fan_in)
+    return tasks
+
+
+@pytest.mark.parametrize("split_every", [2, 3, 4, 8, 16, None])
+def test_backward_dq_folds_in_chains_dk_dv_sum_in_trees(split_every):
+    """8 query shards × 8 key shards. dq_i: the forward's chains (ring order, min(split_every,
+    8) of them), each step adding its pair's dq share to the running dq of the step before,
+    then one addition of the chains' ends; dk_j and dv_j: their 8 shares (one per query shard)
+    summed by a tree of fan-in split_every."""
+    fan_in = min(split_every or 4, 8)
     rng = np.random.default_rng(9)
-    q, k, v = _inputs(rng, (), (), (), 64, 16 * 32, 8, 8)
+    q, k, v = _inputs(rng, (), (), (), 8 * 16, 8 * 32, 8, 8)
     out, lse = flash_lib.flash_attention(q, k, v, return_lse=True)
     dout = rng.standard_normal(out.shape)
-    grads = flash_dask.dask_attention_backward(_chunked(q, 64), _chunked(k, 32), _chunked(v, 32),
+    grads = flash_dask.dask_attention_backward(_chunked(q, 16), _chunked(k, 32), _chunked(v, 32),
                                                out, lse, dout, split_every=split_every)
     dsk = dict(grads[0].__dask_graph__())
+    pairs = [key for key in dsk if str(key[0]).startswith("flash-attention-backward-pair-")]
+    assert len(pairs) == flash_dask.backward_task_count(grads[0]) == 64
+    share_of = {}  # (i, j) -> the dq share of the pair: what the chain's next step reads
+    for key in dsk:
+        if str(key[0]).startswith("flash-attention-backward-share-") and key[1] == "dq":
+            share_of[key[2:]] = key
+    for i in range(8):
+        chains = _chains_of(dsk, share_of, i, prefix="flash-attention-backward-pair-")
+        ring = [(i - t) % 8 for t in range(8)]
+        chains.sort(key=lambda c: ring.index(c[0]))
+        assert sum(chains, []) == ring and len(chains) == fan_in
+        assert max(map(len, chains)) - min(map(len, chains)) <= 1
+    sums = collections.Counter(key[1] for key in dsk
+                               if str(key[0]).startswith("flash-attention-backward-sum-"))
+    assert sums == {"dq": 8, "dk": 8 * _tree_additions(8, fan_in),
+                    "dv": 8 * _tree_additions(8, fan_in)}
     sum_keys = [key for key in dsk if str(key[0]).startswith("flash-attention-backward-sum-")]
-    assert len(sum_keys) == sums
-    fan_in = max(len(dask.core.get_dependencies(dsk, key)) for key in sum_keys)
-    assert fan_in == min(split_every or 4, 16)
+    assert max(len(dask.core.get_dependencies(dsk, key)) for key in sum_keys) == fan_in
     _assert_grads_equal(dask.compute(*grads, scheduler="sync"),
                         flash_lib.flash_attention_backward(q, k, v, out, lse, dout))
 
@@ -736,12 +855,9 @@ def test_a_worker_killed_mid_backward_loses_nothing(own_client):
     pids = client.run(os.getpid)
     futures = client.compute(list(grads))
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while True:  # wait until 6 of the 36 pairs' shares are done, then strike
-            in_memory = client.run_on_scheduler(_keys_in_memory, prefix=prefix + "pair-")
-            if sum(in_memory.values()) >= 6 or time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
+        # wait until 6 of the 36 pair tasks are done and a worker holds some of their
+        # results (running dq, shares of dk and dv), then strike
+        in_memory = _strike_when(client, prefix + "pair-", 6, time.monotonic() + TIMEOUT)
         victim = max(in_memory, key=in_memory.get)
         assert in_memory[victim] >= 1, "no partial result in memory to lose"
         assert not all(f.done() for f in futures), "the backward finished before the kill"
