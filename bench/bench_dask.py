@@ -51,7 +51,7 @@ from distributed import Client, LocalCluster, futures_of
 
 import flash_dask
 import flash_lib
-from timing import best_times  # bench/timing.py, beside this script
+from timing import best_times, load_average  # bench/timing.py, beside this script
 
 D = 64
 FULL_SIZES = [16384, 65536]
@@ -264,7 +264,7 @@ def main(argv=None):
         "replicated to every worker once, before the clock starts; the backward's out and lse are "
         "the cluster's forward, held there. Each output checked against flash_lib's to "
         f"{TOLERANCE:g} (rowwise relative error)")
-    log(f"load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+    log(f"load average {load_average()}"
         + f"; total time {time.perf_counter() - started:.0f} s")
     if failures:
         log("WRONG RESULTS:\n  " + "\n  ".join(failures))

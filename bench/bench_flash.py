@@ -64,7 +64,7 @@ import numpy as np
 import flash_lib
 import flash_serving
 import tile_ops  # bench/tile_ops.py, beside this script
-from timing import best_times  # bench/timing.py, beside this script
+from timing import best_times, load_average  # bench/timing.py, beside this script
 
 D = 64
 DTYPES = {"float64": np.float64, "float32": np.float32}
@@ -248,8 +248,7 @@ def machine_info(torch, torch_reason):
     log(f"python {platform.python_version()} on {platform.platform()}")
     cpus = os.cpu_count()
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
-    log(f"cpu count {cpus} (usable by this process: {usable}); load average "
-        + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    log(f"cpu count {cpus} (usable by this process: {usable}); load average {load_average()}")
     blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
     log(f"numpy {np.__version__}, BLAS {blas.get('name')} {blas.get('version')}")
     loops = tile_ops.numpy_loops()
@@ -1188,7 +1187,7 @@ def main(argv=None):
             "(rows above used the best so far)")
         RECORDS.append(dict(kind="gemm", n=args.gemm_n, peak_gflops=dict(GEMM_PEAK)))
         targets(args, rows, big, backward, variants, torch_reason, packed, training)
-    log(f"\nload average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+    log(f"\nload average {load_average()}"
         + f"; total time {time.perf_counter() - started:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

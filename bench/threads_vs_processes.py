@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import os
 import statistics
 import threading
 import time
@@ -34,7 +33,7 @@ import time
 import numpy as np
 
 import flash_lib
-from timing import SETTLE  # bench/timing.py, beside this script
+from timing import SETTLE, load_average, run_untimed  # bench/timing.py, beside this script
 
 D = 64
 TILE = 512
@@ -48,16 +47,10 @@ def inputs(n, dtype):
 
 def settled(call):
     """Seconds of one call of ``call``, after SETTLE seconds of untimed ones."""
-    end = time.perf_counter() + SETTLE
-    while time.perf_counter() < end:
-        call()
+    run_untimed(call)
     start = time.perf_counter()
     call()
     return time.perf_counter() - start
-
-
-def load():
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def forward(q, k, v, dropout, rows=slice(None)):
@@ -109,7 +102,7 @@ def main():
         p.error(f"--rounds must be >= 1 and --n >= 2, got {args.rounds} and {args.n}")
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited threads
     print(f"flash_lib {flash_lib.__file__}; load average before: "
-          f"{load()}")
+          f"{load_average()}")
     tiles = (args.n // TILE) ** 2 if args.n % TILE == 0 else None
     for dtype in (np.float32, np.float64):
         q, k, v = inputs(args.n, dtype)
@@ -132,7 +125,7 @@ def main():
             print(f"the mask's cost, (with - without) per {TILE} x {TILE} tile and worker:",
                   ", ".join(f"{name} {1e3 * (best[True][name] - best[False][name]) / tiles * w:.2f} ms"
                             for name, w in (("1 thread", 1), ("2 threads", 2), ("2 processes", 2))))
-    print(f"\nload average after: {load()}")
+    print(f"\nload average after: {load_average()}")
 
 
 if __name__ == "__main__":

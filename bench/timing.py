@@ -19,13 +19,27 @@ ratios, measured side by side, are the result.
 from __future__ import annotations
 
 import math
+import os
 import time
 
-__all__ = ["SETTLE", "best_times"]
+__all__ = ["SETTLE", "best_times", "load_average", "run_untimed"]
 
 #: Seconds each callable runs untimed before its timed call: longer than OpenBLAS's spin after a
 #: call (see :func:`best_times`).
 SETTLE = 0.25
+
+
+def run_untimed(fn, seconds=SETTLE):
+    """Run ``fn`` untimed, at least once and for at least ``seconds`` (see :func:`best_times`)."""
+    until = time.perf_counter() + seconds
+    fn()
+    while time.perf_counter() < until:
+        fn()
+
+
+def load_average():
+    """The 1, 5 and 15 minute load averages, as benchmarks print them beside their figures."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def best_times(fns, seconds=0.0, min_rounds=None, *, max_rounds=50, settle=SETTLE, before=None,
@@ -57,10 +71,7 @@ def best_times(fns, seconds=0.0, min_rounds=None, *, max_rounds=50, settle=SETTL
         for i in range(len(names)):
             name = names[(rounds + i) % len(names)]
             if settle is not None:
-                settle_until = time.perf_counter() + settle
-                fns[name]()
-                while time.perf_counter() < settle_until:
-                    fns[name]()
+                run_untimed(fns[name], settle)
             if before is not None:
                 before(name)
             t0 = time.perf_counter()
