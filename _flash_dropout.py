@@ -129,17 +129,19 @@ def _round(c, k0, k1):
             (p0 >> np.uint64(32)) ^ c3 ^ np.uint64(k1), p0 & np.uint64(LO))
 
 
-def keep(seed, t, n_batch, rows, keys, scratch=None):
+def keep(seed, t, n_batch, rows, keys, scratch=None, out=None):
     """The keep mask of a block: bool ``(n_batch, rows[1] - rows[0], keys[1] - keys[0])``.
 
     ``seed`` an int in [0, 2⁶⁴); ``t`` from :func:`threshold`; ``rows``, ``keys``: ``(start, stop)``
     global positions (the caller's offset added). Lines (one batch entry, one row) are taken
     ``CHUNK`` counters at a time, whatever the block's shape. ``scratch``: an object (one per
-    thread, e.g. a ``threading.local``) to keep the buffers in from one call to the next.
+    thread, e.g. a ``threading.local``) to keep the buffers in from one call to the next;
+    ``out``: a flat bool array of the mask's size to write the mask to.
     """
     (i0, i1), (j0, j1) = rows, keys
     n_rows, n_keys = i1 - i0, j1 - j0
-    out = np.empty((n_batch, n_rows, n_keys), bool)
+    shape = (n_batch, n_rows, n_keys)
+    out = np.empty(shape, bool) if out is None else out.reshape(shape)
     if out.size == 0:
         return out
     first = j0 // PER_COUNTER

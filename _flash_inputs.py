@@ -117,16 +117,17 @@ class Problem:
             )
         return split_heads(allowed, -3, self.groups) if self.groups else allowed
 
-    def keep_tile(self, q_start, q_stop, k_start, k_stop):
+    def keep_tile(self, q_start, q_stop, k_start, k_stop, out=None):
         """The dropout keep mask of one tile, bool ``batch + (rows, keys)``; None without dropout.
         Keyed by the global positions (the offset added) and the flat batch index, which with
-        grouped queries is the same over (…, Hkv, groups) as over the caller's (…, Hq)."""
+        grouped queries is the same over (…, Hkv, groups) as over the caller's (…, Hq).
+        ``out``: a flat bool array of the mask's size to write it to."""
         if not self.dropout_p:
             return None
         i, j = self.dropout_offset
         keep = dropout.keep(self.dropout_seed, dropout.threshold(self.dropout_p),
                             math.prod(self.batch), (i + q_start, i + q_stop),
-                            (j + k_start, j + k_stop), self._dropout_scratch)
+                            (j + k_start, j + k_stop), self._dropout_scratch, out)
         return keep.reshape(self.batch + keep.shape[-2:])
 
     def keep_walk(self, tiles):
@@ -199,9 +200,18 @@ class _KeepWalk:
             if joined is None:
                 break
             span = joined
-        mask = self.problem.keep_tile(*span)
+        # one buffer per worker thread for every draw: the last draw's tiles are done with
+        scratch, size = self.problem._dropout_scratch, math.prod(self.problem.batch) * _area(span)
+        if getattr(scratch, "mask", None) is None or scratch.mask.size < size:
+            scratch.mask = np.empty(size, bool)
+        mask = self.problem.keep_tile(*span, out=scratch.mask[:size])
         self.drawn = span, mask
         return mask[..., : q_stop - q_start, : k_stop - k_start]
+
+
+def _area(span):
+    (q_start, q_stop, k_start, k_stop) = span
+    return (q_stop - q_start) * (k_stop - k_start)
 
 
 def _joined(span, tile):
