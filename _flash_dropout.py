@@ -49,20 +49,27 @@ preallocated buffers (NumPy has no 32 × 32 → 64-bit multiply-high, so a word 
 uint64). The first two rounds cost vectors only (a word depends on the line alone or the counter
 alone); the last writes the output two words to a uint64, whose four uint16s are then the eight
 keys' numbers in order, so one comparison gives the mask. One 512 × 512 tile (32768 counters)
-takes about 0.5 ms on one AMD EPYC Zen 4 core (2026-12-01), against 1.5-1.7 ms, timed alongside,
-for the Philox4x32-10 at 32 bits an element this module used before.
+took about 0.5 ms on one AMD EPYC Zen 4 core (2026-12-01), against 1.5-1.7 ms, timed alongside,
+for the Philox4x32-10 at 32 bits an element this module used before; the three-call round below
+took 57 µs a round of 32768 counters against 67 for the five-call one it replaced (2026-12-02).
 
-Why the words go in pairs, ``(c0, c2)`` and ``(c1, c3)`` as one array each: one NumPy call then
-does both words' step, so a round is five calls instead of ten, with the same arithmetic and
-shorter code. It did not make two threads measurably faster, and two threads are where the mask
-costs most: each call gives the GIL up and takes it back, and two worker threads drawing at once
-hand it to each other at nearly every call. ``bench/threads_vs_processes.py`` measured it (AMD
-EPYC Zen 4, 2 cores, 2026-12-01, forward at N = 4096, with dropout minus without): the mask cost
-0.65 ms a 512 × 512 tile on one thread, 0.56 ms a tile in each of two processes, and 1.22 ms a
-tile in each of two threads (float32; float64 0.89, 0.80, 1.63). Drawing four tiles' masks in one
-call cut the two-thread cost by about a third in a separate test, but it needs four tiles'
-buffers per worker (about 9 MiB) and would make the kernels' scratch grow with N up to four
-tiles, so the kernels draw one tile at a time.
+Why the words go in pairs, ``(c0, c2)`` as one array and the products ``(c0·M0, c2·M1)`` as
+another: one NumPy call then does both words' step. The pair ``(c1, c3)`` is never stored on its
+own: it is the low halves of the previous round's products, and its one use is the next round's
+xor, which reads those halves in place (a uint32 view of the uint64 products). A round is then
+three calls, a multiply and two xors, where ten separate words' steps took ten.
+
+Why a draw covers two tiles (:data:`TILES_PER_DRAW`): a draw is about 25 NumPy calls whatever its
+size, and on two worker threads each call gives the GIL up and takes it back, handing it to the
+other worker at nearly every call. ``bench/threads_vs_processes.py`` measured that cost (AMD EPYC
+Zen 4, 2 cores, 2026-12-01, forward at N = 4096, with dropout minus without, when a draw covered
+one tile): the mask cost 0.65 ms a 512 × 512 tile on one thread, 0.56 ms a tile in each of two
+processes, and 1.22 ms a tile in each of two threads (float32; float64 0.89, 0.80, 1.63). Drawing
+two tiles per call halves the hand-overs per tile; ``bench/bench_flash.py --training-only`` (same
+machine, 2026-12-02) measured fwd+bwd with dropout / without, float32 at N = 4096, 1.39–1.41 with
+two tiles per draw against 1.56–1.64 with one in the same session; four tiles gained nothing
+more. The buffers then hold two tiles' counters, 3 MiB a worker at 512 × 512 tiles, still fixed
+whatever N.
 
 Private to flash_lib: imported by ``flash_lib.py`` and ``_flash_inputs.py`` only (and by
 ``tests/test_training.py``, which checks :func:`philox4x32` against the known answers).
@@ -70,6 +77,7 @@ Private to flash_lib: imported by ``flash_lib.py`` and ``_flash_inputs.py`` only
 
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
@@ -83,10 +91,13 @@ PER_COUNTER = 4 * 32 // BITS
 #: A uint64's four 16-bit quarters from the least significant, as a slice of its uint16s in memory
 #: order (reversed on a big-endian machine).
 ORDER = slice(None) if sys.byteorder == "little" else slice(None, None, -1)
-#: Counters computed per pass: a 512 × 512 tile's 32768 in one (their buffers, 72 bytes a counter,
-#: 2.3 MiB), faster here than 16384 (in a Zen 4 core's 1 MiB L2) or 8192: the ~50 NumPy calls per
-#: pass must be long for their overhead to be small (module docstring).
-CHUNK = 1 << 15
+#: Tiles whose masks the kernels draw in one call, along each worker's walk (module docstring)
+TILES_PER_DRAW = 2
+#: Counters computed per pass: two 512 × 512 tiles' 65536 in one (their buffers, 56 bytes a
+#: counter, 3.5 MiB; 48 without the bits of an unaligned block), where 8192 a pass made fwd+bwd
+#: with dropout a third slower again on two threads: a pass's ~25 NumPy calls must be long for
+#: their overhead to be small (module docstring).
+CHUNK = TILES_PER_DRAW << 15
 
 
 def threshold(p):
@@ -118,17 +129,19 @@ def _round(c, k0, k1):
             (p0 >> np.uint64(32)) ^ c3 ^ np.uint64(k1), p0 & np.uint64(LO))
 
 
-def keep(seed, t, n_batch, rows, keys, scratch=None):
+def keep(seed, t, n_batch, rows, keys, scratch=None, out=None):
     """The keep mask of a block: bool ``(n_batch, rows[1] - rows[0], keys[1] - keys[0])``.
 
     ``seed`` an int in [0, 2⁶⁴); ``t`` from :func:`threshold`; ``rows``, ``keys``: ``(start, stop)``
     global positions (the caller's offset added). Lines (one batch entry, one row) are taken
     ``CHUNK`` counters at a time, whatever the block's shape. ``scratch``: an object (one per
-    thread, e.g. a ``threading.local``) to keep the buffers in from one call to the next.
+    thread, e.g. a ``threading.local``) to keep the buffers in from one call to the next;
+    ``out``: a flat bool array of the mask's size to write the mask to.
     """
     (i0, i1), (j0, j1) = rows, keys
     n_rows, n_keys = i1 - i0, j1 - j0
-    out = np.empty((n_batch, n_rows, n_keys), bool)
+    shape = (n_batch, n_rows, n_keys)
+    out = np.empty(shape, bool) if out is None else out.reshape(shape)
     if out.size == 0:
         return out
     first = j0 // PER_COUNTER
@@ -136,37 +149,38 @@ def keep(seed, t, n_batch, rows, keys, scratch=None):
     lines = max(1, CHUNK // n_ctr)
     flat = out.reshape(n_batch * n_rows, n_keys)
     ctr0 = np.arange(first, first + n_ctr, dtype=np.uint64)[None, :]
-    buffers, packed, bits = _scratch(scratch, lines, n_ctr)
+    buffers, bits = _scratch(scratch, lines * n_ctr)
     aligned = j0 == PER_COUNTER * first and n_keys == PER_COUNTER * n_ctr
     for start in range(0, n_batch * n_rows, lines):
         line = np.arange(start, min(start + lines, n_batch * n_rows), dtype=np.uint64)[:, None]
         b, row = np.divmod(line, np.uint64(n_rows))
         hi = b >> np.uint64(32)  # one number unless the chunk crosses b = 2³² (never, in practice)
         hi = hi[0, 0] if hi[0, 0] == hi[-1, 0] else hi
-        w = packed[: len(line)]
-        _rounds([x[:, : len(line)] for x in buffers], (ctr0, row + np.uint64(i0), b & np.uint64(LO), hi),
-                seed, packed=w)
+        state = (2, len(line), n_ctr)  # contiguous views: the packed output reshapes one of them
+        w = _rounds([x[: math.prod(state)].reshape(state) for x in buffers],
+                    (ctr0, row + np.uint64(i0), b & np.uint64(LO), hi), seed, packed=True)
         # the uint16s of (word0 | word1·2³², word2 | word3·2³²) are the 8 keys' numbers in order
         numbers = w.view(np.uint16).reshape(len(line), 2 * n_ctr, 4)[..., ORDER]
         if aligned:  # straight into the mask (tiles start at multiples of 8 keys)
             np.greater_equal(numbers, t, out=flat[start : start + len(line)].reshape(numbers.shape))
         else:
-            kept = bits[: len(line)]
+            kept = bits[: numbers.size].reshape(len(line), PER_COUNTER * n_ctr)
             np.greater_equal(numbers, t, out=kept.reshape(numbers.shape))
             flat[start : start + len(line)] = kept[:, j0 - PER_COUNTER * first:][:, :n_keys]
     return out
 
 
-def _scratch(scratch, lines, n_ctr):
-    """The buffers for ``lines × n_ctr`` counters: three pairs of uint64 words (the state's (c0,
-    c2) and (c1, c3), and the two products), the output packed two words to a uint64, and the
-    eight keys' keep bits, ``6·8 + 2·8 + 8`` bytes per counter; kept in ``scratch`` from one tile
-    to the next (fresh ones each tile cost their page faults again)."""
+def _scratch(scratch, counters):
+    """Flat buffers for ``counters`` counters: three of two uint64 words a counter (the state's
+    (c0, c2) and two rounds' products, the last of which takes the packed output), and the eight
+    keys' keep bits, ``3·16 + 8`` bytes per counter. Kept in ``scratch`` from one draw to the next
+    at ``CHUNK`` counters (or the most yet asked for), whatever the draw's shape: fresh ones each
+    draw would cost their page faults again."""
     held = getattr(scratch, "buffers", None)
-    if held is None or held[1].shape != (lines, n_ctr, 2):
-        held = ([np.empty((2, lines, n_ctr), np.uint64) for _ in range(3)],
-                np.empty((lines, n_ctr, 2), np.uint64),
-                np.empty((lines, PER_COUNTER * n_ctr), bool))
+    if held is None or held[1].size < PER_COUNTER * counters:
+        counters = max(counters, CHUNK)
+        held = ([np.empty(2 * counters, np.uint64) for _ in range(3)],
+                np.empty(PER_COUNTER * counters, bool))
         if scratch is not None:
             scratch.buffers = held
     return held
@@ -174,15 +188,27 @@ def _scratch(scratch, lines, n_ctr):
 
 #: (M0, M1) as a column for the pair (c0, c2): one call multiplies both words
 MULTIPLIERS = np.array([M0, M1], np.uint64)
+#: Where a uint64's low and high 32-bit halves sit among its two uint32s in memory
+HALVES = (0, 1) if sys.byteorder == "little" else (1, 0)
 
 
-def _rounds(buffers, counter, seed, rounds=ROUNDS, packed=None):
-    """The ``rounds`` rounds (at least 3), from the third on in place on ``buffers = (A, B, P)``,
-    uint64 arrays of shape ``(2,) + state``: A holds the words (c0, c2), B (c1, c3), P the products
-    (c0·M0, c2·M1). Each word pair is one array so that one NumPy call does both words' step
-    (module docstring). At the end ``(c0, c1, c2, c3) = (A[0], B[0], A[1], B[1])``;
-    with ``packed`` (uint64, the state's shape plus 2) the last round writes ``(c0 | c1·2³², c2 |
-    c3·2³²)`` there instead.
+def _low(x):
+    """The low 32-bit halves of the uint64 array ``x`` (last axis contiguous), a uint32 view."""
+    return x.view(np.uint32)[..., HALVES[0]::2]
+
+
+def _high(x):
+    """The high 32-bit halves of ``x``, a uint32 view."""
+    return x.view(np.uint32)[..., HALVES[1]::2]
+
+
+def _rounds(buffers, counter, seed, rounds=ROUNDS, packed=False):
+    """The ``rounds`` rounds (at least 3), from the third on in place on ``buffers = (A, P, P')``,
+    contiguous uint64 arrays of shape ``(2,) + state``. A holds the words (c0, c2) in its low
+    halves (its high halves stay 0); P and P' take turns holding a round's products (c0·M0,
+    c2·M1), whose low halves are the next (c3, c1) (module docstring). Returns ``(c0, c1, c2,
+    c3)`` as uint64 arrays; with ``packed``, the uint64 array of shape ``state + (2,)`` holding
+    ``(c0 | c1·2³², c2 | c3·2³²)`` instead, written over the last round's products.
 
     The counter comes as broadcast columns, c0 per counter of a line and c1, c2 (and c3 unless
     it is one number) per line. Through the first rounds a word depends on the counter's c0
@@ -191,29 +217,31 @@ def _rounds(buffers, counter, seed, rounds=ROUNDS, packed=None):
     and c3 = lo(c0·M0) per line, which round 3 xors into its outputs as they are."""
     key = (seed & LO, seed >> 32)
     y0, y1, y2, y3 = _round(counter, *_round_key(key, 0))  # y0, y1 per line; y2, y3 per counter
-    A, B, P = buffers
+    A, *products = buffers
     column = (2,) + (1,) * (A.ndim - 1)
     k0, k1 = _round_key(key, 1)
     q0, q1 = y0 * np.uint64(M0), y2 * np.uint64(M1)  # round 2 writes c0, c2 to the buffers
-    np.bitwise_xor(q1 >> np.uint64(32), y1 ^ np.uint64(k0), out=A[0])
+    np.bitwise_xor(q1 >> np.uint64(32), y1 ^ np.uint64(k0), out=A[0])  # whole words: high halves 0
     np.bitwise_xor(q0 >> np.uint64(32), y3 ^ np.uint64(k1), out=A[1])
-    s1, s3 = q1 & np.uint64(LO), q0 & np.uint64(LO)  # its c1 (per counter), c3 (per line)
-    swapped = P[::-1]  # (c2·M1, c0·M0): the products in the order of the words they make
+    lows = (q1 & np.uint64(LO), q0 & np.uint64(LO))  # its c1 (per counter), c3 (per line)
     for r in range(2, rounds):
-        k0, k1 = _round_key(key, r)
+        k = _round_key(key, r)
+        P, previous = products[r % 2], products[(r - 1) % 2]
         np.multiply(A, MULTIPLIERS.reshape(column), out=P)
-        # (c0, c2) ← (hi(c2·M1) ^ c1 ^ k0, hi(c0·M0) ^ c3 ^ k1)
-        np.right_shift(swapped, 32, out=A)
+        swapped = P[::-1]  # (c2·M1, c0·M0): the products in the order of the words they make
+        # (c0, c2) ← (hi(c2·M1) ^ c1 ^ k0, hi(c0·M0) ^ c3 ^ k1), (c1, c3) the last lo(products)
         if r == 2:  # c1, c3 are round 2's vectors
-            np.bitwise_xor(A[0], s1 ^ np.uint64(k0), out=A[0])
-            np.bitwise_xor(A[1], s3 ^ np.uint64(k1), out=A[1])
+            for word in (0, 1):
+                np.bitwise_xor(_high(swapped[word]), (lows[word] ^ np.uint64(k[word])).astype(np.uint32),
+                               out=_low(A[word]))
         else:
-            np.bitwise_xor(B, np.array([k0, k1], np.uint64).reshape(column), out=B)
-            np.bitwise_xor(A, B, out=A)
-        if packed is not None and r == rounds - 1:
-            # c1·2³² = lo(c2·M1)·2³² = (c2·M1)·2³² mod 2⁶⁴: the high half shifts out
-            np.left_shift(swapped, 32, out=B)
-            np.bitwise_or(A, B, out=np.moveaxis(packed, -1, 0))
-            return
-        # (c1, c3) ← (lo(c2·M1), lo(c0·M0))
-        np.bitwise_and(swapped, LO, out=B)
+            np.bitwise_xor(_high(swapped), _low(previous[::-1]), out=_low(A))
+            np.bitwise_xor(A, np.array(k, np.uint64).reshape(column), out=A)
+    if packed:
+        # c1·2³² = lo(c2·M1)·2³² = (c2·M1)·2³² mod 2⁶⁴: the high half shifts out
+        np.left_shift(swapped, 32, out=previous)
+        words = P.reshape(P.shape[1:] + (2,))  # P's memory, now free: a view, P being contiguous
+        np.bitwise_or(A, previous, out=np.moveaxis(words, -1, 0))
+        return words
+    (c0, c2), (c1, c3) = A, _low(swapped).astype(np.uint64)
+    return c0, c1, c2, c3

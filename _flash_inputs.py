@@ -117,17 +117,29 @@ class Problem:
             )
         return split_heads(allowed, -3, self.groups) if self.groups else allowed
 
-    def keep_tile(self, q_start, q_stop, k_start, k_stop):
+    def keep_tile(self, q_start, q_stop, k_start, k_stop, out=None):
         """The dropout keep mask of one tile, bool ``batch + (rows, keys)``; None without dropout.
         Keyed by the global positions (the offset added) and the flat batch index, which with
-        grouped queries is the same over (…, Hkv, groups) as over the caller's (…, Hq)."""
+        grouped queries is the same over (…, Hkv, groups) as over the caller's (…, Hq).
+        ``out``: a flat bool array of the mask's size to write it to."""
         if not self.dropout_p:
             return None
         i, j = self.dropout_offset
         keep = dropout.keep(self.dropout_seed, dropout.threshold(self.dropout_p),
                             math.prod(self.batch), (i + q_start, i + q_stop),
-                            (j + k_start, j + k_stop), self._dropout_scratch)
+                            (j + k_start, j + k_stop), self._dropout_scratch, out)
         return keep.reshape(self.batch + keep.shape[-2:])
+
+    def keep_walk(self, tiles):
+        """A worker's keep masks along its walk, ``tiles`` ``(q_start, q_stop, k_start, k_stop)`` in
+        the order it visits them: ``walk(tile)`` is that tile's :meth:`keep_tile` (None without
+        dropout). Up to ``TILES_PER_DRAW`` consecutive tiles of the walk that make one rectangle
+        (the same rows and adjoining keys, or the same keys and adjoining rows) are drawn in one
+        call (``_flash_dropout``: why). The kernels visit every tile of their walk unless
+        ``mask_mod`` allows nothing in one, so with ``mask_mod`` each tile is drawn alone."""
+        if not self.dropout_p:
+            return lambda tile: None
+        return _KeepWalk(self, list(tiles), 1 if self.mask_mod is not None else dropout.TILES_PER_DRAW)
 
     def dropout_scale(self, dtype):
         """``1 / (1 - p)`` in ``dtype``: the kept weights' factor, so that E[P ∘ Z / (1 - p)] = P."""
@@ -166,6 +178,50 @@ class Problem:
         """Positions, within keys ``k_start:k_stop``, of values holding inf or NaN; or None."""
         return self.nonfinite_rows("v", k_start, k_stop)
 
+
+
+class _KeepWalk:
+    """:meth:`Problem.keep_walk`'s masks: the last draw is kept and the tiles inside it sliced out."""
+
+    def __init__(self, problem, tiles, per_draw):
+        self.problem, self.tiles, self.per_draw = problem, tiles, per_draw
+        self.position = {tile: n for n, tile in enumerate(tiles)}
+        self.drawn = None  # (q_start, q_stop, k_start, k_stop), mask
+
+    def __call__(self, tile):
+        q_start, q_stop, k_start, k_stop = tile
+        if self.drawn is not None:
+            (i0, i1, j0, j1), mask = self.drawn
+            if i0 <= q_start and q_stop <= i1 and j0 <= k_start and k_stop <= j1:
+                return mask[..., q_start - i0 : q_stop - i0, k_start - j0 : k_stop - j0]
+        span, n = tile, self.position[tile]
+        for after in self.tiles[n + 1 : n + self.per_draw]:
+            joined = _joined(span, after)
+            if joined is None:
+                break
+            span = joined
+        # one buffer per worker thread for every draw: the last draw's tiles are done with
+        scratch, size = self.problem._dropout_scratch, math.prod(self.problem.batch) * _area(span)
+        if getattr(scratch, "mask", None) is None or scratch.mask.size < size:
+            scratch.mask = np.empty(size, bool)
+        mask = self.problem.keep_tile(*span, out=scratch.mask[:size])
+        self.drawn = span, mask
+        return mask[..., : q_stop - q_start, : k_stop - k_start]
+
+
+def _area(span):
+    (q_start, q_stop, k_start, k_stop) = span
+    return (q_stop - q_start) * (k_stop - k_start)
+
+
+def _joined(span, tile):
+    """The rectangle ``span`` and ``tile`` make together, or None when they make none."""
+    (i0, i1, j0, j1), (q_start, q_stop, k_start, k_stop) = span, tile
+    if (i0, i1) == (q_start, q_stop) and j1 == k_start:
+        return i0, i1, j0, k_stop
+    if (j0, j1) == (k_start, k_stop) and i1 == q_start:
+        return i0, q_stop, j0, j1
+    return None
 
 def nonfinite_rows(x):
     """Sorted indices (axis -2) of the rows of ``x`` holding an inf or NaN in any batch entry.

@@ -54,8 +54,9 @@ def run_blocks(work_on, blocks, *, n_blocks, n_scores, threads):
     does for the caller. What threads cost against processes: every NumPy call gives the GIL up
     and takes it back, and between two busy threads a short call hands it over. The forward at
     N = 4096 (d = 64, float32) ran 1.83x faster on two threads than on one and 1.93x as two
-    processes of half the queries each; with dropout, whose mask is ~50 short calls a tile,
-    1.44x and 2.06x (AMD EPYC Zen 4, 2 cores, 2026-12-01, ``bench/threads_vs_processes.py``).
+    processes of half the queries each; with dropout, whose mask was then ~50 short calls a tile,
+    1.44x and 2.06x (AMD EPYC Zen 4, 2 cores, 2026-12-01, ``bench/threads_vs_processes.py``):
+    why ``_flash_dropout`` now draws two tiles per call, in fewer calls.
     If a worker raises, or the caller is interrupted (Ctrl-C),
     ``cancelled`` is set: every worker stops before its next tile, and the exception reaches
     the caller once they have.

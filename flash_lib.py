@@ -306,7 +306,9 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
         s_buf = np.empty(rows + (min(block_k, problem.n_k),), dtype=problem.acc)
         pv = np.empty(rows + (problem.dv,), dtype=problem.acc)
         # exactly this query block's tiles of tile_schedule(...)
-        for k_start, k_stop in problem.band.key_blocks(q_start, q_stop, block_k):
+        key_blocks = list(problem.band.key_blocks(q_start, q_stop, block_k))
+        keeps = problem.keep_walk((q_start, q_stop, k_start, k_stop) for k_start, k_stop in key_blocks)
+        for k_start, k_stop in key_blocks:
             if cancelled.is_set():
                 return
             allowed = _allowed(problem, q_start, q_stop, k_start, k_stop)
@@ -321,7 +323,7 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
                 matmul = functools.partial(np.matmul, out=pv)
             else:
                 matmul = functools.partial(_masked.matmul_allowed, allowed=allowed, bad=bad, out=pv)
-            keep = problem.keep_tile(q_start, q_stop, k_start, k_stop)
+            keep = keeps((q_start, q_stop, k_start, k_stop))
             if keep is not None:
                 matmul = _dropped(matmul, keep)
             online_softmax_update(m, l, acc, s, problem.v_tile(k_start, k_stop), matmul)
@@ -394,7 +396,7 @@ def dropout_keep(dropout_seed, dropout_p, shape, offset=(0, 0)):
     where element ``(b, i, j)`` is kept (``b`` the flat C-order index over ``shape[:-2]``, ``i``,
     ``j`` the row and key plus ``offset``), probability ``1 - round(p·2¹⁶)/2¹⁶`` each (within
     ``2⁻¹⁷`` of ``1 - p``), from 16 bits of Philox4x32-7 keyed by the seed and the position
-    (``_flash_dropout.py``). For tests and figures: the kernels compute it one tile at a time
+    (``_flash_dropout.py``). For tests and figures: the kernels compute it a tile or two at a time
     and never store it."""
     shape, (i, j), drop = _inputs.checked_keep_args(dropout_seed, dropout_p, shape, offset)
     if not drop["dropout_p"]:
@@ -666,7 +668,10 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
         dv_blk = np.zeros(batch + v_blk.shape[-2:], acc)
         # S (then P) and dP (then dS) of every tile of this key block, in two buffers
         tiles = [np.empty(batch + (min(block_q, n_q), k_stop - k_start), acc) for _ in range(2)]
-        for i, (q_start, q_stop) in enumerate(_blocks(n_q, block_q)):
+        query_blocks = list(_blocks(n_q, block_q))
+        keeps = problem.keep_walk((q_start, q_stop, k_start, k_stop) for q_start, q_stop in query_blocks
+                                  if problem.band.visits(q_start, q_stop, k_start, k_stop))
+        for i, (q_start, q_stop) in enumerate(query_blocks):
             if cancelled.is_set():
                 return
             share = None
@@ -675,7 +680,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
             if allowed is not False:
                 rows = slice(q_start, q_stop)
                 matmul = _masked.backward_matmul(problem, allowed, dout, q_start, q_stop, k_start, k_stop)
-                keep = problem.keep_tile(q_start, q_stop, k_start, k_stop)  # the forward's Z, again
+                keep = keeps((q_start, q_stop, k_start, k_stop))  # the forward's Z, again
                 dropout = None if keep is None else (keep, problem.dropout_scale(acc))
                 s_buf, dp_buf = (t[..., : q_stop - q_start, :] for t in tiles)
                 share = attention_backward_tile(

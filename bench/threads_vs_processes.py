@@ -5,8 +5,9 @@ hand it to each other at nearly every call, and two processes never do. This scr
 that cost, on one CPU, for two pieces of work:
 
 * the forward, ``flash_lib.flash_attention`` at N = ``--n`` (d = 64, 512 × 512 tiles);
-* the same forward with dropout (p = 0.1), whose mask is about 50 NumPy calls of a few µs a
-  tile (flash_lib's Philox); the difference of the two, per tile and thread, is the mask's cost;
+* the same forward with dropout (p = 0.1), whose mask is about 25 NumPy calls of a few tens of
+  µs per draw of two tiles (flash_lib's Philox); the difference of the two, per tile and
+  thread, is the mask's cost;
 
 each on one thread, on two threads (``flash_lib.threads(2)``), and as two processes of one
 thread each that compute half the queries each, started together (the time of the slower one).

@@ -428,8 +428,11 @@ for p, kept_p, n, q_keep, sigma, z_score, fa2_keep, fa2_z in rate_rows:
 # The cell measures, with `measure_peak_bytes` on one worker (chapter 8's setting), the scratch
 # (peak bytes minus the returned arrays) of `flash_attention` without and with dropout and of
 # `flash_attention_backward` with dropout against $N$, in float32 with $d = 32$ and the default
-# 512 × 512 tiles, and the mask `dropout_keep` materialises. Its output is this machine's
-# measurement; the next cell states what it shows.
+# 512 × 512 tiles, and the mask `dropout_keep` materialises. The kernels draw the masks of two
+# adjoining tiles of a worker's walk in one call (half the NumPy calls per tile, which on two
+# threads are as many hand-overs of the GIL: `_flash_dropout.py`), so their scratch holds two
+# tiles' Philox buffers, whatever $N$. Its output is this machine's measurement; the next cell
+# states what it shows.
 
 # %% tags=["nbval-ignore-output"]
 mask_model_bytes = 32 * 32 * 4096**2
@@ -840,7 +843,7 @@ assert abs(rate_rows[0][-1]) > 4 and abs(rate_rows[3][-1]) > 4
 assert mask_model_bytes == 16 * 2**30 and activations_bytes == 4 * 2**30
 assert all(b == n * n for b, n in zip(scratch["stored mask"], sizes))
 assert all(ratio < 1.25 for ratio in flat.values()), flat
-# measured at N = 4096: 4.1 and 6.9 MiB of scratch against the mask's 16 MiB
+# measured at N = 4096: 5.4 and 6.4 MiB of scratch against the mask's 16 MiB
 assert all(scratch[name][-1] < scratch["stored mask"][-1] for name in flat)
 # the gradient through dropout: the formulas, naive and flash agree; differences confirm it
 assert all(a < ROUNDING and b < ROUNDING for a, b in grad_checks.values()), grad_checks
