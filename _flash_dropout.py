@@ -51,7 +51,7 @@ alone); the last writes the output two words to a uint64, whose four uint16s are
 keys' numbers in order, so one comparison gives the mask. One 512 × 512 tile (32768 counters)
 took about 0.5 ms on one AMD EPYC Zen 4 core (2026-12-01), against 1.5-1.7 ms, timed alongside,
 for the Philox4x32-10 at 32 bits an element this module used before; the three-call round below
-took 57 µs a round of 32768 counters against 67 for the five-call one it replaced (2026-12-02).
+took 57 µs a round of 32768 counters against 67 for the five-call one it replaced (2026-12-01).
 
 Why the words go in pairs, ``(c0, c2)`` as one array and the products ``(c0·M0, c2·M1)`` as
 another: one NumPy call then does both words' step. The pair ``(c1, c3)`` is never stored on its
@@ -66,7 +66,7 @@ Zen 4, 2 cores, 2026-12-01, forward at N = 4096, with dropout minus without, whe
 one tile): the mask cost 0.65 ms a 512 × 512 tile on one thread, 0.56 ms a tile in each of two
 processes, and 1.22 ms a tile in each of two threads (float32; float64 0.89, 0.80, 1.63). Drawing
 two tiles per call halves the hand-overs per tile; ``bench/bench_flash.py --training-only`` (same
-machine, 2026-12-02) measured fwd+bwd with dropout / without, float32 at N = 4096, 1.39–1.41 with
+machine, 2026-12-01) measured fwd+bwd with dropout / without, float32 at N = 4096, 1.39–1.41 with
 two tiles per draw against 1.56–1.64 with one in the same session; four tiles gained nothing
 more. The buffers then hold two tiles' counters, 3 MiB a worker at 512 × 512 tiles, still fixed
 whatever N.

@@ -139,7 +139,7 @@ class Problem:
         ``mask_mod`` allows nothing in one, so with ``mask_mod`` each tile is drawn alone."""
         if not self.dropout_p:
             return lambda tile: None
-        return _KeepWalk(self, list(tiles), 1 if self.mask_mod is not None else dropout.TILES_PER_DRAW)
+        return _KeepWalk(self, tiles, 1 if self.mask_mod is not None else dropout.TILES_PER_DRAW)
 
     def dropout_scale(self, dtype):
         """``1 / (1 - p)`` in ``dtype``: the kept weights' factor, so that E[P ∘ Z / (1 - p)] = P."""
@@ -181,11 +181,12 @@ class Problem:
 
 
 class _KeepWalk:
-    """:meth:`Problem.keep_walk`'s masks: the last draw is kept and the tiles inside it sliced out."""
+    """:meth:`Problem.keep_walk`'s masks: the last draw is kept and the tiles inside it sliced out.
+    The walk is read one tile ahead at most, so that it costs O(1) memory however long it is."""
 
     def __init__(self, problem, tiles, per_draw):
-        self.problem, self.tiles, self.per_draw = problem, tiles, per_draw
-        self.position = {tile: n for n, tile in enumerate(tiles)}
+        self.problem, self.tiles, self.per_draw = problem, iter(tiles), per_draw
+        self.ahead = None  # a tile read from the walk that the last draw did not cover
         self.drawn = None  # (q_start, q_stop, k_start, k_stop), mask
 
     def __call__(self, tile):
@@ -194,10 +195,14 @@ class _KeepWalk:
             (i0, i1, j0, j1), mask = self.drawn
             if i0 <= q_start and q_stop <= i1 and j0 <= k_start and k_stop <= j1:
                 return mask[..., q_start - i0 : q_stop - i0, k_start - j0 : k_stop - j0]
-        span, n = tile, self.position[tile]
-        for after in self.tiles[n + 1 : n + self.per_draw]:
-            joined = _joined(span, after)
+        while self._next() != tile:  # tiles the kernel skipped (mask_mod allowed none there)
+            pass
+        span = tile
+        for _ in range(self.per_draw - 1):
+            after = next(self.tiles, None)
+            joined = None if after is None else _joined(span, after)
             if joined is None:
+                self.ahead = after
                 break
             span = joined
         # one buffer per worker thread for every draw: the last draw's tiles are done with
@@ -207,6 +212,10 @@ class _KeepWalk:
         mask = self.problem.keep_tile(*span, out=scratch.mask[:size])
         self.drawn = span, mask
         return mask[..., : q_stop - q_start, : k_stop - k_start]
+
+    def _next(self):
+        tile, self.ahead = self.ahead, None
+        return next(self.tiles) if tile is None else tile
 
 
 def _area(span):

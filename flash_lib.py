@@ -306,9 +306,10 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
         s_buf = np.empty(rows + (min(block_k, problem.n_k),), dtype=problem.acc)
         pv = np.empty(rows + (problem.dv,), dtype=problem.acc)
         # exactly this query block's tiles of tile_schedule(...)
-        key_blocks = list(problem.band.key_blocks(q_start, q_stop, block_k))
-        keeps = problem.keep_walk((q_start, q_stop, k_start, k_stop) for k_start, k_stop in key_blocks)
-        for k_start, k_stop in key_blocks:
+        key_blocks = functools.partial(problem.band.key_blocks, q_start, q_stop, block_k)
+        keeps = problem.keep_walk((q_start, q_stop, k_start, k_stop)
+                                  for k_start, k_stop in key_blocks())
+        for k_start, k_stop in key_blocks():
             if cancelled.is_set():
                 return
             allowed = _allowed(problem, q_start, q_stop, k_start, k_stop)
@@ -668,10 +669,10 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
         dv_blk = np.zeros(batch + v_blk.shape[-2:], acc)
         # S (then P) and dP (then dS) of every tile of this key block, in two buffers
         tiles = [np.empty(batch + (min(block_q, n_q), k_stop - k_start), acc) for _ in range(2)]
-        query_blocks = list(_blocks(n_q, block_q))
-        keeps = problem.keep_walk((q_start, q_stop, k_start, k_stop) for q_start, q_stop in query_blocks
+        keeps = problem.keep_walk((q_start, q_stop, k_start, k_stop)
+                                  for q_start, q_stop in _blocks(n_q, block_q)
                                   if problem.band.visits(q_start, q_stop, k_start, k_stop))
-        for i, (q_start, q_stop) in enumerate(query_blocks):
+        for i, (q_start, q_stop) in enumerate(_blocks(n_q, block_q)):
             if cancelled.is_set():
                 return
             share = None
