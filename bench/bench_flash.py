@@ -699,7 +699,7 @@ def training_table(args):
     backward draws it again (issue 24 asks <= 1.5x), and that a sink costs nothing. Checked
     first against naive's backward with the same keywords at N = 1024."""
     n = args.training_n
-    log(f"\n# training: fwd+bwd with dropout p = 0.1 (Philox4x32-7 mask drawn per tile, twice) "
+    log(f"\n# training: fwd+bwd with dropout p = 0.1 (Philox4x32-7 mask, two tiles a draw, drawn twice) "
         f"and with a sink, vs fwd+bwd without; N = {n}, d = {D}, no mask")
     table = Table([("dtype", 8), ("N", 6), ("plain ms", 9), ("dropout ms", 10), ("ratio", 7),
                    ("sinks ms", 9), ("ratio", 7), ("max rel err", 11), ("rounds", 6)])
@@ -899,10 +899,11 @@ TARGETS = {
         {"float64": 1.5, "float32": 1.5},
         "issue 24: the backward regenerates the mask instead of storing it, so the mask is drawn "
         "twice per tile; that must cost at most half again the training step. One 512 × 512 tile's "
-        "mask is 32768 Philox4x32-7 counters (FlashAttention-2's rounds, 16 bits an element), ~50 "
-        "uint64 NumPy passes each: 0.46-0.67 ms on a Zen 4 core (2026-12-01), a third of the "
-        "1.5-1.7 ms of Philox4x32-10 at 32 bits an element, against ~8.7 ms of float64 fwd+bwd "
-        "tile work and ~3.4 ms of float32, where two draws and the scaling make it close"),
+        "mask is 32768 Philox4x32-7 counters (FlashAttention-2's rounds, 16 bits an element), "
+        "drawn two tiles at a time in ~25 uint64 NumPy passes: 0.41-0.42 ms a tile on a Zen 4 core "
+        "(2026-12-01), against 0.46-0.49 for one tile a draw in five-call rounds and 1.5-1.7 ms "
+        "for Philox4x32-10 at 32 bits an element; ~8.7 ms of float64 fwd+bwd tile work and ~3.4 "
+        "ms of float32, where two draws and the scaling make it close"),
     "packed_tiles": Target(
         "packed batch, lengths (4096, 64 x 16): tiles visited / tiles of the sequences run one "
         "by one",
