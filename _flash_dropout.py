@@ -57,7 +57,8 @@ Why the words go in pairs, ``(c0, c2)`` as one array and the products ``(c0·M0,
 another: one NumPy call then does both words' step. The pair ``(c1, c3)`` is never stored on its
 own: it is the low halves of the previous round's products, and its one use is the next round's
 xor, which reads those halves in place (a uint32 view of the uint64 products). A round is then
-three calls, a multiply and two xors, where ten separate words' steps took ten.
+three calls (a multiply and two xors), where each word apart took ten calls and (c1, c3) as a
+third pair took five.
 
 Why a draw covers two tiles (:data:`TILES_PER_DRAW`): a draw is about 25 NumPy calls whatever its
 size, and on two worker threads each call gives the GIL up and takes it back, handing it to the
@@ -68,7 +69,7 @@ processes, and 1.22 ms a tile in each of two threads (float32; float64 0.89, 0.8
 two tiles per call halves the hand-overs per tile; ``bench/bench_flash.py --training-only`` (same
 machine, 2026-12-01) measured fwd+bwd with dropout / without, float32 at N = 4096, 1.39–1.41 with
 two tiles per draw against 1.56–1.64 with one in the same session; four tiles gained nothing
-more. The buffers then hold two tiles' counters, 3 MiB a worker at 512 × 512 tiles, still fixed
+more. The buffers then hold two tiles' counters, 3.5 MiB a worker at 512 × 512 tiles, still fixed
 whatever N.
 
 Private to flash_lib: imported by ``flash_lib.py`` and ``_flash_inputs.py`` only (and by

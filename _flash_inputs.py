@@ -179,7 +179,6 @@ class Problem:
         return self.nonfinite_rows("v", k_start, k_stop)
 
 
-
 class _KeepWalk:
     """:meth:`Problem.keep_walk`'s masks: the last draw is kept and the tiles inside it sliced out.
     The walk is read one tile ahead at most, so that it costs O(1) memory however long it is."""
@@ -206,7 +205,8 @@ class _KeepWalk:
                 break
             span = joined
         # one buffer per worker thread for every draw: the last draw's tiles are done with
-        scratch, size = self.problem._dropout_scratch, math.prod(self.problem.batch) * _area(span)
+        (i0, i1, j0, j1), scratch = span, self.problem._dropout_scratch
+        size = math.prod(self.problem.batch) * (i1 - i0) * (j1 - j0)
         if getattr(scratch, "mask", None) is None or scratch.mask.size < size:
             scratch.mask = np.empty(size, bool)
         mask = self.problem.keep_tile(*span, out=scratch.mask[:size])
@@ -218,11 +218,6 @@ class _KeepWalk:
         return next(self.tiles) if tile is None else tile
 
 
-def _area(span):
-    (q_start, q_stop, k_start, k_stop) = span
-    return (q_stop - q_start) * (k_stop - k_start)
-
-
 def _joined(span, tile):
     """The rectangle ``span`` and ``tile`` make together, or None when they make none."""
     (i0, i1, j0, j1), (q_start, q_stop, k_start, k_stop) = span, tile
@@ -231,6 +226,7 @@ def _joined(span, tile):
     if (j0, j1) == (k_start, k_stop) and i1 == q_start:
         return i0, q_stop, j0, j1
     return None
+
 
 def nonfinite_rows(x):
     """Sorted indices (axis -2) of the rows of ``x`` holding an inf or NaN in any batch entry.
