@@ -92,19 +92,50 @@ class Problem:
         """Entries of the (never stored) score matrix: what decides whether threads pay."""
         return math.prod(self.batch) * self.n_q * self.n_k
 
-    def q_tile(self, start, stop, dtype=None):
+    def q_tile(self, start, stop, dtype=None, out=None):
+        """``τ_q · q`` for queries ``start:stop`` (into ``out``, a buffer of at least its rows)."""
         dtype = self.acc if dtype is None else dtype
-        return np.multiply(self.q[..., start:stop, :], dtype.type(self.scale_q), dtype=dtype)
+        q = self.q[..., start:stop, :]
+        if out is not None:
+            out = out[..., : stop - start, :]
+        return np.multiply(q, dtype.type(self.scale_q), dtype=dtype, out=out)
 
-    def k_tile(self, start, stop, dtype=None):
+    def k_tile(self, start, stop, dtype=None, unit=1.0):
+        """``τ_k · unit · k`` for keys ``start:stop``: ``unit`` is log2(e) for base-2 scores (one
+        multiply: τ_k is a power of two, so this is ``(τ_k k)·log2(e)`` bit for bit)."""
         dtype = self.acc if dtype is None else dtype
-        k = self.k[..., start:stop, :]
-        if self.scale_k == 1:
-            return k.astype(dtype, copy=False)
-        return np.multiply(k, dtype.type(self.scale_k), dtype=dtype)
+        if self.scale_k * unit == 1:
+            return self.k[..., start:stop, :].astype(dtype, copy=False)
+        # a k shared by every head is scaled once, not once per head
+        return np.multiply(self.k_stored[..., start:stop, :], dtype.type(self.scale_k * unit),
+                           dtype=dtype)
 
     def v_tile(self, start, stop, dtype=None):
         return self.v[..., start:stop, :].astype(self.acc if dtype is None else dtype, copy=False)
+
+    @functools.cached_property
+    def k_stored(self):
+        """``k`` with its batch axes broadcast with stride 0 cut to length 1 (the matmuls
+        broadcast them back): the keys as memory holds them."""
+        return self.k[tuple(slice(0, 1) if n > 1 and st == 0 else slice(None)
+                            for n, st in zip(self.k.shape[:-2], self.k.strides))]
+
+    @functools.cached_property
+    def score_bound(self):
+        """An upper bound on every ``|S_ij|`` after the variants (a Python float, inf when there
+        is none: inf or NaN inputs, or a bound beyond float64). No dot product of ``d`` terms
+        exceeds ``d · max|τ_q q| · max|τ_k k|``; softcap caps it at ``softcap``; ALiBi adds at
+        most ``max|slope| · (max(Nq, Nk) - 1)``. Over the finite entries only: an inf or NaN
+        gives the same inf or NaN scores in base e and in base 2, so it must not change the base
+        of the other rows (a NaN in row ``i`` leaves every other row's bits as they were)."""
+        if self.softcap is not None:
+            bound = self.softcap
+        else:
+            bound = (self.q.shape[-1] * (largest_finite(self.q) * self.scale_q)
+                     * (largest_finite(self.k) * self.scale_k))
+        if self.alibi is not None:
+            bound += largest_finite(self.alibi) * max(self.n_q - 1, self.n_k - 1, 0)
+        return bound if math.isfinite(bound) else math.inf
 
     def mask_mod_tile(self, q_start, q_stop, k_start, k_stop):
         """``mask_mod`` on one tile, checked, with its head axis split for grouped queries."""
@@ -226,6 +257,21 @@ def _joined(span, tile):
     if (j0, j1) == (k_start, k_stop) and i1 == q_start:
         return i0, q_stop, j0, j1
     return None
+
+
+def largest_finite(x):
+    """``max |x|`` over the finite entries of ``x`` (0 if none), a Python float: with ``max`` and
+    ``min``, which make no temporaries, unless ``x`` holds an inf or NaN, then 1024 rows at a time."""
+    if x.size == 0:
+        return 0.0
+    hi, lo = float(x.max()), float(x.min())
+    if math.isfinite(hi) and math.isfinite(lo):
+        return max(hi, -lo)
+    best = 0.0
+    for start in range(0, x.shape[-2], 1024):
+        chunk = np.abs(x[..., start : start + 1024, :])
+        best = max(best, float(chunk.max(initial=0, where=np.isfinite(chunk))))
+    return best
 
 
 def nonfinite_rows(x):

@@ -14,6 +14,12 @@ A tile that raises the maximum from ``m`` to ``m'`` rescales ``l`` and ``acc`` b
 backward (:func:`flash_attention_backward`, FlashAttention-2's) recomputes each tile's
 ``P = exp(S - lse)`` and needs ``D = rowsum(dout ∘ out)`` (:func:`attention_backward_tile`).
 
+Where NumPy computes ``2^x`` faster than ``e^x`` (its AVX-512 loops: :func:`exponential`), the
+kernels work in base 2, as FlashAttention does on a GPU: ``log2(e)`` is folded into the keys'
+scale, so the scores come out as ``S·log2(e)`` and ``e^(s - m) = 2^(s·log2 e - m·log2 e)``;
+``m`` and the tile's ``lse`` are then in base-2 units, and the returned lse is converted back
+with one multiply per row (``lse = (m + log2 l) · ln 2``).
+
 =========== ===============================================================================
 ``Nq, Nk``  number of queries, number of keys
 ``d, dv``   feature size of queries/keys, feature size of values
@@ -22,6 +28,7 @@ backward (:func:`flash_attention_backward`, FlashAttention-2's) recomputes each 
 ``m``       running row maximum of the scaled, masked scores
 ``l``       running row sum of ``exp(s - m)``
 ``lse``     log-sum-exp of a row's scaled, masked scores: ``m + log(l)`` (natural log)
+``unit``    what the kernels' scores are multiplied by: 1 (base e), or ``log2(e)`` (base 2)
 ``D``       ``rowsum(dout ∘ out)`` per query row, in the backward: ``Σ_j P_ij dP_ij``
 =========== ===============================================================================
 
@@ -40,6 +47,10 @@ Contracts, the same in every kernel here (README.md and the chapters say why and
 * The scale ``τ = r·2^e`` is applied as ``q · r·2^a`` and ``k · 2^b``, ``a + b = e``, ``b = trunc(e/2)``.
 * Threads (:func:`threads`, ``FLASH_LIB_THREADS``) and BLAS held at one thread: the same bits
   on any number of threads, from any calling thread; Ctrl-C stops a call within about a tile.
+* The exponential (:func:`exponential`; ``FLASH_LIB_EXP``, :func:`use_exponential`) is one per
+  compute dtype and machine, chosen from the loops NumPy dispatches to, never from a timing; a
+  call whose base-2 scores could overflow where the natural ones do not (``|S|`` beyond
+  ``max / log2(e)``) uses ``e``.
 * The same bits in any memory layout: an input not in C order is copied to it once per call
   (axes broadcast with stride 0 stay views), since BLAS and NumPy pick kernels by strides.
 * float16 and bfloat16 (``ml_dtypes``) compute in float32; without ml_dtypes bfloat16 is refused.
@@ -56,6 +67,7 @@ import contextlib
 import contextvars
 import functools
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +81,8 @@ from _flash_measure import measure_peak_bytes, rowwise_relative_error
 __all__ = [
     "DEFAULT_BLOCK_Q",
     "DEFAULT_BLOCK_K",
+    "exponential",
+    "use_exponential",
     "online_softmax_update",
     "flash_attention",
     "naive_attention",
@@ -102,6 +116,12 @@ DEFAULT_BLOCK_K = 512
 # most 4); threads(n) overrides it for one context.
 _THREADS = _runtime.threads_from_environment()
 _THREADS_HERE = contextvars.ContextVar("flash_lib_threads", default=None)
+# FLASH_LIB_EXP, read at import: "auto" (the default), "exp" or "exp2"; use_exponential(name)
+# overrides it for one context
+_EXPONENTIAL = _runtime.exponential_from_environment()
+_EXPONENTIAL_HERE = contextvars.ContextVar("flash_lib_exponential", default=None)
+#: log2(e) and ln(2): e^x = 2^(x·log2 e), and log x = log2(x) · ln 2
+LOG2E, LN2 = 1 / math.log(2), math.log(2)
 
 
 @contextlib.contextmanager
@@ -123,6 +143,53 @@ def thread_count():
     """The worker-thread count in force here: the innermost :func:`threads`, else the default."""
     n = _THREADS_HERE.get()
     return _THREADS if n is None else n
+
+
+def exponential(dtype):
+    """The exponential the kernels use for compute dtype ``dtype`` (float32 for half-precision
+    inputs) on this machine: ``np.exp2`` for float32 where NumPy runs an AVX-512 loop for it
+    (there it took 0.46x the time of ``np.exp`` on a tile, and the forward 0.95x), else ``np.exp``.
+    ``FLASH_LIB_EXP=exp`` or ``exp2`` forces one for every dtype, and :func:`use_exponential`
+    for one context. In base 2 the scores carry ``log2(e)``, folded into the keys' scale (the
+    module docstring)."""
+    dtype = np.dtype(dtype)
+    choice = _EXPONENTIAL_HERE.get() or _EXPONENTIAL
+    return _runtime.exponential(np.float32 if dtype in _inputs.HALF_DTYPES else dtype, choice)
+
+
+@contextlib.contextmanager
+def use_exponential(name):
+    """Compute the kernel calls made inside ``with flash_lib.use_exponential(name):`` with
+    ``name``'s exponential: ``"exp"`` (base e) or ``"exp2"`` (base 2) for every dtype, or
+    ``"auto"`` (:func:`exponential`'s choice for this machine). Per context, as :func:`threads`.
+    The base changes the last bits of the results, within the same error bounds (chapter 7)."""
+    if name not in _runtime.EXPONENTIALS:
+        raise ValueError(f"use_exponential(name): name must be one of "
+                         f"{', '.join(_runtime.EXPONENTIALS)}, got {name!r}")
+    token = _EXPONENTIAL_HERE.set(name)
+    try:
+        yield
+    finally:
+        _EXPONENTIAL_HERE.reset(token)
+
+
+def _unit(exp):
+    """What the scores are multiplied by for ``exp``: 1 for ``np.exp``, log2(e) for ``np.exp2``."""
+    return LOG2E if exp is np.exp2 else 1.0
+
+
+def _exponential_for(problem):
+    """The call's exponential: :func:`exponential` of its compute dtype, unless a base-2 score
+    could overflow where the natural one does not (``|S| · log2(e)`` beyond the dtype's range:
+    the inputs' bound ``Problem.score_bound``, or a sink), then ``np.exp``."""
+    exp = exponential(problem.acc)
+    if exp is np.exp2:
+        largest = problem.score_bound
+        if problem.sinks is not None:
+            largest = max(largest, float(np.abs(problem.sinks).max()))
+        if not largest * LOG2E < 0.5 * float(np.finfo(problem.acc).max):
+            return np.exp
+    return exp
 
 
 def check_arrays(q, k, v, mask=None, *, enable_gqa=False):
@@ -155,13 +222,15 @@ def _ieee_quiet():
 # --------------------------------------------------------------------------------------------
 
 
-def online_softmax_update(m, l, acc, s, v, matmul=np.matmul):
+def online_softmax_update(m, l, acc, s, v, matmul=np.matmul, exp=np.exp):
     """Fold one tile of scores into its rows' running state ``(m, l, acc)``, in place.
 
     m, l: (..., rows); acc: (..., rows, dv); v: the tile's values, (..., keys, dv);
     s: the tile's scaled scores, (..., rows, keys), -inf where a pair is not allowed;
     s is overwritten with p. ``matmul(p, v)`` is ``p @ v``: the kernel passes one that
-    reuses a buffer and keeps masked keys out (``_matmul_allowed``).
+    reuses a buffer and keeps masked keys out (``_matmul_allowed``). ``exp``: ``np.exp``, or
+    ``np.exp2`` when ``s`` and ``m`` are in base-2 units (multiplied by log2(e)); the kernel
+    passes :func:`exponential`'s choice. Below, e^x is ``exp`` in either base.
     """
     # m' = max(m, max_j s_j)
     m_new = np.maximum(m, s.max(axis=-1))
@@ -169,9 +238,9 @@ def online_softmax_update(m, l, acc, s, v, matmul=np.matmul):
     # any finite reference gives the same e^(-inf) = 0 there: use 0.
     m_ref = np.where(m_new == -np.inf, 0, m_new)
     # alpha = e^(m - m') re-expresses what was summed against m'
-    alpha = np.exp(m - m_ref)
+    alpha = exp(m - m_ref)
     # p_j = e^(s_j - m')
-    p = np.exp(np.subtract(s, m_ref[..., None], out=s), out=s)
+    p = exp(np.subtract(s, m_ref[..., None], out=s), out=s)
     # l' = l·e^(m - m') + Σ_j p_j
     l *= alpha
     l += p.sum(axis=-1)
@@ -181,16 +250,18 @@ def online_softmax_update(m, l, acc, s, v, matmul=np.matmul):
     m[...] = m_new
 
 
-def _initial_state(problem, rows):
+def _initial_state(problem, rows, unit=1.0):
     """Each row's ``(m, l)`` before its first key: ``(-inf, 0)``; with a sink, ``(sink, 1)``: the
-    sink is one key already seen, of score ``sink`` and value 0 (``acc`` stays 0)."""
+    sink is one key already seen, of score ``sink`` (times ``unit``) and value 0 (``acc`` stays 0)."""
     if problem.sinks is None:
         return np.full(rows, -np.inf, problem.acc), np.zeros(rows, problem.acc)
-    return np.broadcast_to(problem.sinks.astype(problem.acc), rows).copy(), np.ones(rows, problem.acc)
+    sinks = (problem.sinks * unit).astype(problem.acc)
+    return np.broadcast_to(sinks, rows).copy(), np.ones(rows, problem.acc)
 
 
-def _finalize(acc, l, m):
+def _finalize(acc, l, m, exp=np.exp):
     """``out = acc / l`` and ``lse = m + log(l)``, with empty rows (``l == 0``) as 0 and -inf.
+    With ``exp = np.exp2`` (``m`` in base 2), ``lse = (m + log2(l)) · ln 2``, in natural units.
 
     ``l == 0`` exactly when no key was allowed, because the largest allowed score contributes
     ``exp(0) = 1``. A NaN row has ``l`` NaN, which is not 0, so it stays NaN in both outputs.
@@ -198,8 +269,10 @@ def _finalize(acc, l, m):
     empty = l == 0
     out = acc / np.where(empty, 1, l)[..., None]
     lse = np.full_like(l, -np.inf)
-    np.log(l, out=lse, where=~empty)
+    (np.log2 if exp is np.exp2 else np.log)(l, out=lse, where=~empty)
     lse += m
+    if exp is np.exp2:
+        lse *= LN2  # back to natural units: one multiply per row
     return out, lse
 
 
@@ -294,15 +367,19 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
     out = np.zeros(problem.batch + (problem.n_q, problem.dv), dtype=problem.out_dtype)
     # Not allocated unless asked for: it would be O(Nq) scratch.
     lse = np.full(problem.batch + (problem.n_q,), -np.inf, problem.acc) if return_lse else None
+    # e^x, or 2^x with the scores in base-2 units: log2(e) rides on the keys' scale τ_k
+    exp = _exponential_for(problem)
+    unit = _unit(exp)
 
     def attend(query_block, cancelled):
         """One query block over its key blocks: the online-softmax recurrence, tile by tile."""
         q_start, q_stop = query_block
         rows = problem.batch + (q_stop - q_start,)
         q_blk = problem.q_tile(q_start, q_stop)
-        m, l = _initial_state(problem, rows)
+        m, l = _initial_state(problem, rows, unit)
         acc = np.zeros(rows + (problem.dv,), dtype=problem.acc)
         # The scores tile and the p·v product are reused across key blocks: one allocation each.
+        # (Per worker for the whole call, as the backward's, measured 1-2% slower on one thread.)
         s_buf = np.empty(rows + (min(block_k, problem.n_k),), dtype=problem.acc)
         pv = np.empty(rows + (problem.dv,), dtype=problem.acc)
         # exactly this query block's tiles of tile_schedule(...)
@@ -315,8 +392,9 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
             allowed = _allowed(problem, q_start, q_stop, k_start, k_stop)
             if allowed is False:  # mask_mod allows no pair here: never multiplied
                 continue
-            s = _scores(problem, q_blk, problem.k_tile(k_start, k_stop),
-                        q_start, q_stop, k_start, k_stop, out=s_buf[..., : k_stop - k_start])
+            s = _scores(problem, q_blk, problem.k_tile(k_start, k_stop, unit=unit),
+                        q_start, q_stop, k_start, k_stop, out=s_buf[..., : k_stop - k_start],
+                        unit=unit)
             if allowed is not None:
                 np.copyto(s, -np.inf, where=~allowed)
             bad = problem.bad_values(k_start, k_stop) if allowed is not None else None
@@ -327,11 +405,16 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
             keep = keeps((q_start, q_stop, k_start, k_stop))
             if keep is not None:
                 matmul = _dropped(matmul, keep)
-            online_softmax_update(m, l, acc, s, problem.v_tile(k_start, k_stop), matmul)
+            online_softmax_update(m, l, acc, s, problem.v_tile(k_start, k_stop), matmul, exp)
         if problem.dropout_p:  # out = (P ∘ Z / (1 - p)) V: the 1 / (1 - p) once per row
             acc *= problem.dropout_scale(problem.acc)
         # Divide once, at the end.
-        out[..., q_start:q_stop, :], lse_blk = _finalize(acc, l, m)
+        out[..., q_start:q_stop, :], lse_blk = _finalize(acc, l, m, exp)
+        if problem.sinks is not None and unit != 1:
+            # (sink·log2 e)·ln 2 rounds; a row its keys added nothing to keeps lse = sink exactly
+            sink = np.broadcast_to(problem.sinks.astype(problem.acc), rows)
+            lse_blk = np.where((l == 1) & (m == (problem.sinks * unit).astype(problem.acc)),
+                               sink, lse_blk)
         if lse is not None:
             lse[..., q_start:q_stop] = lse_blk
 
@@ -340,6 +423,19 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
                             n_blocks=-(-problem.n_q // block_q), n_scores=problem.n_scores)
     out, lse = problem.merge_heads(out), problem.merge_heads(lse)
     return (out, lse) if return_lse else out
+
+
+def _per_worker(make):
+    """``get()`` returns the calling worker thread's buffers for this call: ``make()``'s, made at
+    its first block and reused for the others. A tile-sized array made per block is handed back
+    to the OS when freed and, made again, faulted in page by page (512 faults for a 2 MiB tile)."""
+    local = threading.local()
+
+    def get():
+        if not hasattr(local, "buffers"):
+            local.buffers = make()
+        return local.buffers
+    return get
 
 
 def _dropped(matmul, keep):
@@ -495,18 +591,19 @@ def _allowed(problem, q_start, q_stop, k_start, k_stop):
     return allowed
 
 
-def _scores(problem, q, k, q_start, q_stop, k_start, k_stop, out=None, grad=False):
+def _scores(problem, q, k, q_start, q_stop, k_start, k_stop, out=None, grad=False, unit=1.0):
     """``S = (τ_q q)(τ_k k)ᵀ`` for one tile, then the score variants: softcap, then ALiBi.
 
     ``q``, ``k``: the tile's scaled queries and keys. With ``grad=True`` also returns
     ``dS_capped / dS = 1 - tanh²(S / softcap)`` (None without softcap), which the backward needs.
+    ``unit``: log2(e) when ``k`` carries it (base-2 scores): the cap and the slopes carry it too.
     """
     if out is None:  # the whole batch, as the forward's buffer: v, mask may add batch dims
         out = np.empty(problem.batch + (q_stop - q_start, k_stop - k_start), np.result_type(q, k))
     s = np.matmul(q, np.swapaxes(k, -1, -2), out=out)
     slope = None
     if problem.softcap is not None:
-        cap = s.dtype.type(problem.softcap)
+        cap = s.dtype.type(problem.softcap * unit)
         with np.errstate(over="ignore"):  # |s / c| beyond the dtype is ±inf, and tanh(±inf) = ±1
             t = np.tanh(np.divide(s, cap, out=s), out=s)  # t = tanh(s / c)
         slope = 1 - t * t if grad else None
@@ -514,7 +611,7 @@ def _scores(problem, q, k, q_start, q_stop, k_start, k_stop, out=None, grad=Fals
     if problem.alibi is not None:
         i = np.arange(q_start, q_stop)[:, None] + (problem.n_k - problem.n_q)
         distance = np.abs(i - np.arange(k_start, k_stop)[None, :]).astype(s.dtype)
-        s -= problem.alibi.astype(s.dtype) * distance  # -slope·|i + (Nk - Nq) - j|
+        s -= (problem.alibi * unit).astype(s.dtype) * distance  # -slope·|i + (Nk - Nq) - j|
     return (s, slope) if grad else s
 
 
@@ -524,7 +621,7 @@ def _scores(problem, q, k, q_start, q_stop, k_start, k_stop, out=None, grad=Fals
 
 
 def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=None,
-                            scores=None, dropout=None, dp_buffer=None):
+                            scores=None, dropout=None, dp_buffer=None, exp=np.exp, k_scores=None):
     """One tile (i, j) of FlashAttention-2's backward: adds to dK_j and dV_j in place,
     returns this tile's share of dQ_i.
 
@@ -540,14 +637,18 @@ def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=
     factor, as the forward drew them (or None). ``dp_buffer``: an array of the tile's shape to
     hold P ∘ Z (with dropout), then dP and dS (the kernel reuses one per worker: a fresh 2 MiB
     tile each time can cost its page faults again), or None.
+    ``exp``: ``np.exp``, or ``np.exp2`` with S_ij and lse_i in base-2 units (multiplied by
+    log2(e)), S_ij then computed from ``k_scores`` = log2(e)·K_j (scaled), while dQ's share
+    uses ``k``. By default ``k_scores`` is ``k``.
     """
     matmul = matmul or (lambda a, b, which: a @ b)
+    k_scores = k if k_scores is None else k_scores
     # S_ij, recomputed as the forward computed it
-    s, slope = scores(q, k) if scores else (q @ np.swapaxes(k, -1, -2), None)
+    s, slope = scores(q, k_scores) if scores else (q @ np.swapaxes(k_scores, -1, -2), None)
     if allowed is not None:
         np.copyto(s, -np.inf, where=~allowed)
     # P_ij = e^(S_ij - lse_i): one exp, no max, no sum
-    p = np.exp(np.subtract(s, lse[..., None], out=s), out=s)
+    p = exp(np.subtract(s, lse[..., None], out=s), out=s)
     if allowed is not None and np.isnan(lse).any():
         # e^(-inf - NaN) is NaN: a NaN row's masked pairs must still weigh 0
         np.copyto(p, 0, where=~allowed)
@@ -654,21 +755,39 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
         # is inf - inf or NaN there); dO_i·O_i is ±inf instead, and dP_ij - D_i could be ±inf.
         D[..., rows] = np.where(np.isfinite(dout_rows).all(axis=-1), D[..., rows], np.nan)
     lse = np.where(lse == -np.inf, np.inf, lse).astype(acc, copy=False)
+    # P = e^(S - lse), or 2^(S·log2 e - lse·log2 e): the forward's exponential, the same scores
+    exp = _exponential_for(problem)
+    unit = _unit(exp)
     dq = np.zeros(problem.q.shape, acc)  # the shares Σ_j dS_ij K_j, times τ_q at the end
     dk = np.zeros(problem.k.shape, problem.k.dtype)
     dv = np.zeros(problem.v.shape, problem.v.dtype)
     turns = _runtime.InOrder(-(-n_q // block_q))  # dQ_i's shares, added in key-block order
+    # Each worker's buffers: S (then P) and dP (then dS) of a tile; τ_q Q_i; the three products
+    # added to dV_j, dK_j and dQ_i
+    rows_max, keys_max = min(block_q, n_q), min(block_k, n_k)
+    buffers = _per_worker(lambda: (
+        [np.empty(batch + (rows_max, keys_max), acc) for _ in range(2)],
+        np.empty(problem.q.shape[:-2] + (rows_max, problem.q.shape[-1]), acc),
+        {"dout": np.empty(batch + (keys_max, problem.dv), acc),  # P̃ᵀ dO, for dV_j
+         "q": np.empty(batch + (keys_max, problem.q.shape[-1]), acc),  # dSᵀ Q_i, for dK_j
+         "k": np.empty(batch + (rows_max, problem.q.shape[-1]), acc)}))  # dS K_j, dQ_i's share
 
     def key_block(block, cancelled):
         """One key block over every query block: dK_j, dV_j resident, dQ's shares added in turn."""
         k_start, k_stop = block
         j = k_start // block_k
-        k_blk = problem.k_tile(k_start, k_stop)
+        k_blk = problem.k_tile(k_start, k_stop)  # τ_k K_j, for dQ's shares
+        # τ_k·log2(e)·K_j in base 2, for S
+        k_exp = problem.k_tile(k_start, k_stop, unit=unit) if unit != 1 else k_blk
         v_blk = problem.v_tile(k_start, k_stop)
         dk_blk = np.zeros(batch + k_blk.shape[-2:], acc)
         dv_blk = np.zeros(batch + v_blk.shape[-2:], acc)
-        # S (then P) and dP (then dS) of every tile of this key block, in two buffers
-        tiles = [np.empty(batch + (min(block_q, n_q), k_stop - k_start), acc) for _ in range(2)]
+        keys = k_stop - k_start
+        tiles, q_buf, products = buffers()
+        tiles = [t[..., :keys] for t in tiles]
+
+        def into_buffers(a, b, which):  # a @ b into its buffer, cut to this tile's rows
+            return np.matmul(a, b, out=products[which][..., : a.shape[-2], :])
         keeps = problem.keep_walk((q_start, q_stop, k_start, k_stop)
                                   for q_start, q_stop in _blocks(n_q, block_q)
                                   if problem.band.visits(q_start, q_stop, k_start, k_stop))
@@ -680,17 +799,20 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
             allowed = _allowed(problem, q_start, q_stop, k_start, k_stop) if visits else False
             if allowed is not False:
                 rows = slice(q_start, q_stop)
-                matmul = _masked.backward_matmul(problem, allowed, dout, q_start, q_stop, k_start, k_stop)
+                matmul = (_masked.backward_matmul(problem, allowed, dout, q_start, q_stop, k_start,
+                                                  k_stop) or into_buffers)
                 keep = keeps((q_start, q_stop, k_start, k_stop))  # the forward's Z, again
                 dropout = None if keep is None else (keep, problem.dropout_scale(acc))
                 s_buf, dp_buf = (t[..., : q_stop - q_start, :] for t in tiles)
                 share = attention_backward_tile(
-                    problem.q_tile(q_start, q_stop), k_blk, v_blk,
-                    dout[..., rows, :].astype(acc, copy=False), lse[..., rows], D[..., rows],
+                    problem.q_tile(q_start, q_stop, out=q_buf), k_blk, v_blk,
+                    dout[..., rows, :].astype(acc, copy=False), lse[..., rows] * acc.type(unit),
+                    D[..., rows],
                     dk_blk, dv_blk, allowed, matmul,
                     functools.partial(_scores, problem, q_start=q_start, q_stop=q_stop,
-                                      k_start=k_start, k_stop=k_stop, out=s_buf, grad=True),
-                    dropout, dp_buf,
+                                      k_start=k_start, k_stop=k_stop, out=s_buf, grad=True,
+                                      unit=unit),
+                    dropout, dp_buf, exp, k_exp,
                 )
                 share = _sum_to(share, dq.shape[:-2] + share.shape[-2:])
             with turns.turn(i, j, cancelled) as mine:

@@ -350,7 +350,8 @@ def floor_section(args):
             matmuls = sum(s for op, s in ops.items() if op in tile_ops.MATMULS)
             log(f"{name} {direction}: " + ", ".join(f"{op} {1e6 * s:.0f}" for op, s in ops.items())
                 + f"; floor {1e6 * total:.0f} µs a tile (matmuls {100 * matmuls / total:.0f}%, "
-                f"exp {100 * ops['exp'] / total:.0f}%)")
+                f"{tile_ops.kernel_exponential(DTYPES[name])} "
+                f"{100 * sum(s for op, s in ops.items() if op in tile_ops.EXPONENTIALS) / total:.0f}%)")
             faults = one_thread[f"{direction} page faults"]
             log(f"  flash_lib's {direction} on one thread, N = {4 * args.block_q}: "
                 f"{1e6 * one_thread[direction]:.0f} µs a tile, "

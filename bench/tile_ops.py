@@ -2,7 +2,8 @@
 
 A FlashAttention tile in NumPy is a handful of calls: two matmuls, a row maximum, a subtraction,
 an exponential, a row sum and the rescale of ``acc`` in the forward; five matmuls and four
-elementwise passes in the backward. No NumPy kernel can do a tile in less than the sum of those
+elementwise passes in the backward. The exponential is the kernel's own, ``flash_lib.exponential``
+(``exp2`` with ``log2(e)`` folded into the keys for float32 on AVX-512, ``exp`` elsewhere). No NumPy kernel can do a tile in less than the sum of those
 calls, so that sum, times the tiles a call visits, over the threads that share them, is the
 kernel's *floor* on this machine; ``kernel time / floor`` is then what the kernel loses to
 everything else (Python between the calls, threads waiting, caches). ``bench/bench_flash.py``
@@ -15,10 +16,10 @@ repetition; each operation keeps its best (minimum) time. Timing them in sequenc
 each call finds in the caches what it finds in the kernel, and interleaves them, so that a busy
 moment hits them alike. BLAS is held at one thread, as inside the kernel.
 
-The alternatives of issue 21's item 2 are timed the same way, as variants of the tile:
-``exp2`` with ``log2(e)`` folded into the score scale, the elementwise steps with temporaries
-instead of in place (forward and backward), and, in the forward, the row sum taken by the
-``p·v`` matmul (a column of ones appended to ``v``). Beside them the script times flash_lib's own
+The alternatives of issue 21's item 2 are timed the same way, as variants of the tile: ``exp``
+and ``exp2`` (with ``log2(e)`` folded into the keys' scale) whichever the kernel uses, the
+elementwise steps with temporaries instead of in place (forward and backward), and, in the
+forward, the row sum taken by the ``p·v`` matmul (a column of ones appended to ``v``). Beside them the script times flash_lib's own
 forward and backward on one thread (per tile: what the kernel adds to the floor) and the floor
 on two threads side by side (what the cores cost each other). Which NumPy loop ran each ufunc is
 read from NumPy itself (``numpy.lib.introspect.opt_func_info``), not guessed.
@@ -179,17 +180,24 @@ def _time_ops(ops, seconds, min_reps):
     return best
 
 
+def kernel_exponential(dtype):
+    """The exponential ``flash_lib`` uses for ``dtype`` here: ``"exp"`` or ``"exp2"``."""
+    return flash_lib.exponential(dtype).__name__
+
+
 def forward_ops(dtype, block_q=flash_lib.DEFAULT_BLOCK_Q, block_k=flash_lib.DEFAULT_BLOCK_K,
-                d=D, *, exp="exp", temporaries=False, sum_in_matmul=False):
+                d=D, *, exp=None, temporaries=False, sum_in_matmul=False):
     """The forward tile's calls as ``[(name, fn)]``, sharing one tile's state.
 
-    ``exp="exp2"``: the scores come out of ``q·kᵀ`` already multiplied by ``log2(e)`` (folded
-    into q's scale once per query block, outside the tile) and ``exp2`` replaces ``exp``;
+    ``exp``: ``"exp"``, ``"exp2"`` or None, the kernel's (:func:`kernel_exponential`). With
+    ``"exp2"`` the scores come out of ``q·kᵀ`` already multiplied by ``log2(e)`` (the kernel folds
+    it into the keys' scale, a multiply it does anyway) and ``exp2`` replaces ``exp``;
     ``temporaries``: ``np.exp(s - m)`` as a plain expression, two fresh tiles, instead of in
     place; ``sum_in_matmul``: ``l`` is taken by the ``p·v`` matmul from a column of ones
     appended to v (once per key block), instead of by a row sum.
     """
     dtype = np.dtype(dtype).type
+    exp = exp or kernel_exponential(dtype)
     q, k, v, _ = _tile_inputs(dtype, block_q, block_k, d)
     if exp == "exp2":
         q = q * dtype(LOG2E)
@@ -258,12 +266,13 @@ def forward_ops(dtype, block_q=flash_lib.DEFAULT_BLOCK_Q, block_k=flash_lib.DEFA
 
 
 def backward_ops(dtype, block_q=flash_lib.DEFAULT_BLOCK_Q, block_k=flash_lib.DEFAULT_BLOCK_K,
-                 d=D, *, exp="exp", temporaries=False):
+                 d=D, *, exp=None, temporaries=False):
     """The backward tile's calls as ``[(name, fn)]`` (``flash_lib.attention_backward_tile``):
-    recompute S and P = e^(S - lse), then dV, dP, dS, dK, dQ's share. ``exp="exp2"``: log2(e)
-    folded into k's tile (once per key block: the outer loop) and into the lse, ``exp2`` for
-    ``exp``; ``temporaries``: the elementwise steps as plain expressions."""
+    recompute S and P = e^(S - lse), then dV, dP, dS, dK, dQ's share. ``exp``: as for
+    :func:`forward_ops`; with ``"exp2"``, log2(e) folded into k's tile (once per key block: the
+    outer loop) and into the lse; ``temporaries``: the elementwise steps as plain expressions."""
     dtype = np.dtype(dtype).type
+    exp = exp or kernel_exponential(dtype)
     q, k, v, dout = _tile_inputs(dtype, block_q, block_k, d)
     k_s = k * dtype(LOG2E) if exp == "exp2" else k
     expf = {"exp": np.exp, "exp2": np.exp2}[exp]
@@ -421,15 +430,17 @@ def floor_seconds(per_tile, n, *, block_q=flash_lib.DEFAULT_BLOCK_Q,
 
 
 #: The variants timed by :func:`measure`: label -> keyword arguments of the tile's ops.
+#: The first is the kernel's own tile, the floor: its exponential is flash_lib.exponential's.
+KERNEL = "the kernel's ops"
 FORWARD_VARIANTS = {
-    "exp (kernel today)": {},
+    KERNEL: {},
+    "exp": {"exp": "exp"},
     "exp2, log2(e) folded": {"exp": "exp2"},
     "temporaries": {"temporaries": True},
     "row sum in p·[v 1]": {"sum_in_matmul": True},
-    "exp2 + row sum in p·[v 1]": {"exp": "exp2", "sum_in_matmul": True},
 }
 BACKWARD_VARIANTS = {label: FORWARD_VARIANTS[label]
-                     for label in ("exp (kernel today)", "exp2, log2(e) folded", "temporaries")}
+                     for label in (KERNEL, "exp", "exp2, log2(e) folded", "temporaries")}
 
 
 def kernel_per_tile(dtype, block_q=flash_lib.DEFAULT_BLOCK_Q, block_k=flash_lib.DEFAULT_BLOCK_K,
@@ -523,7 +534,7 @@ def report(res):
     for name, r in res["dtypes"].items():
         for direction in ("forward", "backward"):
             var = pooled(r[direction])
-            base = var["exp (kernel today)"]
+            base = var[KERNEL]
             floor = sum(base.values())
             print(f"\n{name} {direction}: "
                   + ", ".join(f"{op} {1e6 * t:.0f}" for op, t in base.items())
@@ -573,7 +584,8 @@ def level_env(level):
 
 def floor_at_level(level, dtypes=("float64", "float32"), seconds=0.5):
     """:func:`forward_floor` of each dtype in a child process running NumPy's ``level`` loops:
-    ``{"loops": numpy_loops(), "forward": {dtype: {op: s}}}`` as the child measured them.
+    ``{"loops": numpy_loops(), "exponential": {dtype: "exp" or "exp2"}, "forward": {dtype: {op:
+    s}}}`` as the child measured them (the exponential: the child's flash_lib's, at its loops).
     x86-64 only (the levels are x86's): elsewhere, None."""
     import platform
 
@@ -599,6 +611,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.floor_only:
         results = {"loops": numpy_loops(), "cpu": cpu_name(), "load": list(os.getloadavg()),
+                   "exponential": {name: kernel_exponential(DTYPES[name]) for name in args.dtypes},
                    "forward": {name: forward_floor(DTYPES[name], seconds=args.seconds)
                                for name in args.dtypes}}
         if args.json != "-":

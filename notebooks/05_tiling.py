@@ -111,6 +111,8 @@ print(inspect.getsource(flash_lib.online_softmax_update))
 #   that keeps masked keys out (chapter 6).
 # - `m[...] = m_new` stores $m \leftarrow m'$ in place, so the caller's arrays carry the state to
 #   the next tile.
+# - `exp` is `np.exp`, or `np.exp2` when the kernel works in base 2, a choice the section
+#   "In base 2" below explains; every line above holds in either base.
 #
 # Everything else in `flash_attention` feeds this function: its inner function `attend` takes one
 # query block, computes each tile's `s` with one matrix product (followed by the score variants,
@@ -129,10 +131,12 @@ print(inspect.getsource(flash_lib.online_softmax_update))
 # the block-size section below: written independently, it agrees to rounding, not bit for bit.
 
 # %%
-def attention_from_scratch(q, k, v, block_q=16, block_k=16):
-    """FlashAttention-2's forward (arXiv 2307.08691, Algorithm 1) for one head: out, lse."""
+def attention_from_scratch(q, k, v, block_q=16, block_k=16, exp=np.exp):
+    """FlashAttention-2's forward (arXiv 2307.08691, Algorithm 1) for one head: out, lse.
+    exp=np.exp2 computes in base 2 (the section "In base 2" below)."""
     n_q, n_k = len(q), len(k)
-    tau = 1 / np.sqrt(q.shape[1])
+    unit = 1 / np.log(2) if exp is np.exp2 else 1.0  # log2(e): scores in base-2 units
+    tau = unit / np.sqrt(q.shape[1])
     out, lse = np.empty((n_q, v.shape[1])), np.empty(n_q)
     for q0 in range(0, n_q, block_q):  # query blocks outside: load Q_i, fresh state
         q1 = min(q0 + block_q, n_q)
@@ -143,13 +147,13 @@ def attention_from_scratch(q, k, v, block_q=16, block_k=16):
             k1 = min(k0 + block_k, n_k)
             s = tau * (q[q0:q1] @ k[k0:k1].T)  # S = τ Q_i K_jᵀ
             m_new = np.maximum(m, s.max(axis=1))
-            p = np.exp(s - m_new[:, None])  # P = exp(S - m')
-            alpha = np.exp(m - m_new)  # exp(-inf) = 0 at the first tile
+            p = exp(s - m_new[:, None])  # P = exp(S - m')
+            alpha = exp(m - m_new)  # exp(-inf) = 0 at the first tile
             l = alpha * l + p.sum(axis=1)
             acc = alpha[:, None] * acc + p @ v[k0:k1]
             m = m_new
         out[q0:q1] = acc / l[:, None]  # divide once, after the last tile
-        lse[q0:q1] = m + np.log(l)
+        lse[q0:q1] = (m + np.log2(l)) * np.log(2) if exp is np.exp2 else m + np.log(l)
     return out, lse
 
 
@@ -167,6 +171,55 @@ scratch_errors = {
 for name, (e_out, e_lse) in scratch_errors.items():
     print(f"from scratch against {name}: output within 1e-13: {e_out <= 1e-13}, "
           f"lse within 1e-13: {e_lse <= 1e-13}")
+
+# %% [markdown]
+# ## In base 2
+#
+# Nothing in the recurrence needs the base $e$: with $\log_2 e$ written $L$,
+#
+# $$e^{s - m} = 2^{Ls - Lm},$$
+#
+# so a kernel may keep its scores, its running maximum and its lse in base-2 units ($Ls$, $Lm$)
+# and call $2^x$ instead of $e^x$. Three lines change, the three marked by `exp` and `unit`
+# above: the scale becomes $	au L$, every `np.exp` becomes `np.exp2`, and the lse, which callers
+# expect in nats, comes back with one multiply per row,
+# $	ext{lse} = (Lm + \log_2 l) \ln 2$. The sums $l$ and $	ext{acc}$ are the same numbers in
+# either base, so the output needs nothing.
+#
+# Why bother: the hardware may compute one faster. A GPU's special function unit computes $2^x$
+# (`ex2.approx`), so FlashAttention works in base 2 and folds $L$ into the scale it multiplies
+# by anyway ({doc}`chapter 16 <16_on_a_gpu>`). On a CPU, NumPy computes `np.exp2` in float32
+# with Intel's SVML where it has AVX-512, in less than half the time of its `np.exp`
+# ({doc}`chapter 10 <10_speed>` measures it); elsewhere `exp2` is the slower one. So flash_lib
+# chooses per machine and dtype, from the loops NumPy reports (never from a timing):
+# `flash_lib.exponential(dtype)` says which, and `flash_lib.use_exponential("exp" or "exp2")`
+# forces one. It folds $L$ into the keys' factor $	au_k$, a multiply it already does
+# (appendix 22). Base 2 costs a rounding of $k \cdot L$ and one of the lse's conversion;
+# {doc}`chapter 7 <07_exactness>` measures what that does to the error.
+#
+# The cell runs the from-scratch forward in base 2 against `flash_attention` in base 2 and in
+# base e, to the same bound, and checks that the choice is NumPy's dispatch table read as the
+# rule says (which way it went is this machine's, so it is not printed).
+
+# %%
+from numpy.lib.introspect import opt_func_info
+
+mine2, mine2_lse = attention_from_scratch(q, k, v, block_q=32, block_k=48, exp=np.exp2)
+base2_errors = {}
+for name in ("exp2", "exp"):
+    with flash_lib.use_exponential(name):
+        out2, lse2 = flash_lib.flash_attention(q, k, v, block_q=32, block_k=48, return_lse=True)
+    base2_errors[name] = (flash_lib.rowwise_relative_error(mine2, out2).max(),
+                          np.abs(mine2_lse - lse2).max())
+    print(f"from scratch in base 2 against flash_attention in {name}: output within 1e-13: "
+          f"{base2_errors[name][0] <= 1e-13}, lse within 1e-13: {base2_errors[name][1] <= 1e-13}")
+
+# the rule: exp2 for float32 where NumPy's exp2 loop is an AVX-512 one, exp otherwise
+avx512_exp2 = opt_func_info(func_name="^exp2$")["exp2"]["ff"]["current"].startswith(
+    ("X86_V4", "AVX512"))
+rule_holds = (flash_lib.exponential(np.float32) is (np.exp2 if avx512_exp2 else np.exp)
+              and flash_lib.exponential(np.float64) is np.exp)
+print("flash_lib.exponential follows NumPy's dispatch table as the rule says:", rule_holds)
 
 # %% [markdown]
 # ## The tile schedule
@@ -355,7 +408,7 @@ print(f"{grid_err.size} block-size pairs, from {grid_tiles.min()} to {grid_tiles
 #
 # - One tile's update is a handful of matrix operations on $S = \tau Q_i K_j^\top$
 #   (`flash_lib.online_softmax_update`); the whole forward, written from scratch in twenty lines,
-#   matches `flash_attention` and `naive_attention` to $10^{-13}$.
+#   matches `flash_attention` and `naive_attention` to $10^{-13}$, in base $e$ and in base 2.
 # - `tile_schedule` visits $\lceil N_q/b_q \rceil \lceil N_k/b_k \rceil$ tiles, query blocks
 #   outer, covering every pair once.
 # - One tile holds $b_q(d + b_k + d_v + 3) + b_k(d + d_v)$ numbers, independent of $N$.
@@ -363,8 +416,9 @@ print(f"{grid_err.size} block-size pairs, from {grid_tiles.min()} to {grid_tiles
 #   grow with the number of tiles.
 
 # %%
-for e_out, e_lse in scratch_errors.values():  # BOUND: see its definition
-    assert e_out <= BOUND and e_lse <= BOUND, scratch_errors
+for e_out, e_lse in (*scratch_errors.values(), *base2_errors.values()):  # BOUND: see below
+    assert e_out <= BOUND and e_lse <= BOUND, (scratch_errors, base2_errors)
+assert rule_holds
 assert len(tiles) == n_tiles_expected == 9
 assert np.all(coverage == 1)
 assert [t[0] for t in flash_lib.tile_schedule(10, 13, 4, 5)] == [0, 0, 0, 4, 4, 4, 8, 8, 8]

@@ -253,8 +253,9 @@ plt.show()
 #
 # A tile of `flash_attention` is a fixed list of NumPy calls (`online_softmax_update`): the
 # product $q k^\top$, the row maximum, a few updates of the row vectors $m$, $\alpha$ and $l$,
-# the subtraction of $m$, the exponential, the row sum, the product $P v$ and the rescale of
-# `acc`. Each does work in proportion to the tile, and no kernel that computes the tile with these
+# the subtraction of $m$, the exponential (`np.exp`, or `np.exp2` where the kernel works in base
+# 2: `flash_lib.exponential`, {doc}`chapter 5 <05_tiling>`), the row sum, the product $P v$ and
+# the rescale of `acc`. Each does work in proportion to the tile, and no kernel that computes the tile with these
 # calls can take less than the sum of their times. We time them one by one on one thread, in the
 # kernel's order and on buffers laid out as the kernel's (`bench/tile_ops.py`, which `make bench`
 # uses too), each keeping its best time. Their sum is the tile's *floor*, and the floor model of
@@ -280,45 +281,51 @@ per_tile = {name: sum(ops.values()) for name, ops in floor_ops.items()}
 matmul_per_tile = sum(s for op, s in floor_ops["float32"].items() if op in tile_ops.MATMULS)
 floor_model = np.array([tile_ops.floor_seconds(per_tile["float32"], n) for n in sizes])
 matmul_model = np.array([tile_ops.floor_seconds(matmul_per_tile, n) for n in sizes])
-print(f"one {tile_q} × {tile_k} tile, each call timed: {', '.join(floor_ops['float32'])}")
+print(f"one {tile_q} × {tile_k} tile, each call timed: "
+      + ", ".join("exp or exp2" if op in tile_ops.EXPONENTIALS else op for op in floor_ops["float32"]))
 print("tiles visited: " + ", ".join(
     f"{len(flash_lib.tile_schedule(n, n, tile_q, tile_k))} at N = {n}" for n in sizes))
 
 # %% [markdown]
-# Which loop NumPy runs for `exp` depends on the CPU (CONTRIBUTING.md): AVX-512, AVX2 or the
-# baseline SSE. `NPY_DISABLE_CPU_FEATURES` switches the faster ones off, as on an older CPU, but
-# NumPy reads it once, at import; so the same floor is measured again in a child process started
-# with NumPy's AVX-512 loops off (`tile_ops.floor_at_level`; loops this process has already
-# switched off stay off there). Each bar below is labelled with the `exp` loop NumPy reported in
-# the process that timed it (`numpy.lib.introspect.opt_func_info`).
+# Which loop NumPy runs for `exp` and `exp2` depends on the CPU (CONTRIBUTING.md): AVX-512, AVX2
+# or the baseline SSE; and so does which of the two the kernel calls. `NPY_DISABLE_CPU_FEATURES`
+# switches the faster loops off, as on an older CPU, but NumPy reads it once, at import; so the
+# same floor is measured again in a child process started with NumPy's AVX-512 loops off
+# (`tile_ops.floor_at_level`; loops this process has already switched off stay off there), whose
+# flash_lib chooses its exponential for its own loops. Each bar below is labelled with the
+# exponential the kernel used and the loop NumPy reported for it in the process that timed it
+# (`numpy.lib.introspect.opt_func_info`).
 
 # %%
 loops_here = tile_ops.numpy_loops()
 avx2 = tile_ops.floor_at_level("AVX2", ("float32", "float64"), seconds=0.4)  # None off x86-64
-floor_bars = [(name, loops_here["loops"]["exp"][name], ops) for name, ops in floor_ops.items()]
+exp_here = {name: tile_ops.kernel_exponential(name) for name in floor_ops}
+floor_bars = [(name, exp_here[name], loops_here["loops"][exp_here[name]][name], ops)
+              for name, ops in floor_ops.items()]
 if avx2 is not None:
-    floor_bars += [(name, avx2["loops"]["loops"]["exp"][name], ops)
+    floor_bars += [(name, avx2["exponential"][name],
+                    avx2["loops"]["loops"][avx2["exponential"][name]][name], ops)
                    for name, ops in avx2["forward"].items()]
 
 # %% tags=["nbval-ignore-output"]
 print(f"on the machine that built this page: {tile_ops.describe(loops_here)}")
 print("the floor of one tile, µs, one thread:")
-for name, exp_loop, ops in floor_bars:
+for name, exp_name, exp_loop, ops in floor_bars:
     total = sum(ops.values())
-    print(f"  {name}, exp loop {exp_loop}: {1e6 * total:.0f} = "
+    print(f"  {name}, {exp_name} loop {exp_loop}: {1e6 * total:.0f} = "
           + " + ".join(f"{op} {1e6 * s:.0f}" for op, s in ops.items())
-          + f"; exp {100 * ops['exp'] / total:.0f}%")
+          + f"; {exp_name} {100 * ops[exp_name] / total:.0f}%")
 print("float32 kernel / floor model: " + ", ".join(
     f"N = {n}: {t / f:.2f}" for n, t, f in zip(sizes, seconds["flash"], floor_model)))
 
 # %% [markdown]
 # On the left the kernel's measured time (from the comparison above) against the floor model, the
 # number at each point being kernel / floor; the dotted line is the model's two matmuls alone. On
-# the right the floor of one tile, op by op, for each dtype and `exp` loop.
+# the right the floor of one tile, op by op, for each dtype and exponential loop.
 
 # %%
 groups = [("matmuls q·kᵀ, P·v", "C0", lambda op: op in tile_ops.MATMULS),
-          ("exp", "C3", lambda op: op in tile_ops.EXPONENTIALS),
+          ("exp or exp2", "C3", lambda op: op in tile_ops.EXPONENTIALS),
           ("max, subtract, sum, rescale, row state", "C7",
            lambda op: op not in tile_ops.MATMULS and op not in tile_ops.EXPONENTIALS)]
 fig, (ax_m, ax_b) = plt.subplots(1, 2, figsize=(12.5, 4.8), gridspec_kw={"width_ratios": [1, 1.25]})
@@ -335,22 +342,22 @@ ax_m.set_title(f"flash_attention against its floor, float32, d = {d}", fontsize=
 ax_m.grid(True, which="major", alpha=0.3)
 ax_m.margins(y=0.2)  # room for the ratios above the points
 ax_m.legend(fontsize=8, loc="upper left")
-labels = [f"{name}\nexp loop {tile_ops.loop_name(loop)}" for name, loop, _ in floor_bars]
-for i, (name, loop, ops) in enumerate(floor_bars):
+labels = [f"{name}, {exp_name}\n{tile_ops.loop_name(loop)}" for name, exp_name, loop, _ in floor_bars]
+for i, (name, exp_name, loop, ops) in enumerate(floor_bars):
     left, total = 0.0, sum(ops.values())
     for g, (group, color, member) in enumerate(groups):
         width = 1e6 * sum(s for op, s in ops.items() if member(op))
         ax_b.barh(i, width, left=left, color=color, label=group if i == 0 else None)
-        if group == "exp":
+        if group == "exp or exp2":
             ax_b.text(left + width / 2, i, f"{100 * width / (1e6 * total):.0f}%", ha="center",
                       va="center", color="w", fontsize=8)
         left += width
     ax_b.text(left, i, f" {left:.0f} µs", va="center", fontsize=8)
 ax_b.set_yticks(range(len(floor_bars)), labels, fontsize=8)
 ax_b.invert_yaxis()
-ax_b.set_xlim(0, 1.6e6 * max(sum(ops.values()) for _, _, ops in floor_bars))  # room: legend
+ax_b.set_xlim(0, 1.6e6 * max(sum(ops.values()) for *_, ops in floor_bars))  # room: legend
 ax_b.set_xlabel(f"µs per {tile_q} × {tile_k} tile, one thread (best of repetitions)")
-ax_b.set_title("The floor of one tile, op by op (exp: its share)", fontsize=10)
+ax_b.set_title("The floor of one tile, op by op (the exponential: its share)", fontsize=10)
 ax_b.legend(fontsize=8, loc="upper right")
 try:
     load = f", load average {os.getloadavg()[0]:.1f}"
@@ -363,14 +370,18 @@ plt.show()
 
 # %% [markdown]
 # The matmuls are most of the floor, and the rest splits between the exponential and four cheap
-# passes. Which share `exp` takes depends on the CPU. On the AMD EPYC (Zen 4, AVX-512, 2 cores)
-# this chapter was written on, one float64 tile's floor measured 1.83 ms with NumPy's AVX-512
-# loops, the exponential 0.20 ms of it (11%). With those loops off
+# passes. Which share the exponential takes, and which exponential, depends on the CPU. On the
+# AMD EPYC (Zen 4, AVX-512, 2 cores) this chapter was written on, one float64 tile's floor
+# measured 1.83 ms with NumPy's AVX-512 loops, the exponential 0.20 ms of it (11%). float32's
+# `exp` took 0.125 ms of a tile and its `exp2` 0.058 (Intel's SVML, which NumPy builds in for
+# AVX-512 only), so there the kernel computes float32 in base 2, for a forward 5% faster
+# (`flash_lib.exponential` has the measurements; float64's `exp2`, 0.18 ms, saved nothing
+# measurable and float64 keeps `exp`). With the AVX-512 loops off
 # (`NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR"`, what NumPy runs on an AVX2 CPU),
-# float32's `exp` stays vectorised (0.28 ms of 1.15, 24%), but float64's computes one element at a
-# time: 1.1 ms of a 2.8 ms tile, 38 to 41% in four runs, more than either matmul. float64
-# attention on an AVX2 CPU is bound by `exp`; the bars above show what the machine that built
-# this page measured.
+# float32's `exp2` is scalar (0.57 ms) and the kernel keeps `exp`, which stays vectorised (0.28 ms
+# of 1.15, 24%); float64's `exp` computes one element at a time: 1.1 ms of a 2.8 ms tile, 38 to
+# 41% in four runs, more than either matmul. float64 attention on an AVX2 CPU is bound by `exp`;
+# the bars above show what the machine that built this page measured.
 
 # %% [markdown]
 # ## Tile size
@@ -463,8 +474,9 @@ print(f"on the machine that built this page, N = {n_causal}: causal is {causal_s
 #   1.60 times fewer at $N = 2048$.
 # - A tile's floor is the sum of its NumPy calls' own times, and the floor model, floor × tiles /
 #   worker threads, is what the kernel cannot beat; the matmuls are most of it. On AVX-512 the
-#   exponential is a tenth of it; with AVX2 loops float64's `exp` is scalar and takes about 40%
-#   (measured on an AMD EPYC Zen 4 with NumPy's AVX-512 loops off).
+#   exponential is a tenth of it, and float32's is `exp2`, in half `exp`'s time; with AVX2 loops
+#   float64's `exp` is scalar and takes about 40% (measured on an AMD EPYC Zen 4 with NumPy's
+#   AVX-512 loops off).
 # - The rates of flash and naive ($4 N^2 d$ flops over the best time) against this machine's GEMM
 #   rate, their growth with $N$, the kernel against its floor, the fastest tiles and the causal
 #   speed-up are in the ignored cells and the plots above: observations of this build, not claims.

@@ -199,6 +199,13 @@ for dtype in (np.float32, np.float16):
 # score, and the lse costs one multiply by $\ln 2$ per *row* at the very end. Chapter 20's
 # `lse_base2` bug is what happens when that last multiply is forgotten.
 #
+# flash_lib does the same on a CPU where it pays ({doc}`chapter 5 <05_tiling>`): NumPy's float32
+# `exp2` runs in less than half the time of its `exp` where it has AVX-512 loops, so there
+# `flash_lib.exponential(np.float32)` is `np.exp2`, $\log_2 e$ rides on the keys' factor
+# $\tau_k$ (a multiply flash_lib does anyway, where this kernel puts it on `qk_scale`), and the lse
+# is converted back with the same one multiply per row. It is the same `online_softmax_update`
+# printed above, given `exp=np.exp2`.
+#
 # The counts per tile, and per forward pass at $N = 4096$, $d = 64$, one head:
 
 # %%

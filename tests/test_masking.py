@@ -75,8 +75,9 @@ def test_fully_masked_rows_are_exact_zeros_with_lse_minus_inf(kernel, dtype, how
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_a_fully_masked_batch_element(kernel, dtype):
-    """A batch element whose whole mask is False is all zeros / -inf; the others equal the
-    attention computed for them alone (the empty one does not disturb its neighbours)."""
+    """A batch element whose whole mask is False is all zeros / -inf; the others are, bit for
+    bit, what the same kernel computes for them alone (the empty one does not disturb its
+    neighbours), and within a few eps of naive's."""
     rng = np.random.default_rng(8)
     q, k, v = random_qkv(rng, 9, 6, 4, dtype=dtype, batch=(3,))
     mask = rng.random((3, 9, 6)) < 0.7
@@ -86,8 +87,14 @@ def test_a_fully_masked_batch_element(kernel, dtype):
         out, lse = KERNELS[kernel](q, k, v, mask=mask, causal=True, return_lse=True)
     assert np.all(out[1] == 0) and np.all(lse[1] == -np.inf)
     for b in (0, 2):
-        alone = naive_attention(q[b], k[b], v[b], mask=mask[b], causal=True)
-        assert rowwise_rel_error(out[b], alone) <= 2 * np.finfo(dtype).eps
+        alone, lse_alone = KERNELS[kernel](q[b], k[b], v[b], mask=mask[b], causal=True,
+                                           return_lse=True)
+        np.testing.assert_array_equal(out[b], alone)
+        np.testing.assert_array_equal(lse[b], lse_alone)
+        # 8 eps: flash in base 2 (flash_lib.exponential) rounds k·log2(e) and the lse's
+        # conversion too; measured 2.6 eps (float64) and 2.1 (float32) on AVX-512
+        naive = naive_attention(q[b], k[b], v[b], mask=mask[b], causal=True)
+        assert rowwise_rel_error(out[b], naive) <= 8 * np.finfo(dtype).eps
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -229,9 +236,9 @@ def test_kernel_computes_exactly_the_scheduled_tiles(n_q, n_k, block_q, block_k,
     seen = []
     update = flash_lib.online_softmax_update
 
-    def recording_update(m, l, acc, s, v, matmul):
+    def recording_update(m, l, acc, s, v, matmul, exp):
         seen.append((s.shape[-2], s.shape[-1], int(v[0, 0]), int(v[-1, 0]) + 1))
-        return update(m, l, acc, s, v, matmul)
+        return update(m, l, acc, s, v, matmul, exp)
 
     q, k, v = random_qkv(np.random.default_rng(n_q * 31 + n_k), n_q, n_k, 3, dv=2)
     v[:, 0] = np.arange(n_k)
