@@ -50,9 +50,16 @@ merge; 2 workers ran 1.64-1.79 × faster than 1. With the chains (4 per query sh
 moved, of which the partial results are only some 40 MiB (chain ends meeting at their merge;
 the rest is query shards fetched once and the output gathered), transfers took 0.1-0.4% of the
 workers' time, and 2 workers ran 1.77-1.89 × faster than 1. One chain per query shard moved
-22-36 MiB in the same time, within the noise. What is left is that a pair task runs 5-15%
-slower beside another one than alone (150-165 against 143 ms): two cores shared with the
-scheduler, the workers' own threads and other jobs.
+22-36 MiB in the same time, within the noise. What was left is that a pair task ran 5-15%
+slower beside another one than alone (150-165 against 143 ms). Not the caches: two processes
+running the same 4096 × 4096 ``flash_attention`` at once took 1.0-1.8% longer than one. The CPU
+time of every process during one 2-worker run (``psutil``, 2026-12-02) says where it goes: each
+worker's compute thread took 17-18.5 s, but the scheduler took 1.3-1.5 s and each worker's
+event loop 0.9-1.2 s more, 3.3-3.7 s of the 38-41 core-seconds the run had, all of it taken
+from the two cores the workers compute on (one worker leaves it a free core). Most of that is
+Dask's housekeeping on timers: the workers' statistical profiler (a stack sample every 10 ms),
+the system monitor (``psutil`` every 0.5 s) and every server's event-loop tick (every 20 ms).
+:data:`QUIET_CLUSTER` slows them down: 0.8 s and 0.4 s, and 2 workers 1.88-1.90 × faster than 1.
 
 Memory: a pair task holds its q, k and v shards, the running state, its partial result and
 ``flash_attention``'s tile scratch, so a worker's working set is set by the shard sizes, never
@@ -79,8 +86,21 @@ from dask.highlevelgraph import HighLevelGraph
 
 import flash_lib
 
-__all__ = ["DEFAULT_SHARD", "dask_attention", "dask_attention_backward", "attention_task_count",
-           "backward_task_count"]
+__all__ = ["DEFAULT_SHARD", "QUIET_CLUSTER", "dask_attention", "dask_attention_backward",
+           "attention_task_count", "backward_task_count"]
+
+#: Dask settings for a compute-bound graph on a machine with no core to spare: the workers'
+#: statistical profiler off (it samples every thread's stack every 10 ms, for the dashboard's
+#: profile page), the system monitor every 10 s instead of 0.5 s (the dashboard's CPU and
+#: network plots) and the event-loop tick every 1 s instead of 20 ms (it measures how long the
+#: loop was blocked, for the "unresponsive" warning). Nothing a computation needs: set them
+#: before the cluster starts, ``with dask.config.set(QUIET_CLUSTER): LocalCluster(...)`` (the
+#: module docstring says what they cost).
+QUIET_CLUSTER = {
+    "distributed.worker.profile.enabled": False,
+    "distributed.admin.system-monitor.interval": "10s",
+    "distributed.admin.tick.interval": "1s",
+}
 
 #: Rows per shard along the sequence axis when a NumPy array is wrapped (and no Dask input fixes
 #: the chunks). At d = 64 in float64 a 4096-row shard is 2 MiB, and a 4096 × 4096 pair task

@@ -14,6 +14,10 @@ Measured side by side in one run, for d = 64 and N queries = N keys:
   start of the run, summed, times the tiles visited (``flash_lib.tile_schedule``), over the
   worker threads the kernel runs on. What the kernel spends beyond it is Python between the
   calls, threads waiting on each other, and cache or memory contention between the threads;
+* flash time / its floor loop (``tile_ops.floor_loop``, at ``--loop-sizes``): the floor's own
+  calls run over every tile of the call on the kernel's threads, timed in the same rounds. It
+  pays the caches and the threads' contention as the kernel does, so flash / loop is what
+  flash_lib's own bookkeeping (checks, masks, variants, ordered dQ, Python) costs;
 * causal attention at one or two N, and N = 32768 float64 for flash alone;
 * a packed ragged batch, lengths (4096, 64 × 16), through ``flash_serving.flash_attention_varlen``
   against the same batch padded to 4096 with a key mask: tiles visited and time;
@@ -364,6 +368,11 @@ def floor_section(args):
                                 one_thread_page_faults_per_tile=faults))
 
 
+def looped(n, args):
+    """Whether a row at N = n also times the floor loop (``--loop-sizes``, full tiles only)."""
+    return n in args.loop_sizes and n % args.block_q == 0 and n % args.block_k == 0
+
+
 def floor_of(name, n, args, causal=False, backward=False):
     """The floor (seconds) of a forward call (or, ``backward=True``, forward + backward) at N."""
     if name not in FLOOR:
@@ -379,6 +388,7 @@ def floor_of(name, n, args, causal=False, backward=False):
 MAIN_COLUMNS = [
     ("dtype", 7), ("N", 6), ("flash ms", 9), ("naive ms", 9), ("torch ms", 9),
     ("flash/naive", 11), ("flash/torch", 11), ("floor ms", 9), ("flash/floor", 11),
+    ("loop ms", 9), ("flash/loop", 10),
     ("GEMM GFLOP/s", 12), ("flash GFLOP/s", 13),
     ("flash %GEMM", 11), ("naive %GEMM", 11), ("torch %GEMM", 11), ("flash scratch", 13),
     ("naive scratch", 13), ("max rel err", 11),
@@ -396,6 +406,8 @@ def main_table(args, torch):
     log("# max rel err: over rows i, max|flash_i - naive_i| / max|naive_i| (rowwise_relative_error)")
     log(f"# floor: the per-tile floor above × tiles / workers ({flash_lib.thread_count()} threads "
         f"at most); flash/floor: what the kernel spends beyond it")
+    log("# loop: the floor's calls over every tile of the call on the kernel's threads, nothing "
+        "else (tile_ops.floor_loop); flash/loop: what flash_lib's own bookkeeping costs")
     table = Table(MAIN_COLUMNS)
     table.header()
     rows = []
@@ -424,16 +436,21 @@ def main_table(args, torch):
                 fns["torch"] = torch_sdpa(torch, q, k, v)
                 out_t = fns["torch"]().numpy().reshape(n, D)
                 check(f"torch SDPA {name} N={n}", out_t[ref_rows], ref, dtype)
+            if looped(n, args):
+                fns["loop"] = tile_ops.floor_loop(q, k, v, block_q=args.block_q,
+                                                  block_k=args.block_k)
+                check(f"floor loop {name} N={n}", fns["loop"]()[ref_rows], ref, dtype)
             del out, ref
 
             best, rounds = best_times(fns, args.seconds)
             t_flash, t_naive, t_torch = best["flash"], best.get("naive"), best.get("torch")
+            t_loop = best.get("loop")
             gflop = 4 * n * n * D / 1e9
             gemm_rate = GEMM_PEAK[name]
             floor = floor_of(name, n, args)
             rec = dict(kind="main", dtype=name, n=n, d=D, block_q=args.block_q,
                        block_k=args.block_k, rounds=rounds, flash_s=t_flash, naive_s=t_naive,
-                       torch_s=t_torch, floor_s=floor, flash_gflops=gflop / t_flash,
+                       torch_s=t_torch, floor_s=floor, loop_s=t_loop, flash_gflops=gflop / t_flash,
                        gemm_gflops=gemm_rate,
                        flash_scratch=flash_scratch, naive_scratch=naive_scratch,
                        naive_needs=None if naive_scratch is not None else naive_need,
@@ -450,7 +467,8 @@ def main_table(args, torch):
             table.row(name, n, f"{1e3 * t_flash:.1f}", fmt(t_naive and 1e3 * t_naive, ".1f"),
                       fmt(t_torch and 1e3 * t_torch, ".1f"), fmt(ratio(t_naive), ".3f"),
                       fmt(ratio(t_torch), ".3f"), fmt(floor and 1e3 * floor, ".1f"),
-                      fmt(floor and t_flash / floor, ".3f"), f"{gemm_rate:.1f}",
+                      fmt(floor and t_flash / floor, ".3f"), fmt(t_loop and 1e3 * t_loop, ".1f"),
+                      fmt(t_loop and t_flash / t_loop, ".3f"), f"{gemm_rate:.1f}",
                       f"{gflop / t_flash:.2f}",
                       f"{pct(t_flash):.1f}%", fmt(pct(t_naive), ".1f") + ("%" if t_naive else ""),
                       fmt(pct(t_torch), ".1f") + ("%" if t_torch else ""),
@@ -520,6 +538,7 @@ def causal_table(args, torch):
 BACKWARD_COLUMNS = [
     ("dtype", 7), ("N", 6), ("flash ms", 9), ("naive ms", 9), ("torch ms", 9),
     ("flash/naive", 11), ("flash/torch", 11), ("floor ms", 9), ("flash/floor", 11),
+    ("loop ms", 9), ("flash/loop", 10),
     ("flash GFLOP/s", 13), ("flash %GEMM", 11), ("flash scratch", 13), ("naive scratch", 13),
     ("max rel err", 11),
 ]
@@ -550,7 +569,8 @@ def backward_table(args, torch):
         "backward: the recomputed S, dP, dV, dK, dQ); scratch = peak - (out, lse, dq, dk, dv)")
     log("# max rel err: largest rowwise relative error of dq, dk, dv against naive's (or against "
         "sampled rows of naive where it would not fit)")
-    log("# floor: the forward's and the backward's per-tile floors above × tiles / workers")
+    log("# floor: the forward's and the backward's per-tile floors above × tiles / workers; loop: "
+        "the floor loops of both, in turn (tile_ops.floor_loop)")
     table = Table(BACKWARD_COLUMNS)
     table.header()
     rows = []
@@ -589,13 +609,24 @@ def backward_table(args, torch):
                 err = None
             if torch is not None:
                 fns["torch"] = torch_sdpa_backward(torch, q, k, v, dout)
+            if looped(n, args):
+                out, lse = flash_lib.flash_attention(q, k, v, return_lse=True)
+                loops = [tile_ops.floor_loop(q, k, v, block_q=args.block_q, block_k=args.block_k,
+                                             backward=backward)
+                         for backward in (None, (out, lse, dout))]
+                fns["loop"] = lambda loops=loops: [run() for run in loops]
+                loop_err = max(rel_err(g, r) for g, r in zip(loops[1](), grads))
+                if not loop_err <= 1e3 * TOLERANCE[dtype]:
+                    FAILURES.append(f"floor loop backward {name} N={n}: {loop_err:.2e}")
+                    log(f"!! WRONG RESULT {FAILURES[-1]}")
             best, rounds = best_times(fns, args.seconds)
             t_flash, t_naive, t_torch = best["flash"], best.get("naive"), best.get("torch")
+            t_loop = best.get("loop")
             gflop = 14 * n * n * D / 1e9
             gemm_rate = GEMM_PEAK[name]
             floor = floor_of(name, n, args, backward=True)
             rec = dict(kind="backward", dtype=name, n=n, rounds=rounds, flash_s=t_flash,
-                       naive_s=t_naive, torch_s=t_torch, floor_s=floor,
+                       naive_s=t_naive, torch_s=t_torch, floor_s=floor, loop_s=t_loop,
                        flash_gflops=gflop / t_flash,
                        gemm_gflops=gemm_rate, flash_scratch=flash_scratch,
                        naive_scratch=naive_scratch, max_rel_err=err)
@@ -605,7 +636,8 @@ def backward_table(args, torch):
                       fmt(t_torch and 1e3 * t_torch, ".1f"),
                       fmt(t_naive and t_flash / t_naive, ".3f"),
                       fmt(t_torch and t_flash / t_torch, ".3f"), fmt(floor and 1e3 * floor, ".1f"),
-                      fmt(floor and t_flash / floor, ".3f"), f"{gflop / t_flash:.2f}",
+                      fmt(floor and t_flash / floor, ".3f"), fmt(t_loop and 1e3 * t_loop, ".1f"),
+                      fmt(t_loop and t_flash / t_loop, ".3f"), f"{gflop / t_flash:.2f}",
                       f"{100 * gflop / t_flash / gemm_rate:.1f}%", fmt_bytes(flash_scratch),
                       fmt_bytes(naive_scratch) if naive_scratch is not None else "skipped",
                       fmt(err, ".1e"))
@@ -920,6 +952,14 @@ TARGETS = {
 }
 
 
+def loop_note(r):
+    """``; the floor loop at x × floor, flash at y × the loop`` for a row that timed the loop."""
+    if r.get("loop_s") is None:
+        return ""
+    return (f"; the floor loop itself {r['loop_s'] / r['floor_s']:.3f} × floor, flash "
+            f"{r['flash_s'] / r['loop_s']:.3f} × the loop")
+
+
 def verdict(ok):
     return "PASS" if ok else "FAIL"
 
@@ -952,7 +992,7 @@ def targets(args, rows, big, backward, variants, torch_reason, packed=None, trai
             limit = bound("forward_vs_floor", name)
             ratio = r["flash_s"] / r["floor_s"]
             log(f"flash <= {limit}x its floor, {name}, N = {n}: {verdict(ratio <= limit)} "
-                f"{ratio:.3f} (floor {1e3 * r['floor_s']:.1f} ms)")
+                f"{ratio:.3f} (floor {1e3 * r['floor_s']:.1f} ms{loop_note(r)})")
             if torch_reason is not None:
                 log(f"flash <= {torch_max}x torch SDPA, {name}, N = {n}: n/a: {torch_reason}")
             else:
@@ -976,7 +1016,7 @@ def targets(args, rows, big, backward, variants, torch_reason, packed=None, trai
             else:
                 ratio = r["flash_s"] / r["floor_s"]
                 log(f"fwd+bwd <= {limit}x its floor, {name}, N = {n}: {verdict(ratio <= limit)} "
-                    f"{ratio:.3f} (floor {1e3 * r['floor_s']:.1f} ms)")
+                    f"{ratio:.3f} (floor {1e3 * r['floor_s']:.1f} ms{loop_note(r)})")
             if r is None or r["torch_s"] is None:
                 log(f"fwd+bwd <= {torch_max}x torch, {name}, N = {n}: n/a")
             else:
@@ -1130,6 +1170,9 @@ def parse_args(argv):
                    help=f"only time flash over (block_q, block_k) in {SWEEP_BLOCKS}², at "
                         "--sweep-n, for each dtype")
     p.add_argument("--sweep-n", type=int, default=4096, help="N of --sweep-blocks (default 4096)")
+    p.add_argument("--loop-sizes", type=int, nargs="*", default=[4096, 8192],
+                   help="N values whose rows also time the floor loop (default %(default)s; "
+                        "none: skip)")
     p.add_argument("--training-n", type=int, default=4096,
                    help="N of the training rows, dropout and sinks (default %(default)s; 0: skip)")
     p.add_argument("--training-seconds", type=float, default=8.0,

@@ -443,6 +443,105 @@ BACKWARD_VARIANTS = {label: FORWARD_VARIANTS[label]
                      for label in (KERNEL, "exp", "exp2, log2(e) folded", "temporaries")}
 
 
+def floor_loop(q, k, v, *, block_q=flash_lib.DEFAULT_BLOCK_Q, block_k=flash_lib.DEFAULT_BLOCK_K,
+               threads=None, backward=None):
+    """The floor's own calls over every tile of a call, and nothing else: a callable.
+
+    The forward (or, with ``backward=(out, lse, dout)``, the backward) of one head,
+    ``q, k, v`` of shapes ``(N, d)``, no mask, ``N`` a multiple of the block sizes: the calls of
+    :func:`forward_ops` (or :func:`backward_ops`) in the kernel's order, the kernel's
+    exponential, on the tiles of the kernel's loop (query blocks outside in the forward, key
+    blocks in the backward), shared out to the kernel's worker threads (:func:`workers`) through
+    one iterator, BLAS at one thread. It has no input checks, masks, variants, dropout or
+    ordered dQ: so flash's time / this loop's is what flash_lib's own bookkeeping costs, with the
+    caches and the threads' contention counted on both sides; the floor, each call at its best
+    on its own, leaves those out. ``run()`` returns ``out`` (or ``dq, dk, dv``), to be checked
+    against flash_lib's once before it is timed."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    dtype = q.dtype.type
+    n, d = q.shape
+    exp = flash_lib.exponential(dtype)
+    unit = LOG2E if exp is np.exp2 else 1.0
+    qs = q * dtype(1 / math.sqrt(d))  # the kernel scales each query block; once here
+    ks = k * dtype(unit)
+    n_threads = workers(n, n, block_k if backward else block_q, threads)
+
+    def forward_block(i, out):
+        s, pv = np.empty((block_q, block_k), dtype), np.empty((block_q, v.shape[1]), dtype)
+        q_i = qs[i:i + block_q]
+        m = np.full(block_q, -np.inf, dtype)
+        l, acc = np.zeros(block_q, dtype), np.zeros((block_q, v.shape[1]), dtype)
+        for j in range(0, n, block_k):
+            np.matmul(q_i, ks[j:j + block_k].T, out=s)
+            m_new = np.maximum(m, s.max(axis=-1))
+            m_ref = np.where(m_new == -np.inf, 0, m_new)
+            alpha = exp(m - m_ref)
+            exp(np.subtract(s, m_ref[:, None], out=s), out=s)
+            l *= alpha
+            l += s.sum(axis=-1)
+            acc *= alpha[:, None]
+            acc += np.matmul(s, v[j:j + block_k], out=pv)
+            m = m_new
+        out[i:i + block_q] = acc / l[:, None]
+
+    def backward_block(j, lse2, D, grads, lock):
+        s, dp = (np.empty((block_q, block_k), dtype) for _ in range(2))
+        k_j, v_j, ks_j = k[j:j + block_k], v[j:j + block_k], ks[j:j + block_k]
+        dq, dk, dv = grads
+        dk_j, dv_j = dk[j:j + block_k], dv[j:j + block_k]
+        for i in range(0, n, block_q):
+            q_i, dout_i = qs[i:i + block_q], dout[i:i + block_q]
+            np.matmul(q_i, ks_j.T, out=s)
+            exp(np.subtract(s, lse2[i:i + block_q, None], out=s), out=s)
+            dv_j += s.T @ dout_i
+            np.matmul(dout_i, v_j.T, out=dp)
+            np.multiply(s, np.subtract(dp, D[i:i + block_q, None], out=dp), out=dp)
+            dk_j += dp.T @ q_i
+            share = dp @ k_j
+            with lock:
+                dq[i:i + block_q] += share
+
+    if backward is not None:
+        out, lse, dout = backward
+
+    def run():
+        blocks = iter(range(0, n, block_k if backward is not None else block_q))
+        take = threading.Lock()
+        if backward is None:
+            result = np.empty((n, v.shape[1]), dtype)
+        else:
+            D = np.einsum("ij,ij->i", dout, out)
+            lse2 = lse * dtype(unit)
+            result, lock = tuple(np.zeros_like(x) for x in (q, k, v)), threading.Lock()
+
+        def work():
+            while True:
+                with take:
+                    b = next(blocks, None)
+                if b is None:
+                    return
+                if backward is None:
+                    forward_block(b, result)
+                else:
+                    backward_block(b, lse2, D, result, lock)
+
+        with threadpool_limits(limits=1, user_api="blas"):
+            if n_threads == 1:
+                work()
+            else:
+                with ThreadPoolExecutor(n_threads) as pool:
+                    for future in [pool.submit(work) for _ in range(n_threads)]:
+                        future.result()
+        if backward is not None:
+            dq = result[0]
+            dq *= dtype(1 / math.sqrt(d))  # dQ = τ dS K (dK = dSᵀ (τQ) came with the scaled q)
+        return result
+
+    return run
+
+
 def kernel_per_tile(dtype, block_q=flash_lib.DEFAULT_BLOCK_Q, block_k=flash_lib.DEFAULT_BLOCK_K,
                     seconds=1.0):
     """flash_lib's own forward and backward on one thread at N = 4 blocks (16 tiles): best

@@ -736,10 +736,14 @@ print("the result equals flash_attention (rowwise relative error <= 1e-12):", ki
 # The times below, of the first causal computation and its reference, are the building
 # machine's, so the test ignores them; `make bench-dask` (`bench/bench_dask.py`) measures 1
 # worker against 2 at larger $N$. At $N = 65536$ (shards of 4096) on this 2-core machine it
-# measured 2 workers 1.77 to 1.89 times as fast as one with the chains of the first section,
+# measured 2 workers 1.72 to 1.89 times as fast as one with the chains of the first section,
 # 171 to 185 MiB moving between them; when each query shard's partial results met in a merge
 # tree, 1.64 to 1.79 times, with 275 to 354 MiB moved, mostly partial outputs travelling to
-# their merge.
+# their merge. What held the chains below 2 was not the graph but Dask's housekeeping: the
+# workers' profiler, its system monitor and every server's event-loop tick took 3.3 to 3.7 s of
+# CPU in a 20 s run, from the two cores the workers computed on (one worker leaves a core
+# free for them). Slowed down (`flash_dask.QUIET_CLUSTER`, which the benchmark starts its
+# clusters with), 2 workers ran 1.86 to 1.90 times as fast as one.
 
 # %% tags=["nbval-ignore-output"]
 print(f"on the machine that built this page, causal N = {n}: 2 workers {t_cluster:.2f} s "

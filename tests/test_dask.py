@@ -30,8 +30,10 @@ TIMEOUT = 60  # seconds: any wait on the cluster that takes longer is a failure,
 # Set in each worker before it starts. Dask's default MALLOC_TRIM_THRESHOLD_=65536 is dropped:
 # setting it turns off glibc's adaptive mmap threshold (mallopt(3)), so every large NumPy
 # temporary is mapped afresh; flash_attention ran about 30% slower with it here.
+# And Dask's housekeeping slowed (flash_dask.QUIET_CLUSTER), as the benchmark runs it.
 WORKER_ENVIRONMENT = {"distributed.nanny.pre-spawn-environ.FLASH_LIB_THREADS": "1",
-                     "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
+                     "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+                     **flash_dask.QUIET_CLUSTER}
 
 
 @contextlib.contextmanager
@@ -205,6 +207,24 @@ def test_low_precision_dtypes(client, dtype):
         assert np.all(np.abs(got - ref) <= eps * np.abs(ref)), "more than one rounding apart"
         assert np.mean(got != ref) <= 0.02, f"{np.mean(got != ref):.1%} of the elements differ"
     assert np.abs(got_lse.astype(np.float64) - ref_lse).max() <= 1e-5 * (1 + np.abs(ref_lse).max())
+
+
+def test_quiet_cluster_changes_real_settings_and_reaches_the_workers(client):
+    """Every key of QUIET_CLUSTER is one of distributed's own settings (Dask takes a misspelt key
+    silently), set to other than its default, and the workers started under it run with it."""
+    import distributed  # noqa: F401 - loads distributed's defaults into dask.config
+
+    defaults = dask.config.defaults
+    for key, value in flash_dask.QUIET_CLUSTER.items():
+        node = None
+        for part in key.split("."):  # dask.config's own nesting, "-" and "_" alike
+            layers = [node] if node is not None else defaults
+            found = [d[p] for d in layers for p in (part, part.replace("_", "-")) if p in d]
+            assert found, f"{key}: no such setting in Dask's defaults"
+            node = found[-1]
+        assert node != value, f"{key} is already {value!r} by default"
+    seen = client.run(lambda: {key: dask.config.get(key) for key in flash_dask.QUIET_CLUSTER})
+    assert list(seen.values()) == [flash_dask.QUIET_CLUSTER] * 2, seen
 
 
 @pytest.mark.parametrize("scheduler", ["sync", "threads"])
