@@ -59,7 +59,9 @@ event loop 0.9-1.2 s more, 3.3-3.7 s of the 38-41 core-seconds the run had, all 
 from the two cores the workers compute on (one worker leaves it a free core). Most of that is
 Dask's housekeeping on timers: the workers' statistical profiler (a stack sample every 10 ms),
 the system monitor (``psutil`` every 0.5 s) and every server's event-loop tick (every 20 ms).
-:data:`QUIET_CLUSTER` slows them down: 0.8 s and 0.4 s, and 2 workers 1.88-1.90 × faster than 1.
+:data:`QUIET_CLUSTER` slows them down: 0.8 s and 0.4 s. 2 workers then ran 1.86-1.90 × faster
+than 1 in three runs alternating with three of the defaults (1.72-1.80), and 1.80 × in a full
+``make bench-dask``.
 
 Memory: a pair task holds its q, k and v shards, the running state, its partial result and
 ``flash_attention``'s tile scratch, so a worker's working set is set by the shard sizes, never

@@ -187,6 +187,7 @@ def _exponential_for(problem):
         largest = problem.score_bound
         if problem.sinks is not None:
             largest = max(largest, float(np.abs(problem.sinks).max()))
+        # half the range: room for the scores' rounding beyond the exact bound
         if not largest * LOG2E < 0.5 * float(np.finfo(problem.acc).max):
             return np.exp
     return exp

@@ -743,7 +743,7 @@ print("the result equals flash_attention (rowwise relative error <= 1e-12):", ki
 # workers' profiler, its system monitor and every server's event-loop tick took 3.3 to 3.7 s of
 # CPU in a 20 s run, from the two cores the workers computed on (one worker leaves a core
 # free for them). Slowed down (`flash_dask.QUIET_CLUSTER`, which the benchmark starts its
-# clusters with), 2 workers ran 1.86 to 1.90 times as fast as one.
+# clusters with), 2 workers ran 1.80 to 1.90 times as fast as one.
 
 # %% tags=["nbval-ignore-output"]
 print(f"on the machine that built this page, causal N = {n}: 2 workers {t_cluster:.2f} s "
