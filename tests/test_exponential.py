@@ -27,6 +27,17 @@ def base(request):
         yield request.param
 
 
+def chosen_in_a_fresh_process(**environ):
+    """``flash_lib.exponential``'s names for float32 and float64 in a new interpreter started
+    with ``environ`` added (NumPy and flash_lib read theirs at import)."""
+    code = ("import numpy as np, flash_lib; "
+            "print(flash_lib.exponential(np.float32).__name__, "
+            "flash_lib.exponential(np.float64).__name__)")
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **environ),
+                          capture_output=True, text=True, check=True)
+    return done.stdout.split()
+
+
 def exp2_loop(char):
     """NumPy's own word for the loop it runs for exp2 on dtype ``char`` (e.g. "X86_V4")."""
     from numpy.lib.introspect import opt_func_info
@@ -61,13 +72,7 @@ def test_a_process_with_numpys_avx512_loops_off_chooses_exp(disabled, float32_ex
     at import): with the AVX-512 loops off, exp for both dtypes."""
     if os.environ.get("FLASH_LIB_EXP", "auto") != "auto":
         pytest.skip("FLASH_LIB_EXP forces the choice in this run")
-    code = ("import numpy as np, flash_lib; "
-            "print(flash_lib.exponential(np.float32).__name__, "
-            "flash_lib.exponential(np.float64).__name__)")
-    env = dict(os.environ, NPY_DISABLE_CPU_FEATURES=disabled)
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          check=True)
-    float32, float64 = done.stdout.split()
+    float32, float64 = chosen_in_a_fresh_process(NPY_DISABLE_CPU_FEATURES=disabled)
     assert float64 == "exp"
     if float32_exp is None:
         avx512 = exp2_loop("f").startswith(("X86_V4", "AVX512"))
@@ -77,13 +82,7 @@ def test_a_process_with_numpys_avx512_loops_off_chooses_exp(disabled, float32_ex
 
 @pytest.mark.parametrize("value, chosen", [("exp", "exp exp"), ("exp2", "exp2 exp2")])
 def test_flash_lib_exp_forces_one_for_both_dtypes(value, chosen):
-    code = ("import numpy as np, flash_lib; "
-            "print(flash_lib.exponential(np.float32).__name__, "
-            "flash_lib.exponential(np.float64).__name__)")
-    env = dict(os.environ, FLASH_LIB_EXP=value)
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          check=True)
-    assert done.stdout.split() == chosen.split()
+    assert chosen_in_a_fresh_process(FLASH_LIB_EXP=value) == chosen.split()
 
 
 def test_a_bad_flash_lib_exp_is_refused_at_import_naming_it():
