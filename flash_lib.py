@@ -426,19 +426,6 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
     return (out, lse) if return_lse else out
 
 
-def _per_worker(make):
-    """``get()`` returns the calling worker thread's buffers for this call: ``make()``'s, made at
-    its first block and reused for the others. A tile-sized array made per block is handed back
-    to the OS when freed and, made again, faulted in page by page (512 faults for a 2 MiB tile)."""
-    local = threading.local()
-
-    def get():
-        if not hasattr(local, "buffers"):
-            local.buffers = make()
-        return local.buffers
-    return get
-
-
 def _dropped(matmul, keep):
     """``matmul`` applied to ``p ∘ Z`` (Z the tile's keep mask): the forward's dropout. It comes
     after :func:`online_softmax_update` has added the undropped ``p`` to ``l``, so ``l`` and the
@@ -831,6 +818,19 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
     dq *= acc.type(problem.scale_q)
     grads = problem.input_shapes(dq.astype(problem.q.dtype, copy=False), dk, dv)
     return grads if problem.sinks is None else grads + (_dsinks(problem, lse, D),)
+
+
+def _per_worker(make):
+    """``get()`` returns the calling worker thread's buffers for this call: ``make()``'s, made at
+    its first block and reused for the others. A tile-sized array made per block is handed back
+    to the OS when freed and, made again, faulted in page by page (512 faults for a 2 MiB tile)."""
+    local = threading.local()
+
+    def get():
+        if not hasattr(local, "buffers"):
+            local.buffers = make()
+        return local.buffers
+    return get
 
 
 def _dsinks(problem, lse, D):
