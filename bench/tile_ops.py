@@ -3,7 +3,8 @@
 A FlashAttention tile in NumPy is a handful of calls: two matmuls, a row maximum, a subtraction,
 an exponential, a row sum and the rescale of ``acc`` in the forward; five matmuls and four
 elementwise passes in the backward. The exponential is the kernel's own, ``flash_lib.exponential``
-(``exp2`` with ``log2(e)`` folded into the keys for float32 on AVX-512, ``exp`` elsewhere). No NumPy kernel can do a tile in less than the sum of those
+(``exp2`` with ``log2(e)`` folded into the keys for float32 on AVX-512, ``exp`` elsewhere). No
+NumPy kernel can do a tile in less than the sum of those
 calls, so that sum, times the tiles a call visits, over the threads that share them, is the
 kernel's *floor* on this machine; ``kernel time / floor`` is then what the kernel loses to
 everything else (Python between the calls, threads waiting, caches). ``bench/bench_flash.py``
@@ -19,7 +20,8 @@ moment hits them alike. BLAS is held at one thread, as inside the kernel.
 The alternatives of issue 21's item 2 are timed the same way, as variants of the tile: ``exp``
 and ``exp2`` (with ``log2(e)`` folded into the keys' scale) whichever the kernel uses, the
 elementwise steps with temporaries instead of in place (forward and backward), and, in the
-forward, the row sum taken by the ``p·v`` matmul (a column of ones appended to ``v``). Beside them the script times flash_lib's own
+forward, the row sum taken by the ``p·v`` matmul (a column of ones appended to ``v``). Beside
+them the script times flash_lib's own
 forward and backward on one thread (per tile: what the kernel adds to the floor) and the floor
 on two threads side by side (what the cores cost each other). Which NumPy loop ran each ufunc is
 read from NumPy itself (``numpy.lib.introspect.opt_func_info``), not guessed.
@@ -39,6 +41,7 @@ Importable (the repository root is on ``sys.path`` in the editable install) as `
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -448,12 +451,13 @@ def floor_loop(q, k, v, *, block_q=flash_lib.DEFAULT_BLOCK_Q, block_k=flash_lib.
     """The floor's own calls over every tile of a call, and nothing else: a callable.
 
     The forward (or, with ``backward=(out, lse, dout)``, the backward) of one head,
-    ``q, k, v`` of shapes ``(N, d)``, no mask, ``N`` a multiple of the block sizes: the calls of
-    :func:`forward_ops` (or :func:`backward_ops`) in the kernel's order, the kernel's
-    exponential, on the tiles of the kernel's loop (query blocks outside in the forward, key
-    blocks in the backward), shared out to the kernel's worker threads (:func:`workers`) through
-    one iterator, BLAS at one thread. It has no input checks, masks, variants, dropout or
-    ordered dQ: so flash's time / this loop's is what flash_lib's own bookkeeping costs, with the
+    ``q, k, v`` of shapes ``(N, d)``, no mask, ``N`` a multiple of the block sizes: flash_lib's
+    own tile functions (``online_softmax_update``, ``attention_backward_tile``: the calls of
+    :func:`forward_ops` and :func:`backward_ops`) with the kernel's exponential, on the tiles of
+    the kernel's loop (query blocks outside in the forward, key blocks in the backward), shared
+    out to the kernel's worker threads (:func:`workers`) through one iterator, BLAS at one
+    thread. It has no input checks, masks, variants, dropout or ordered dQ around them: so
+    flash's time / this loop's is what flash_lib's own bookkeeping costs, with the
     caches and the threads' contention counted on both sides; the floor, each call at its best
     on its own, leaves those out. ``run()`` returns ``out`` (or ``dq, dk, dv``), to be checked
     against flash_lib's once before it is timed."""
@@ -466,7 +470,7 @@ def floor_loop(q, k, v, *, block_q=flash_lib.DEFAULT_BLOCK_Q, block_k=flash_lib.
     unit = LOG2E if exp is np.exp2 else 1.0
     qs = q * dtype(1 / math.sqrt(d))  # the kernel scales each query block; once here
     ks = k * dtype(unit)
-    n_threads = workers(n, n, block_k if backward else block_q, threads)
+    n_threads = workers(n, n, block_k if backward is not None else block_q, threads)
 
     def forward_block(i, out):
         s, pv = np.empty((block_q, block_k), dtype), np.empty((block_q, v.shape[1]), dtype)
@@ -475,33 +479,25 @@ def floor_loop(q, k, v, *, block_q=flash_lib.DEFAULT_BLOCK_Q, block_k=flash_lib.
         l, acc = np.zeros(block_q, dtype), np.zeros((block_q, v.shape[1]), dtype)
         for j in range(0, n, block_k):
             np.matmul(q_i, ks[j:j + block_k].T, out=s)
-            m_new = np.maximum(m, s.max(axis=-1))
-            m_ref = np.where(m_new == -np.inf, 0, m_new)
-            alpha = exp(m - m_ref)
-            exp(np.subtract(s, m_ref[:, None], out=s), out=s)
-            l *= alpha
-            l += s.sum(axis=-1)
-            acc *= alpha[:, None]
-            acc += np.matmul(s, v[j:j + block_k], out=pv)
-            m = m_new
+            flash_lib.online_softmax_update(m, l, acc, s, v[j:j + block_k],
+                                            functools.partial(np.matmul, out=pv), exp)
         out[i:i + block_q] = acc / l[:, None]
 
     def backward_block(j, lse2, D, grads, lock):
         s, dp = (np.empty((block_q, block_k), dtype) for _ in range(2))
-        k_j, v_j, ks_j = k[j:j + block_k], v[j:j + block_k], ks[j:j + block_k]
         dq, dk, dv = grads
-        dk_j, dv_j = dk[j:j + block_k], dv[j:j + block_k]
+
+        def scores(q_i, k_j):  # S into its buffer, no variants
+            return np.matmul(q_i, k_j.T, out=s), None
+
         for i in range(0, n, block_q):
-            q_i, dout_i = qs[i:i + block_q], dout[i:i + block_q]
-            np.matmul(q_i, ks_j.T, out=s)
-            exp(np.subtract(s, lse2[i:i + block_q, None], out=s), out=s)
-            dv_j += s.T @ dout_i
-            np.matmul(dout_i, v_j.T, out=dp)
-            np.multiply(s, np.subtract(dp, D[i:i + block_q, None], out=dp), out=dp)
-            dk_j += dp.T @ q_i
-            share = dp @ k_j
+            rows = slice(i, i + block_q)
+            share = flash_lib.attention_backward_tile(
+                qs[rows], k[j:j + block_k], v[j:j + block_k], dout[rows], lse2[rows], D[rows],
+                dk[j:j + block_k], dv[j:j + block_k], scores=scores, dp_buffer=dp, exp=exp,
+                k_scores=ks[j:j + block_k])
             with lock:
-                dq[i:i + block_q] += share
+                dq[rows] += share
 
     if backward is not None:
         out, lse, dout = backward
