@@ -14,7 +14,8 @@ one program after another, with PyTorch CPU tensors and NumPy arithmetic: slow (
 N = 1024), but the same code, line for line. To use the interpreter on a CUDA machine too, set
 ``TRITON_INTERPRET=1`` in the environment before the first ``import triton`` (or ``import
 flash_triton``). ``TRITON_INTERPRET=0`` on a machine without CUDA is refused: there is then
-nothing to run the kernels on. Needs ``triton`` and ``torch`` (``pip install .[gpu]``).
+nothing to run the kernels on. Needs ``torch`` and ``triton``, which ``make`` installs; Triton
+publishes wheels for Linux on x86_64 and aarch64 only.
 
 Conventions (flash_lib's)
 -------------------------
@@ -40,10 +41,13 @@ import numpy as np
 
 import flash_lib
 
+_MISSING = ("flash_triton needs PyTorch and Triton, which `make setup` installs (pyproject.toml); "
+            "Triton publishes wheels for Linux on x86_64 and aarch64 only")
+
 try:
     import torch
-except ImportError as exc:  # pragma: no cover - the gpu extra is missing
-    raise ImportError("flash_triton needs PyTorch and Triton: pip install '.[gpu]'") from exc
+except ImportError as exc:  # pragma: no cover - not installed
+    raise ImportError(_MISSING) from exc
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
@@ -59,8 +63,8 @@ if not HAS_CUDA:
 try:
     import triton
     import triton.language as tl
-except ImportError as exc:  # pragma: no cover - the gpu extra is missing
-    raise ImportError("flash_triton needs PyTorch and Triton: pip install '.[gpu]'") from exc
+except ImportError as exc:  # pragma: no cover - not installed
+    raise ImportError(_MISSING) from exc
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     from triton.runtime.interpreter import InterpretedFunction

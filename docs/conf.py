@@ -11,6 +11,8 @@ import hashlib
 import pathlib
 
 import flash_lib
+import jupytext
+import nbformat
 from docutils import nodes
 from sphinx import addnodes
 from sphinx.util import logging
@@ -40,7 +42,9 @@ html_static_path = ["_static"]
 html_css_files = ["custom.css"]
 
 # --- MyST-NB: read py:percent through jupytext, execute everything, fail on any error --------
-nb_custom_formats = {".py": ["jupytext.reads", {"fmt": "py:percent"}]}
+# (read_chapter is jupytext.reads for py:percent; it also reads the JSON that
+# _stored_outputs_where_not_run hands on where a cell cannot run on this platform.)
+nb_custom_formats = {".py": ["notebooks._platform.read_chapter", {}]}
 nb_execution_mode = "force"
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True  # the failing cell's traceback goes into the build log
@@ -139,6 +143,37 @@ def _chapter_box(app, doctree):
         doctree.insert(0, box)
 
 
+def _stored_outputs_where_not_run(app, docname, source):
+    """Where a chapter has cells this platform cannot run (``notebooks/_platform.py``: Triton off
+    Linux), show those cells' outputs stored in the chapter's .ipynb instead of executing them
+    (nbclient skips a cell tagged ``skip-execution``), under a note at the top saying which and
+    why. On Linux every cell runs and the chapter is read as it is."""
+    if not docname.startswith("chapters/"):
+        return
+    from notebooks import _platform
+
+    nb = jupytext.reads(source[0], fmt="py:percent")
+    tags = sorted({tag for cell in nb.cells for tag in _platform.missing(cell.metadata.get("tags", []))})
+    if not tags:
+        return
+    stem = docname.split("/", 1)[1]
+    # the pair is in sync cell for cell (tests/test_notebooks.py)
+    stored = nbformat.read(ROOT / "notebooks" / f"{stem}.ipynb", as_version=4)
+    skipped = 0
+    for cell, saved in zip(nb.cells, stored.cells):
+        if _platform.missing(cell.metadata.get("tags", [])):
+            cell.outputs, cell.execution_count = saved.outputs, saved.execution_count
+            cell.metadata["tags"] = cell.metadata["tags"] + ["skip-execution"]
+            skipped += 1
+    reasons = " ".join(_platform.reason(tag) + "." for tag in tags)
+    note = nbformat.v4.new_markdown_cell(
+        f":::{{warning}} Not all of this chapter was executed\n{reasons} The {skipped} cells marked "
+        f"\"stored output\" show the outputs stored in `notebooks/{stem}.ipynb`, from a run on "
+        "Linux; every other cell ran when this site was built.\n:::")
+    nb.cells.insert(1, note)
+    source[0] = nbformat.writes(nb)
+
+
 def _prune_mathjax(app, exc):
     """Keep the one MathJax bundle the pages load (tex-chtml.js) and the parts it loads lazily.
 
@@ -153,6 +188,7 @@ def _prune_mathjax(app, exc):
 
 
 def setup(app):
+    app.connect("source-read", _stored_outputs_where_not_run)
     app.connect("doctree-read", _chapter_box, priority=100)
     app.add_config_value("flash_lib_source", "", "env")
     app.connect("build-finished", _prune_mathjax, priority=900)

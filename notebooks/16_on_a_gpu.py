@@ -43,22 +43,24 @@
 # GPU speed is measured here**: the only times in this chapter are the interpreter's, on a CPU.
 
 # %%
-# flash_triton first: on a machine without CUDA it sets TRITON_INTERPRET=1, which Triton reads
-# when it is first imported (its own helpers, tl.zeros, tl.max, ..., are @triton.jit functions).
-import flash_triton
-
 import inspect
 import math
 import time
 
 import matplotlib.pyplot as plt
 import numpy as np
-import triton
 
 import flash_check
 import flash_lib
 
 rng = np.random.default_rng(16)
+
+# %% tags=["needs-triton"]
+# flash_triton before triton: on a machine without CUDA it sets TRITON_INTERPRET=1, which Triton
+# reads when it is first imported (its own helpers, tl.zeros, tl.max, ..., are @triton.jit functions).
+import flash_triton
+import triton
+
 print(f"triton {triton.__version__}; interpreted: {flash_triton.INTERPRETED}; "
       f"tensors on: {flash_triton.DEVICE}")
 
@@ -111,7 +113,7 @@ print(f"triton {triton.__version__}; interpreted: {flash_triton.INTERPRETED}; "
 # `CAUSAL`, `HAS_MASK`, the block sizes and `RESCALE` compiles to its own specialised kernel on a
 # GPU, so an `if CAUSAL:` costs nothing at run time.
 
-# %%
+# %% tags=["needs-triton"]
 print(inspect.getsource(flash_triton.where_allowed.fn))
 print(inspect.getsource(flash_triton.forward_kernel.fn))
 
@@ -162,7 +164,7 @@ print(inspect.getsource(flash_lib.online_softmax_update))
 # It computes what flash_lib computes. Against flash_lib's extended-precision reference on the
 # same inputs, causal with $N_q \ne N_k$ and a key-padding mask:
 
-# %%
+# %% tags=["needs-triton"]
 EPS32, EPS16 = float(np.finfo(np.float32).eps), float(np.finfo(np.float16).eps)
 # Bounds in eps of the input dtype, each about 4x (float32) or 2x (float16) the largest error
 # measured at NumPy's native, AVX2 and baseline levels over tests/test_triton.py's shapes.
@@ -208,7 +210,7 @@ for dtype in (np.float32, np.float16):
 #
 # The counts per tile, and per forward pass at $N = 4096$, $d = 64$, one head:
 
-# %%
+# %% tags=["needs-triton"]
 BM, BN = flash_triton.BLOCK_M, flash_triton.BLOCK_N
 n = 4096
 scores = n * n
@@ -227,7 +229,7 @@ assert math.isclose(flash_triton.LOG2E * math.log(2), 1.0, rel_tol=1e-15)
 # no mask). Only the tiles between, on the diagonal, pay for `where_allowed`. Counting them with
 # the kernel's own formulas, against flash_lib's `tile_schedule`:
 
-# %%
+# %% tags=["needs-triton"]
 def triton_tiles(n_q, n_k, causal):
     """(visited, masked) tiles of forward_kernel's grid, by the kernel's own hi and full."""
     visited = masked = 0
@@ -413,7 +415,7 @@ for gpu in (A100, H100):
 # second pass recomputes $P$ once more but needs no atomics and gives the same bits on every run.
 # `load_row_stats` is where an empty row's $-\infty$ lse becomes FlashAttention's $+\infty$:
 
-# %%
+# %% tags=["needs-triton"]
 print(inspect.getsource(flash_triton.load_row_stats.fn))
 print(inspect.getsource(flash_triton.backward_dkdv_kernel.fn))
 
@@ -425,7 +427,7 @@ print(inspect.getsource(flash_triton.backward_dkdv_kernel.fn))
 # applied once, at the store. Against `flash_lib.flash_attention_backward` (float64, the same
 # inputs; itself checked against `precise_attention_backward`), causal with $N_q \ne N_k$:
 
-# %%
+# %% tags=["needs-triton"]
 # float32: <= 6.5e-7 of each gradient's largest entry, float16 <= 5.1e-4, measured at the three
 # NumPy levels over tests/test_triton.py's cases; bounds ~15x and ~10x that.
 BWD_BOUND = {"float32": 1e-5, "float16": 5e-3}
@@ -462,7 +464,7 @@ for dtype in (np.float32, np.float16):
 # `python -m flash_check flash_triton:attention --features causal lse --dtypes float32 float16`
 # (the command line passes `return_lse=True` to a kernel that takes it).
 
-# %%
+# %% tags=["needs-triton"]
 report = flash_check.check_kernel(flash_triton.attention_with_lse, features=("causal", "lse"),
                                   dtypes=("float32", "float16"))
 print(str(report).splitlines()[-1])  # the table above it holds rounding-level errors
@@ -472,7 +474,7 @@ assert report.ok, report.failures
 # And its mask cases (key padding, empty rows, a fully masked matrix, causal with a mask, NaN
 # and inf in padded keys) and $d_v \ne d$, in float32:
 
-# %%
+# %% tags=["needs-triton"]
 masked_cases = ["key_padding", "empty_rows", "all_masked", "causal_and_mask", "masked_nonfinite",
                 "dv"]
 report = flash_check.check_kernel(flash_triton.attention_with_lse, cases=masked_cases,
@@ -488,7 +490,7 @@ assert report.ok, report.failures
 # old maximum. On random inputs the rows' maxima rise often, and chapter 20's diagnosis finds the
 # cause by shuffling the keys (attention does not depend on their order; this bug does):
 
-# %%
+# %% tags=["needs-triton"]
 buggy = flash_check.check_kernel(flash_triton.with_bug("missing_rescale"),
                                  features=("causal", "lse"), dtypes=("float32",),
                                  cases=["late_max", "random"])
@@ -512,7 +514,7 @@ assert all("not rescaled by exp(m - m')" in f.diagnosis for f in buggy.failures)
 # The measured errors of the checks above, and the interpreter's run time for the forward pass
 # at growing $N$ ($d = 64$, float32, one head, on this CPU, shared with other jobs):
 
-# %%
+# %% tags=["needs-triton"]
 sizes, seconds = (64, 128, 256), []
 flash_triton.attention(*(rng.standard_normal((1, 64, 64)).astype(np.float32) for _ in range(3)))
 for n in sizes:  # after one warm-up call, which pays the interpreter's first-use costs

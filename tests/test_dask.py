@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster
+from distributed.diagnostics.plugin import SchedulerPlugin
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -458,32 +459,49 @@ def test_a_causal_query_shard_starts_its_chains_at_the_diagonal():
 # --------------------------------------------------------------------------------------------
 
 
-def _keys_in_memory(dask_scheduler, prefix):
-    """Scheduler side: {worker address: number of keys with ``prefix`` it holds in memory}."""
-    held = collections.Counter()
-    for key, ts in dask_scheduler.tasks.items():
-        if ts.state == "memory" and isinstance(key, tuple) and str(key[0]).startswith(prefix):
-            held.update(ws.address for ws in ts.who_has)
-    return dict(held)
+class _StrikeAt(SchedulerPlugin):
+    """Scheduler side: when the ``done``-th task whose key starts with ``prefix`` reaches memory,
+    SIGKILL the worker that holds the most such results, there and then, inside the scheduler's
+    own transition. The kill comes at a known point of the graph (``done`` of its tasks finished,
+    the rest not), whatever the machine's speed or load; nothing polls a clock."""
+
+    name = "strike-at"
+
+    def __init__(self, prefix, done, pids):
+        self.prefix, self.done, self.pids = prefix, done, pids
+        self.finished, self.struck = set(), None  # struck: (victim, results it held)
+
+    def start(self, scheduler):
+        self.scheduler = scheduler
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        if (self.struck is not None or finish != "memory" or not isinstance(key, tuple)
+                or not str(key[0]).startswith(self.prefix)):
+            return
+        self.finished.add(key)
+        if len(self.finished) < self.done:
+            return
+        held = collections.Counter()
+        for k in self.finished:
+            ts = self.scheduler.tasks.get(k)
+            if ts is not None and ts.state == "memory":
+                held.update(ws.address for ws in ts.who_has)
+        victim = max(held, key=held.get)
+        os.kill(self.pids[victim], signal.SIGKILL)
+        self.struck = (victim, held[victim])
 
 
-def _reached_memory(dask_scheduler, prefix):
-    """Scheduler side: how many keys with ``prefix`` have been computed so far (a chain's
-    step is released once the next step has read it, so it is no longer in memory)."""
-    return len({entry[0] for entry in dask_scheduler.transition_log
-                if entry[2] == "memory" and isinstance(entry[0], tuple)
-                and str(entry[0][0]).startswith(prefix)})
+def _strike(client, prefix, done, pids):
+    """Arm :class:`_StrikeAt` on the cluster's scheduler (before the graph is submitted)."""
+    client.register_plugin(_StrikeAt(prefix, done, pids))
 
 
-def _strike_when(client, prefix, done, deadline):
-    """Wait until ``done`` keys with ``prefix`` were computed and some worker holds one in
-    memory; return {worker: keys with ``prefix`` held} at that moment."""
-    while True:
-        held = client.run_on_scheduler(_keys_in_memory, prefix=prefix)
-        finished = client.run_on_scheduler(_reached_memory, prefix=prefix)
-        if (finished >= done and held) or time.monotonic() > deadline:
-            return held
-        time.sleep(0.01)
+def _struck(client):
+    """What :class:`_StrikeAt` did, read from the scheduler once the graph has run; unarms it."""
+    def read(dask_scheduler):
+        plugin = dask_scheduler.plugins.pop(_StrikeAt.name)
+        return plugin.struck, len(plugin.finished)
+    return client.run_on_scheduler(read)
 
 
 def _computed_twice(dask_scheduler, prefix):
@@ -496,30 +514,30 @@ def _computed_twice(dask_scheduler, prefix):
 
 
 def test_a_worker_killed_mid_computation_loses_nothing(own_client):
-    client = own_client
     """SIGKILL the worker holding the most finished partial results; Dask recomputes them.
 
-    The test checks its own premise: the kill happened while the graph was still running, the
-    killed worker held results of this graph, and some of them were computed a second time.
+    The kill comes from inside the scheduler when 6 of the graph's 36 pair tasks are done
+    (:class:`_StrikeAt`), so it always hits the graph while it runs. The test checks the rest of
+    its premise: the killed worker held results of this graph, and some were computed again.
     """
+    client = own_client
     n, d, shard = 8192, 64, 1024
     rng = da.random.default_rng(2026)
     q, k, v = (rng.standard_normal((n, d), chunks=(shard, d)) for _ in range(3))
     out, lse = flash_dask.dask_attention(q, k, v, causal=True, return_lse=True)  # 36 pairs
     prefix = "flash-attention-"
     pids = client.run(os.getpid)
+    # when 6 of the 36 pair tasks are done, the worker holding most of them (running states of
+    # the chains) is killed, from inside the scheduler
+    _strike(client, prefix + "pair-", 6, pids)
     futures = client.compute([out, lse])
     try:
-        # wait until 6 of the 36 pair tasks are done and a worker holds running states of
-        # the chains, then strike
-        held = _strike_when(client, prefix + "pair-", 6, time.monotonic() + TIMEOUT)
-        victim = max(held, key=held.get)
-        assert held[victim] >= 1, "no partial result in memory to lose"
-        assert not all(f.done() for f in futures), "the graph finished before the kill"
-        os.kill(pids[victim], signal.SIGKILL)
         got_out, got_lse = client.gather(futures)  # raises if a result was lost for good
     finally:
         client.cancel(futures)
+        (victim, held), finished = _struck(client)
+    assert finished == 6, finished  # struck with 30 of the 36 pair tasks still to run
+    assert held >= 1, "no partial result in memory to lose"
     assert pids[victim] not in client.run(os.getpid).values(), "the victim still runs"
     recomputed = client.run_on_scheduler(_computed_twice, prefix=prefix)
     assert recomputed, "nothing was recomputed: the kill did not hit the computation"
@@ -856,14 +874,15 @@ def test_backward_errors_name_the_argument_and_the_chunks():
 
 
 def test_a_worker_killed_mid_backward_loses_nothing(own_client):
-    client = own_client
     """As for the forward: SIGKILL the worker holding the most finished backward pair results.
 
     The forward's out and lse are computed and held on the cluster first, so the kill hits the
-    backward; the inputs the victim held are lost with it and recomputed too. The test checks
-    its premise (the kill came while the backward ran, the victim held its partial results,
-    some were computed again) and that the gradients equal flash_attention_backward's.
+    backward; the inputs the victim held are lost with it and recomputed too. The kill comes
+    from inside the scheduler when 6 of the 36 pair tasks are done; the test checks the rest of
+    its premise (the victim held its partial results, some were computed again) and that the
+    gradients equal flash_attention_backward's.
     """
+    client = own_client
     n, d, shard = 8192, 64, 1024
     rng = da.random.default_rng(2027)
     q, k, v, dout = (rng.standard_normal((n, d), chunks=(shard, d)) for _ in range(4))
@@ -873,18 +892,17 @@ def test_a_worker_killed_mid_backward_loses_nothing(own_client):
     grads = flash_dask.dask_attention_backward(*held, causal=True)  # 36 pairs
     prefix = "flash-attention-backward-"
     pids = client.run(os.getpid)
+    # when 6 of the 36 pair tasks are done, the worker holding most of their results (running
+    # dq, shares of dk and dv) is killed, from inside the scheduler
+    _strike(client, prefix + "pair-", 6, pids)
     futures = client.compute(list(grads))
     try:
-        # wait until 6 of the 36 pair tasks are done and a worker holds some of their
-        # results (running dq, shares of dk and dv), then strike
-        in_memory = _strike_when(client, prefix + "pair-", 6, time.monotonic() + TIMEOUT)
-        victim = max(in_memory, key=in_memory.get)
-        assert in_memory[victim] >= 1, "no partial result in memory to lose"
-        assert not all(f.done() for f in futures), "the backward finished before the kill"
-        os.kill(pids[victim], signal.SIGKILL)
         got = client.gather(futures)  # raises if a result was lost for good
     finally:
         client.cancel(futures)
+        (victim, held), finished = _struck(client)
+    assert finished == 6, finished  # struck with 30 of the 36 pair tasks still to run
+    assert held >= 1, "no partial result in memory to lose"
     assert pids[victim] not in client.run(os.getpid).values(), "the victim still runs"
     recomputed = client.run_on_scheduler(_computed_twice, prefix=prefix)
     assert recomputed, "nothing was recomputed: the kill did not hit the backward"

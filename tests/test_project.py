@@ -44,11 +44,42 @@ def test_the_root_modules_are_the_ones_installed():
     assert sorted(config.get("packages", [])) == packages, packages
 
 
-def test_ci_runs_the_readme_test_command():
-    """CI runs `make test`, the command README gives, and the README gives it."""
+# What would make CI test another installation than the README's: a package installed, an
+# environment made or set up, by any route, before the README's commands run.
+_INSTALLS = re.compile(r"\bpip3?\b.*\binstall\b|\bmake\b.*\bsetup\b|\buv\b|\bconda\b|\bpoetry\b"
+                       r"|\bpipx\b|\bvenv\b|\beasy_install\b|\bsetup\.py\b")
+
+
+def _installs_before_readme_commands(script):
+    """The lines of a CI script that install something before both of the README's commands,
+    ``make test`` and ``make``, have run; raises if either command is not in it, alone on a line."""
+    lines = [line.split("#", 1)[0].strip() for line in script.splitlines()]
+    assert "make test" in lines and "make" in lines, "CI must run `make test` and `make` as written"
+    last = max(lines.index("make test"), lines.index("make"))
+    return [line for line in lines[:last] if _INSTALLS.search(line)]
+
+
+def test_ci_runs_the_readme_commands_before_installing_anything():
+    """CI is the README: `.ci/run` runs `make test` and `make` exactly as the README gives them
+    (each alone on a line), and installs no Python package (nor sets up .venv) before both have
+    run; the only thing before them is the system package the README names, Chromium."""
     ci = (ROOT / ".ci" / "run").read_text()
-    assert re.search(r"^make test$", ci, re.M), ci
-    assert "make test" in (ROOT / "README.md").read_text()
+    assert _installs_before_readme_commands(ci) == []
+    readme = (ROOT / "README.md").read_text()
+    assert re.search(r"^make +#", readme, re.M) and re.search(r"^make test +#", readme, re.M)
+    assert re.search(r"apt-get install\b.*\bchromium\b", ci) and "chromium" in readme
+
+
+def test_the_ci_check_catches_an_install_moved_before_the_readme_commands():
+    """The check above on CI scripts that would test another installation than the README's."""
+    readme_only = "apt-get install -y chromium\nmake test\nmake\npip install '.[jax]'\n"
+    assert _installs_before_readme_commands(readme_only) == []
+    for early in (".venv/bin/python -m pip install --editable '.[jax]'", "make setup",
+                  "uv pip install torch", "python3 -m venv .venv", "pip3 install triton"):
+        moved = f"apt-get install -y chromium\n{early}\nmake test\nmake\n"
+        assert _installs_before_readme_commands(moved) == [early], early
+        between = f"make test\n{early}\nmake\n"
+        assert _installs_before_readme_commands(between) == [early], early
 
 
 def test_readme_usage_example_runs():

@@ -5,11 +5,16 @@ OpenBLAS keeps that count in one process-wide variable. The kernel holds it at o
 a call runs (calls are serialised), and puts back what it found whether the call returns,
 raises or is interrupted. These tests run the kernel from several threads at once, overlap calls,
 interrupt one with a real SIGINT, and compare bits and BLAS settings.
+
+No test here depends on the machine's speed: where an order of events matters (a call overlapping
+another, an interrupt inside a call, every worker busy at once), hooks on the kernel's own steps
+make it happen at a known point. ``HANG`` only turns a hang into a failure.
 """
 
+import collections
+import contextvars
 import signal
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -20,6 +25,7 @@ import flash_lib
 from flash_lib import flash_attention
 
 N, D = 1024, 64  # 2**20 scores: large enough for the kernel to use its worker threads
+HANG = 120  # seconds: a wait that takes longer is a failure (an idle machine takes milliseconds)
 
 
 def blas_threads():
@@ -71,29 +77,52 @@ def test_four_threads_at_once_give_the_serial_bits(dtype):
 
 
 @pytest.mark.parametrize("first", ["background", "main"])
-def test_a_background_call_that_outlives_the_main_one(first):
+def test_a_background_call_that_outlives_the_main_one(first, monkeypatch):
     """A long call in a background thread overlapping a shorter one in the main thread, started
     before it or during it: both give their serial bits, and afterwards BLAS is back at the
     caller's setting. (With the old limit, set by the first call to enter and restored by the
     last to leave, a background call leaving last could not restore it: the process stayed at
-    one BLAS thread.)"""
+    one BLAS thread.) The overlap is made, not hoped for: "background" starts the main call once
+    the background one is inside its first tile; "main" starts the background call from inside
+    the main call's first tile and goes on once it has reached the kernel (where it waits for
+    the main call to finish, and then leaves last)."""
     long_inputs, short_inputs = inputs(np.float32, 4 * N, 4 * N, seed=1), inputs(np.float32)
-    if first == "main":
-        short_inputs = inputs(np.float32, 4 * N, 2 * N, seed=3)  # long enough to be overlapped
     before = blas_threads()
     serial_long, serial_short = flash_attention(*long_inputs), flash_attention(*short_inputs)
+    caller = contextvars.ContextVar("caller", default="main")  # the kernel's workers inherit it
+    in_a_tile = {"main": threading.Event(), "background": threading.Event()}
+    background_reached_kernel = threading.Event()
     background = {}
-    thread = threading.Thread(target=lambda: background.update(out=flash_attention(*long_inputs)))
+
+    def background_call():
+        caller.set("background")
+        background["out"] = flash_attention(*long_inputs)
+
+    thread = threading.Thread(target=background_call)
+    update, run_blocks = flash_lib.online_softmax_update, _flash_runtime.run_blocks
+
+    def watching_update(*args):
+        who = caller.get()
+        if who == "main" and first == "main" and not in_a_tile["main"].is_set():
+            in_a_tile["main"].set()
+            thread.start()
+            assert background_reached_kernel.wait(HANG)
+        in_a_tile[who].set()
+        return update(*args)
+
+    def watching_run_blocks(*args, **kwargs):
+        if caller.get() == "background":
+            background_reached_kernel.set()  # next: the lock the main call holds, if it runs
+        return run_blocks(*args, **kwargs)
+
+    monkeypatch.setattr(flash_lib, "online_softmax_update", watching_update)
+    monkeypatch.setattr(_flash_runtime, "run_blocks", watching_run_blocks)
     if first == "background":
         thread.start()
-        time.sleep(0.05)
-        short = flash_attention(*short_inputs)
-    else:
-        timer = threading.Timer(0.01, thread.start)
-        timer.start()
-        short = flash_attention(*short_inputs)
-        timer.join()
-    thread.join()
+        assert in_a_tile["background"].wait(HANG)
+    short = flash_attention(*short_inputs)
+    thread.join(HANG)
+    assert not thread.is_alive()
     assert blas_threads() == before
     np.testing.assert_array_equal(short, serial_short)
     np.testing.assert_array_equal(background["out"], serial_long)
@@ -125,7 +154,7 @@ def test_a_call_that_raises_in_a_worker_restores_blas_and_leaves_no_threads(monk
     """An exception inside one worker's tile stops every worker, reaches the caller, and leaves
     BLAS as it was and no kernel thread behind; the next call works."""
     q, k, v = inputs(np.float64)
-    before = blas_threads()
+    before, serial = blas_threads(), flash_attention(q, k, v)
     update, calls = flash_lib.online_softmax_update, []
 
     def failing_update(*args):
@@ -140,30 +169,55 @@ def test_a_call_that_raises_in_a_worker_restores_blas_and_leaves_no_threads(monk
             flash_attention(q, k, v, block_q=64, block_k=64)
     assert blas_threads() == before
     assert not [t for t in threading.enumerate() if t.name.startswith("flash_lib")]
-    np.testing.assert_array_equal(flash_attention(q, k, v), flash_attention(q, k, v))
+    np.testing.assert_array_equal(flash_attention(q, k, v), serial)
 
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
                     reason="SIGINT is delivered to the main thread")
-def test_ctrl_c_stops_a_threaded_call_within_about_a_tile():
-    """A real SIGINT 0.2 s into a call with about 1.5 s of work left: KeyboardInterrupt reaches
-    the caller within 0.5 s (each worker stops before its next tile; a 512 × 512 tile takes a few
-    ms), no kernel thread is left, BLAS is as it was, and the next call runs normally."""
-    q, k, v = inputs(np.float32, 2048, 1 << 18, seed=2)
-    before = blas_threads()
+def test_ctrl_c_stops_a_threaded_call_before_each_workers_next_tile(monkeypatch):
+    """A real SIGINT, sent from inside the first tile of a call on two worker threads (so it
+    arrives at a known point, however fast or loaded the machine): KeyboardInterrupt reaches the
+    caller, and once the call is cancelled no worker begins more than the one tile it was already
+    in (the kernel checks between tiles); no kernel thread is left, BLAS is as it was, and the
+    next call gives the serial bits."""
+    q, k, v = inputs(np.float32, 1024, 2048, seed=2)  # 16 x 32 tiles of 64 x 64
+    blocks = dict(block_q=64, block_k=64)
+    small = inputs(np.float32, 64, 64)
+    before, serial = blas_threads(), flash_attention(*small)
     main = threading.main_thread().ident
-    timer = threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT))
-    start = time.perf_counter()
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        flash_attention(q, k, v)
-    stopped_after = time.perf_counter() - start
-    timer.join()
-    assert stopped_after < 0.2 + 0.5, f"stopped {stopped_after:.2f} s after the call started"
+    cancelled = []  # the call's cancellation event, as the kernel hands it to each block
+    begun = []  # per tile begun: (worker, whether the call was already cancelled)
+    first_tile = threading.Lock()
+    run_blocks, update = _flash_runtime.run_blocks, flash_lib.online_softmax_update
+
+    def watching_run_blocks(work_on, *args, **kwargs):
+        def work(block, event):
+            cancelled.append(event)
+            return work_on(block, event)
+        return run_blocks(work, *args, **kwargs)
+
+    def interrupting_update(*args):
+        event = cancelled[0]
+        begun.append((threading.current_thread().name, event.is_set()))
+        if first_tile.acquire(blocking=False):  # the first tile of the call, in whichever worker
+            signal.pthread_kill(main, signal.SIGINT)
+            assert event.wait(HANG), "the caller was not interrupted"
+        return update(*args)
+
+    monkeypatch.setattr(_flash_runtime, "run_blocks", watching_run_blocks)
+    monkeypatch.setattr(flash_lib, "online_softmax_update", interrupting_update)
+    with flash_lib.threads(2), pytest.raises(KeyboardInterrupt):
+        flash_attention(q, k, v, **blocks)
+    monkeypatch.undo()
+    workers = {name for name, _ in begun}
+    assert len(workers) <= 2 and all(name.startswith("flash_lib") for name in workers), workers
+    after_cancel = collections.Counter(name for name, late in begun if late)
+    assert all(n <= 1 for n in after_cancel.values()), (
+        f"tiles begun after the call was cancelled, per worker: {dict(after_cancel)}")
+    assert len(begun) < 16 * 32  # the call stopped
     assert not [t for t in threading.enumerate() if t.name.startswith("flash_lib")]
     assert blas_threads() == before
-    small = inputs(np.float32, 64, 64)
-    np.testing.assert_array_equal(flash_attention(*small), flash_attention(*small))
+    np.testing.assert_array_equal(flash_attention(*small), serial)
 
 
 def test_threads_sets_the_worker_count_for_calls_inside_it_and_only_there():
@@ -177,10 +231,15 @@ def test_threads_sets_the_worker_count_for_calls_inside_it_and_only_there():
     def workers_used(n):
         names = set()
         update = flash_lib.online_softmax_update
+        # each worker's first tile waits for the others' (16 query blocks: one for each): all n
+        # workers take part however the machine schedules them
+        all_started = threading.Barrier(n)
 
         def watching_update(*args):
-            names.add(threading.current_thread().name)
-            time.sleep(0.005)  # each tile takes long enough for every worker to get one
+            name = threading.current_thread().name
+            if name not in names:
+                names.add(name)
+                all_started.wait(HANG)
             return update(*args)
 
         with pytest.MonkeyPatch.context() as patch, flash_lib.threads(n):
