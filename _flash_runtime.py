@@ -14,7 +14,6 @@ import functools
 import itertools
 import os
 import threading
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
@@ -134,17 +133,50 @@ def run_blocks(work_on, blocks, *, n_blocks, n_scores, threads):
                         return
                     work_on(block, cancelled)
 
-            pool = ThreadPoolExecutor(workers, thread_name_prefix="flash_lib")
-            try:
-                futures = [pool.submit(contextvars.copy_context().run, work) for _ in range(workers)]
-                done, _ = wait(futures, return_when=FIRST_EXCEPTION)  # Ctrl-C interrupts this
-                for future in done:
-                    future.result()
-            finally:
-                cancelled.set()
-                pool.shutdown(wait=True)
+            _on_threads(work, workers, cancelled)
         finally:
             _IN_KERNEL.reset(token)
+
+
+def _on_threads(work, workers, cancelled):
+    """Run ``work()`` on ``workers`` new threads, each in a copy of the caller's context, and
+    return once every one has stopped; the first exception of a worker is raised here then.
+
+    A worker that raises sets ``cancelled``, so the others stop before their next block. So does
+    an exception in the caller while it starts or waits for them (Ctrl-C, whenever it comes):
+    then every thread already started is waited for before the exception goes on, so that none
+    is left running after the call. (Threads of our own rather than a ThreadPoolExecutor, whose
+    ``submit`` interrupted between starting a thread and recording it leaves that thread
+    unjoined.)
+    """
+    errors, launched = [], []
+
+    def worker(began):
+        began.set()
+        try:
+            work()
+        except BaseException as error:  # noqa: B036 - reaches the caller once all have stopped
+            errors.append(error)
+            cancelled.set()
+
+    try:
+        for n in range(workers):
+            began = threading.Event()
+            thread = threading.Thread(target=contextvars.copy_context().run, args=(worker, began),
+                                      name=f"flash_lib_{n}")
+            launched.append((thread, began))
+            thread.start()
+        for thread, _ in launched:
+            thread.join()
+    finally:
+        cancelled.set()
+        for thread, began in launched:
+            # started, or its start() interrupted while the thread was already on its way
+            if began.is_set() or thread in threading.enumerate():
+                began.wait()
+                thread.join()
+    if errors:
+        raise errors[0]
 
 
 class InOrder:
