@@ -7,7 +7,7 @@ Measured side by side in one run, for d = 64 and N queries = N keys:
   machine's large-GEMM rate (a 2048² NumPy matmul, timed in the same rounds as the kernels);
 * the scratch memory of each kernel: ``flash_lib.measure_peak_bytes`` minus the returned array;
 * flash time / ``torch.nn.functional.scaled_dot_product_attention`` time, when PyTorch is
-  installed (``pip install -e '.[bench]'``; its CPU build is enough);
+  installed (``make setup`` installs it; its CPU build is enough);
 * flash time / its floor on this machine (``bench/tile_ops.py``): one tile's unavoidable NumPy
   operations (the forward's two matmuls, row max, subtract, exp, row sum, rescale of acc; the
   backward's five matmuls and its elementwise passes), timed one by one on one thread at the
@@ -211,7 +211,7 @@ def load_torch(disabled):
         import torch
         import torch.nn.functional  # noqa: F401
     except ImportError:
-        return None, "torch not installed (pip install -e '.[bench]')"
+        return None, "torch not installed (make setup installs it)"
     # Same cores as flash: its query blocks run on flash_lib.thread_count() threads.
     torch.set_num_threads(flash_lib.thread_count())
     return torch, None

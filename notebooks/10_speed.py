@@ -142,7 +142,7 @@ print(f"flash_attention's default tiles: block_q = {flash_lib.DEFAULT_BLOCK_Q}, 
 kernels = {"flash": flash_lib.flash_attention, "naive": flash_lib.naive_attention}
 
 # %% [markdown]
-# PyTorch joins the comparison when it is installed (`pip install -e '.[bench]'`): its CPU
+# PyTorch joins the comparison (`make` installs it; this cell does without it elsewhere): its CPU
 # `scaled_dot_product_attention` is a compiled kernel, a useful yardstick for what the same
 # algorithm costs without Python in the loop. It brings its own matrix-product library, so
 # NumPy's GEMM rate is not its ceiling, and it may pass it. Whether PyTorch is there differs

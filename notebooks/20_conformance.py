@@ -322,9 +322,10 @@ print(next(f.diagnosis for f in half.failures if f.case == "random_mask"))
 print(inspect.getsource(flash_check.torch_sdpa))
 
 # %% [markdown]
-# PyTorch runs here when it is installed (`pip install -e '.[bench]'`, as `.ci/run` does), and so
-# does JAX (`.[jax]`); the cell that prints their results is not compared by the notebook's
-# test, and the claims about them are asserted only where they ran.
+# PyTorch runs here (`make` installs it), and so does JAX when it is installed (the optional
+# `jax` extra, which `.ci/run` adds after the README's commands); the cell that prints their
+# results is not compared by the notebook's test, and the claims about them are asserted only
+# where they ran.
 
 # %%
 try:

@@ -27,7 +27,7 @@
 # JAX are tested here, against the real libraries, whenever they are importable: those cells
 # follow chapter 10's pattern (their output is exempt from the notebook's test because it depends
 # on what is installed), and their `assert`s fail if the library disagrees with what this page
-# says. `pip install -e '.[bench]'` installs the CPU build of PyTorch that the project pins.
+# says. `make` installs the PyTorch release the project pins; JAX is the optional `jax` extra.
 
 # %%
 import math

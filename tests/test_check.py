@@ -655,8 +655,8 @@ def test_cli_rejects_what_it_cannot_load(tmp_path):
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 HAVE_JAX = importlib.util.find_spec("jax") is not None
-needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch is not installed (the bench "
-                                 "extra: pip install -e '.[bench]')")
+needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch is not installed (`make setup` "
+                                 "installs it)")
 needs_jax = pytest.mark.skipif(not HAVE_JAX, reason="JAX is not installed (the jax extra: "
                                "pip install -e '.[jax]')")
 

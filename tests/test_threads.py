@@ -180,6 +180,14 @@ def test_ctrl_c_stops_a_threaded_call_before_each_workers_next_tile(monkeypatch)
     caller, and once the call is cancelled no worker begins more than the one tile it was already
     in (the kernel checks between tiles); no kernel thread is left, BLAS is as it was, and the
     next call gives the serial bits."""
+    import ctypes
+    libc = ctypes.CDLL(None)
+    act = (ctypes.c_char * 256)()
+    libc.sigaction(signal.SIGINT, None, act)
+    DIAG = (f"handler {signal.getsignal(signal.SIGINT)}, C sigaction handler "
+            f"{bytes(act[:8]).hex()}, mask {signal.pthread_sigmask(signal.SIG_BLOCK, [])}, "
+            f"main {threading.current_thread() is threading.main_thread()}, "
+            f"threads {[t.name for t in threading.enumerate()]}")
     q, k, v = inputs(np.float32, 1024, 2048, seed=2)  # 16 x 32 tiles of 64 x 64
     blocks = dict(block_q=64, block_k=64)
     small = inputs(np.float32, 64, 64)
@@ -201,7 +209,7 @@ def test_ctrl_c_stops_a_threaded_call_before_each_workers_next_tile(monkeypatch)
         begun.append((threading.current_thread().name, event.is_set()))
         if first_tile.acquire(blocking=False):  # the first tile of the call, in whichever worker
             signal.pthread_kill(main, signal.SIGINT)
-            assert event.wait(HANG), "the caller was not interrupted"
+            assert event.wait(HANG), "the caller was not interrupted " + DIAG
         return update(*args)
 
     monkeypatch.setattr(_flash_runtime, "run_blocks", watching_run_blocks)

@@ -14,10 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("torch", reason="flash_triton needs PyTorch (pip install '.[gpu]')")
+pytest.importorskip("torch", reason="flash_triton needs PyTorch (`make setup` installs it)")
 # Not importorskip("triton"): triton must be imported after flash_triton has set TRITON_INTERPRET.
 if importlib.util.find_spec("triton") is None:
-    pytest.skip("flash_triton needs Triton (pip install '.[gpu]')", allow_module_level=True)
+    pytest.skip("flash_triton needs Triton, which publishes wheels for Linux x86_64 and aarch64 "
+                "only", allow_module_level=True)
 
 import flash_check  # noqa: E402
 import flash_lib  # noqa: E402
