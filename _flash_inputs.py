@@ -1,8 +1,11 @@
 """flash_lib's input checking: every kernel's arguments validated into one :class:`Problem`, so
-that all of them accept and reject exactly the same inputs with the same messages.
+that all of them accept and reject exactly the same inputs with the same messages; and the
+public way in for the code built on flash_lib, :func:`check` (``flash_lib.check_inputs``), which
+applies the same rules to shapes and dtypes alone and returns :class:`Checked`.
 
-Private to flash_lib: imported by ``flash_lib.py`` only (and by the tests of its internals).
-Other code uses flash_lib's public names; ``flash_lib.check_arrays`` is :func:`check_arrays`.
+Private to flash_lib: imported by ``flash_lib.py``, ``flash_reference.py`` and
+``_flash_runtime.py`` (its one integer check) only, and by the tests of its internals. Other code
+uses flash_lib's public names.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import _flash_dropout as dropout
+import _flash_tiles as tiles
 
 try:  # bfloat16 is not a NumPy dtype; ml_dtypes (a dependency) provides it.
     import ml_dtypes
@@ -29,6 +33,8 @@ FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 # (Never compare a dtype with BFLOAT16 when it may be None: NumPy reads None as float64.)
 HALF_DTYPES = (np.dtype(np.float16),) + (() if BFLOAT16 is None else (BFLOAT16,))
 FLOAT_NAMES = "float16, bfloat16, float32 or float64"
+#: log2(e) and ln(2): e^x = 2^(x·log2 e), and log x = log2(x) · ln 2
+LOG2E, LN2 = 1 / math.log(2), math.log(2)
 
 
 def is_float(dtype):
@@ -56,7 +62,7 @@ class Problem:
     k: np.ndarray
     v: np.ndarray
     mask: np.ndarray | None
-    band: object  # flash_lib._Band: causal and window
+    band: tiles.Band  # causal and window
     scale: float
     scale_q: float  # r·2^a, see the module docstring
     scale_k: float  # 2^b
@@ -70,7 +76,7 @@ class Problem:
     dropout_offset: tuple = (0, 0)  # global position of query row 0 and key 0
     batch: tuple
     out_dtype: np.dtype
-    acc: np.dtype  # the compute dtype
+    dtype: np.dtype  # the compute dtype: float32 for 16-bit inputs
     groups: int | None = None  # with enable_gqa: query heads per kv head
     shapes: tuple = ()  # the caller's q, k, v shapes
     user_batch: tuple = ()  # the broadcast batch as the caller sees it (Hq heads)
@@ -94,7 +100,7 @@ class Problem:
 
     def q_tile(self, start, stop, dtype=None, out=None):
         """``τ_q · q`` for queries ``start:stop`` (into ``out``, a buffer of at least its rows)."""
-        dtype = self.acc if dtype is None else dtype
+        dtype = self.dtype if dtype is None else dtype
         q = self.q[..., start:stop, :]
         if out is not None:
             out = out[..., : stop - start, :]
@@ -103,7 +109,7 @@ class Problem:
     def k_tile(self, start, stop, dtype=None, unit=1.0):
         """``τ_k · unit · k`` for keys ``start:stop``: ``unit`` is log2(e) for base-2 scores (one
         multiply: τ_k is a power of two, so this is ``(τ_k k)·log2(e)`` bit for bit)."""
-        dtype = self.acc if dtype is None else dtype
+        dtype = self.dtype if dtype is None else dtype
         if self.scale_k * unit == 1:
             return self.k[..., start:stop, :].astype(dtype, copy=False)
         # a k shared by every head is scaled once, not once per head
@@ -111,7 +117,7 @@ class Problem:
                            dtype=dtype)
 
     def v_tile(self, start, stop, dtype=None):
-        return self.v[..., start:stop, :].astype(self.acc if dtype is None else dtype, copy=False)
+        return self.v[..., start:stop, :].astype(self.dtype if dtype is None else dtype, copy=False)
 
     @functools.cached_property
     def k_stored(self):
@@ -137,6 +143,21 @@ class Problem:
             bound += largest_finite(self.alibi) * max(self.n_q - 1, self.n_k - 1, 0)
         return bound if math.isfinite(bound) else math.inf
 
+    def base(self, exp):
+        """The call's exponential and the unit of its scores, ``(exp, unit)``: ``exp`` is the
+        machine's choice for the compute dtype (``flash_lib.exponential``); ``unit`` is what the
+        scores are multiplied by for it, 1 for ``np.exp``, log2(e) for ``np.exp2``. Base e
+        instead where a base-2 score could overflow and the natural one does not: the largest
+        ``|S|`` (:attr:`score_bound`, or a sink) times log2(e) beyond half the dtype's range
+        (room for the scores' rounding beyond the exact bound)."""
+        if exp is np.exp2:
+            largest = self.score_bound
+            if self.sinks is not None:
+                largest = max(largest, float(np.abs(self.sinks).max()))
+            if not largest * LOG2E < 0.5 * float(np.finfo(self.dtype).max):
+                exp = np.exp
+        return exp, (LOG2E if exp is np.exp2 else 1.0)
+
     def mask_mod_tile(self, q_start, q_stop, k_start, k_stop):
         """``mask_mod`` on one tile, checked, with its head axis split for grouped queries."""
         allowed = call_mask_mod(self.mask_mod, q_start, q_stop, k_start, k_stop)
@@ -158,19 +179,60 @@ class Problem:
         i, j = self.dropout_offset
         keep = dropout.keep(self.dropout_seed, dropout.threshold(self.dropout_p),
                             math.prod(self.batch), (i + q_start, i + q_stop),
-                            (j + k_start, j + k_stop), self._dropout_scratch, out)
+                            (j + k_start, j + k_stop), self.dropout_scratch, out)
         return keep.reshape(self.batch + keep.shape[-2:])
 
-    def keep_walk(self, tiles):
-        """A worker's keep masks along its walk, ``tiles`` ``(q_start, q_stop, k_start, k_stop)`` in
-        the order it visits them: ``walk(tile)`` is that tile's :meth:`keep_tile` (None without
-        dropout). Up to ``TILES_PER_DRAW`` consecutive tiles of the walk that make one rectangle
-        (the same rows and adjoining keys, or the same keys and adjoining rows) are drawn in one
-        call (``_flash_dropout``: why). The kernels visit every tile of their walk unless
-        ``mask_mod`` allows nothing in one, so with ``mask_mod`` each tile is drawn alone."""
+    def row(self, q_start, q_stop, block_k, unit=1.0):
+        """The forward's walk for query block ``q_start:q_stop``: a :class:`tiles.Tile` for each
+        key block of its band, in order (exactly its tiles of ``tile_schedule``, plus those
+        where ``mask_mod`` allows nothing, whose ``allowed`` is False)."""
+        key_blocks = functools.partial(self.band.key_blocks, q_start, q_stop, block_k)
+        keep = self._keep_walk((q_start, q_stop, k_start, k_stop) for k_start, k_stop in key_blocks())
+        for k_start, k_stop in key_blocks():
+            yield tiles.Tile(self, q_start, q_stop, k_start, k_stop, unit, keep)
+
+    def column(self, k_start, k_stop, block_q, unit=1.0):
+        """The backward's walk for key block ``k_start:k_stop``: a :class:`tiles.Tile` for every
+        query block in order; for those the band leaves out ``allowed`` is False (the backward
+        still takes its turn at adding to their ``dQ_i``)."""
+        keep = self._keep_walk((q_start, q_stop, k_start, k_stop)
+                               for q_start, q_stop in tiles.blocks(self.n_q, block_q)
+                               if self.band.visits(q_start, q_stop, k_start, k_stop))
+        for q_start, q_stop in tiles.blocks(self.n_q, block_q):
+            yield tiles.Tile(self, q_start, q_stop, k_start, k_stop, unit, keep,
+                             visits=self.band.visits(q_start, q_stop, k_start, k_stop))
+
+    def _keep_walk(self, walk):
+        """The keep masks along ``walk`` (:class:`tiles.KeepWalk`), or None without dropout."""
         if not self.dropout_p:
-            return lambda tile: None
-        return _KeepWalk(self, tiles, 1 if self.mask_mod is not None else dropout.TILES_PER_DRAW)
+            return None
+        return tiles.KeepWalk(self, walk, tiles.tiles_per_draw(self))
+
+    def initial_state(self, rows, unit=1.0):
+        """Each row's ``(m, l)`` before its first key: ``(-inf, 0)``; with a sink, ``(sink, 1)``:
+        the sink is one key already seen, of score ``sink`` (times ``unit``) and value 0 (``acc``
+        stays 0)."""
+        if self.sinks is None:
+            return np.full(rows, -np.inf, self.dtype), np.zeros(rows, self.dtype)
+        sinks = (self.sinks * unit).astype(self.dtype)
+        return np.broadcast_to(sinks, rows).copy(), np.ones(rows, self.dtype)
+
+    def exact_sink_lse(self, lse, l, m, unit):
+        """A row its keys added nothing to has ``lse = sink`` exactly: in base 2 the kernel's
+        ``(sink·log2 e)·ln 2`` rounds, so such rows get the sink back."""
+        if self.sinks is None or unit == 1:
+            return lse
+        sink = np.broadcast_to(self.sinks.astype(self.dtype), lse.shape)
+        return np.where((l == 1) & (m == (self.sinks * unit).astype(self.dtype)), sink, lse)
+
+    def dsinks(self, lse, D):
+        """``dsinks_h = -Σ_i exp(sink_h - lse_i) · D_i`` over head h's rows, summed to sinks' shape.
+
+        The sink is one more key, of score ``sink`` and value 0: it enters ``out_i`` only
+        through the denominator, ``∂P_ij/∂sink = -P_ij · P_i,sink`` with ``P_i,sink = exp(sink -
+        lse_i)``, so ``Σ_j dP_ij · ∂P_ij/∂sink = -P_i,sink · D_i`` (``D_i = Σ_j P_ij dP_ij``)."""
+        p_sink = np.exp(self.sinks.astype(lse.dtype) - lse)
+        return tiles.sum_to(self.merge_heads(-(p_sink * D).sum(axis=-1)), self.sinks_shape)
 
     def dropout_scale(self, dtype):
         """``1 / (1 - p)`` in ``dtype``: the kept weights' factor, so that E[P ∘ Z / (1 - p)] = P."""
@@ -189,8 +251,8 @@ class Problem:
         return tuple(g.reshape(shape) for g, shape in zip((dq, dk, dv), self.shapes))
 
     @functools.cached_property
-    def _dropout_scratch(self):
-        return threading.local()  # each worker's Philox buffers, for this call only
+    def dropout_scratch(self):
+        return threading.local()  # each worker's Philox buffers and mask, for this call only
 
     @functools.cached_property
     def _nonfinite(self):
@@ -208,55 +270,6 @@ class Problem:
     def bad_values(self, k_start, k_stop):
         """Positions, within keys ``k_start:k_stop``, of values holding inf or NaN; or None."""
         return self.nonfinite_rows("v", k_start, k_stop)
-
-
-class _KeepWalk:
-    """:meth:`Problem.keep_walk`'s masks: the last draw is kept and the tiles inside it sliced out.
-    The walk is read one tile ahead at most, so that it costs O(1) memory however long it is."""
-
-    def __init__(self, problem, tiles, per_draw):
-        self.problem, self.tiles, self.per_draw = problem, iter(tiles), per_draw
-        self.ahead = None  # a tile read from the walk that the last draw did not cover
-        self.drawn = None  # (q_start, q_stop, k_start, k_stop), mask
-
-    def __call__(self, tile):
-        q_start, q_stop, k_start, k_stop = tile
-        if self.drawn is not None:
-            (i0, i1, j0, j1), mask = self.drawn
-            if i0 <= q_start and q_stop <= i1 and j0 <= k_start and k_stop <= j1:
-                return mask[..., q_start - i0 : q_stop - i0, k_start - j0 : k_stop - j0]
-        while self._next() != tile:  # tiles the kernel skipped (mask_mod allowed none there)
-            pass
-        span = tile
-        for _ in range(self.per_draw - 1):
-            after = next(self.tiles, None)
-            joined = None if after is None else _joined(span, after)
-            if joined is None:
-                self.ahead = after
-                break
-            span = joined
-        # one buffer per worker thread for every draw: the last draw's tiles are done with
-        (i0, i1, j0, j1), scratch = span, self.problem._dropout_scratch
-        size = math.prod(self.problem.batch) * (i1 - i0) * (j1 - j0)
-        if getattr(scratch, "mask", None) is None or scratch.mask.size < size:
-            scratch.mask = np.empty(size, bool)
-        mask = self.problem.keep_tile(*span, out=scratch.mask[:size])
-        self.drawn = span, mask
-        return mask[..., : q_stop - q_start, : k_stop - k_start]
-
-    def _next(self):
-        tile, self.ahead = self.ahead, None
-        return next(self.tiles) if tile is None else tile
-
-
-def _joined(span, tile):
-    """The rectangle ``span`` and ``tile`` make together, or None when they make none."""
-    (i0, i1, j0, j1), (q_start, q_stop, k_start, k_stop) = span, tile
-    if (i0, i1) == (q_start, q_stop) and j1 == k_start:
-        return i0, i1, j0, k_stop
-    if (j0, j1) == (k_start, k_stop) and i1 == q_start:
-        return i0, q_stop, j0, j1
-    return None
 
 
 def largest_finite(x):
@@ -290,26 +303,33 @@ def nonfinite_rows(x):
 
 def check_saved(problem, out=None, lse=None, dout=None):
     """The forward's ``out`` and ``lse`` and the incoming ``dout``, checked against q, k, v."""
-    shapes = {"out": problem.user_batch + (problem.n_q, problem.dv),
-              "lse": problem.user_batch + (problem.n_q,)}
-    shapes["dout"] = shapes["out"]
+    shapes = saved_shapes(problem.user_batch, problem.n_q, problem.dv)
     checked = []
     for name, x in (("out", out), ("lse", lse), ("dout", dout)):
         if x is None:
             continue
-        x = np.asarray(x)
-        if not is_float(x.dtype):
-            raise TypeError(f"{name} must be a {FLOAT_NAMES} array, got dtype {x.dtype}")
-        if x.shape != shapes[name]:
-            raise ValueError(
-                f"{name} must have shape {shapes[name]}, what the forward returns for these q, k, v "
-                f"(and mask), got {x.shape}"
-            )
-        x = c_order(x)
+        x = c_order(check_saved_shape(name, np.asarray(x), shapes[name]))
         if problem.groups:
             x = split_heads(x, -2 if name == "lse" else -3, problem.groups)
         checked.append(x)
     return checked[0] if len(checked) == 1 else tuple(checked)
+
+
+def saved_shapes(user_batch, n_q, dv):
+    """The shapes of ``out``, ``lse`` and ``dout`` for a call of these q, k, v (and mask)."""
+    return {"out": user_batch + (n_q, dv), "lse": user_batch + (n_q,), "dout": user_batch + (n_q, dv)}
+
+
+def check_saved_shape(name, x, shape):
+    """One of ``out``, ``lse``, ``dout``: a float array of the ``shape`` the forward returns."""
+    if not is_float(x.dtype):
+        raise TypeError(f"{name} must be a {FLOAT_NAMES} array, got dtype {x.dtype}")
+    if x.shape != shape:
+        raise ValueError(
+            f"{name} must have shape {shape}, what the forward returns for these q, k, v "
+            f"(and mask), got {x.shape}"
+        )
+    return x
 
 
 def c_order(x):
@@ -388,11 +408,11 @@ def result_dtype(*dtypes):
     return np.result_type(*rest)
 
 
-def checked_scale(scale, d, acc):
+def checked_scale(scale, d, dtype):
     """``scale`` as a float64, refused unless it is a normal number of the compute dtype."""
     if scale is None:
         return 1.0 / math.sqrt(d) if d > 0 else 1.0
-    return checked_real("scale", scale, acc, what="a finite positive number")
+    return checked_real("scale", scale, dtype, what="a finite positive number")
 
 
 def as_float64(name, value, what):
@@ -406,23 +426,23 @@ def as_float64(name, value, what):
             return math.inf if value > 0 else -math.inf
 
 
-def checked_real(name, value, acc, *, what, limit=None, limit_why=""):
+def checked_real(name, value, dtype, *, what, limit=None, limit_why=""):
     """The one check of a scalar parameter (``scale``, ``softcap``, each ALiBi slope) against
-    the compute dtype ``acc``: a positive number that ``acc`` holds as a normal number, at most
-    ``limit`` (default ``finfo(acc).max``); returned as a float64. Any ``numbers.Real`` (int,
+    the compute dtype ``dtype``: a positive number that ``dtype`` holds as a normal number, at most
+    ``limit`` (default ``finfo(dtype).max``); returned as a float64. Any ``numbers.Real`` (int,
     Fraction, NumPy scalar, longdouble) is accepted; the error names the argument, its value
     and the range, so that nothing the kernels compute from it overflows or vanishes."""
     as_float = as_float64(name, value, what)
     # the value itself, not its float64 (a longdouble 1e-4000 is positive, and too small)
     if not value > 0 or value == math.inf:  # NaN, <= 0, inf (not a huge finite number)
         raise ValueError(f"{name} must be {what}, got {value!r}")
-    info = np.finfo(acc)
+    info = np.finfo(dtype)
     low, high = float(info.tiny), float(info.max) if limit is None else limit
     if not low <= as_float <= high:
-        where = (f"the normal range of the compute dtype {acc}" if limit is None else
-                 f"the range where the compute dtype {acc} holds it{limit_why}")
+        where = (f"the normal range of the compute dtype {dtype}" if limit is None else
+                 f"the range where the compute dtype {dtype} holds it{limit_why}")
         raise ValueError(
-            f"{name} = {value!r} is outside {where} [{low:.4g}, {high:.4g}]: in {acc} it "
+            f"{name} = {value!r} is outside {where} [{low:.4g}, {high:.4g}]: in {dtype} it "
             f"{'overflows' if as_float > 1 else 'vanishes'}"
         )
     return as_float
@@ -435,12 +455,9 @@ def split_scale(scale):
     return math.ldexp(r, e - b), math.ldexp(1.0, b)
 
 
-def check_inputs(*, q, k, v, mask, causal, scale, window, softcap, alibi_slopes, enable_gqa,
-                 mask_mod, band_of, sinks=None, dropout_p=0.0, dropout_seed=None,
-                 dropout_offset=(0, 0)):
-    """Validate and normalise the arguments of every kernel; return a :class:`Problem`.
-
-    ``band_of(n_q, n_k, causal, window)`` builds the band (flash_lib's ``_Band.of``)."""
+def problem(q, k, v, *, mask, causal, scale, window, softcap, alibi_slopes, enable_gqa, mask_mod,
+            sinks, dropout_p, dropout_seed, dropout_offset):
+    """Validate and normalise the arguments of every kernel; return a :class:`Problem`."""
     q = as_float_array("q", q)
     k = as_float_array("k", k)
     v = as_float_array("v", v)
@@ -453,20 +470,79 @@ def check_inputs(*, q, k, v, mask, causal, scale, window, softcap, alibi_slopes,
         k, v = k[..., None, :, :], v[..., None, :, :]
         if mask is not None:
             mask = split_heads(mask, -3, groups)
+    fields = _variants(q, k, v, user_batch, groups, causal=causal, scale=scale, window=window,
+                       softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, sinks=sinks,
+                       dropout_p=dropout_p, dropout_seed=dropout_seed,
+                       dropout_offset=dropout_offset)
+    return Problem(q=q, k=k, v=v, mask=mask, batch=batch, groups=groups, shapes=shapes,
+                   user_batch=user_batch, **fields)
+
+
+def _variants(q, k, v, user_batch, groups, *, causal, scale, window, softcap, alibi_slopes,
+              mask_mod, sinks, dropout_p, dropout_seed, dropout_offset):
+    """Every check of the keyword arguments, in one order for every caller: :class:`Problem`'s
+    fields other than the arrays. Reads ``q``, ``k``, ``v``'s shapes and dtypes only."""
     n_q, n_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    band = band_of(n_q, n_k, check_bool("causal", causal), checked_window(window))
+    band = tiles.Band.of(n_q, n_k, check_bool("causal", causal), checked_window(window))
     out_dtype = result_dtype(q.dtype, k.dtype, v.dtype)
-    acc = np.dtype(np.float32) if out_dtype in HALF_DTYPES else out_dtype
-    scale = checked_scale(scale, d, acc)
+    dtype = np.dtype(np.float32) if out_dtype in HALF_DTYPES else out_dtype
+    scale = checked_scale(scale, d, dtype)
     scale_q, scale_k = split_scale(scale)
-    return Problem(q=q, k=k, v=v, mask=mask, band=band, scale=scale, scale_q=scale_q,
-                   scale_k=scale_k, softcap=checked_softcap(softcap, acc),
-                   alibi=checked_alibi(alibi_slopes, user_batch, groups, acc, n_q, n_k),
-                   mask_mod=checked_mask_mod(mask_mod), batch=batch, out_dtype=out_dtype, acc=acc,
-                   groups=groups, shapes=shapes, user_batch=user_batch,
-                   sinks=checked_sinks(sinks, user_batch, groups, acc),
-                   sinks_shape=None if sinks is None else np.shape(sinks),
-                   **checked_dropout(dropout_p, dropout_seed, dropout_offset, n_q, n_k))
+    return dict(band=band, scale=scale, scale_q=scale_q, scale_k=scale_k,
+                softcap=checked_softcap(softcap, dtype),
+                alibi=checked_alibi(alibi_slopes, user_batch, groups, dtype, n_q, n_k),
+                mask_mod=checked_mask_mod(mask_mod), out_dtype=out_dtype, dtype=dtype,
+                sinks=checked_sinks(sinks, user_batch, groups, dtype),
+                sinks_shape=None if sinks is None else np.shape(sinks),
+                **checked_dropout(dropout_p, dropout_seed, dropout_offset, n_q, n_k))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checked:
+    """What :func:`check` found valid: the shapes and dtypes of a kernel call's results, and the
+    scale it uses. ``flash_lib.check_inputs`` returns it."""
+
+    batch: tuple  #: the leading (batch, head) dims of ``out`` and ``lse``: all inputs broadcast
+    n_q: int  #: queries
+    n_k: int  #: keys
+    d: int  #: features of q and k
+    dv: int  #: features of v
+    out_dtype: np.dtype  #: ``out``'s dtype: the inputs' (float16 with bfloat16: float32)
+    dtype: np.dtype  #: the compute dtype, also the lse's and dsinks': float32 for 16-bit inputs
+    scale: float  #: τ, as the kernels apply it: ``1/√d`` unless given
+    groups: int | None  #: query heads per kv head, with ``enable_gqa``
+
+
+def check(q, k, v, *, mask=None, causal=False, scale=None, window=None, softcap=None,
+          alibi_slopes=None, enable_gqa=False, mask_mod=None, sinks=None, dropout_p=0.0,
+          dropout_seed=None, dropout_offset=(0, 0), block_q=None, block_k=None, out=None,
+          lse=None, dout=None):
+    """The kernels' checks on shapes and dtypes alone (``flash_lib.check_inputs``): arrays are
+    read for their ``shape``, ``ndim`` and ``dtype`` only, so a Dask array is not computed; the
+    scalars, ``sinks`` and ``alibi_slopes`` are checked by value. Raises the kernels' own errors."""
+    q, k, v = (_shaped(x) for x in (q, k, v))
+    mask = None if mask is None else _shaped(mask)
+    groups, batch, user_batch = check_arrays(q, k, v, mask, enable_gqa=enable_gqa)
+    fields = _variants(q, k, v, user_batch, groups, causal=causal, scale=scale, window=window,
+                       softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, sinks=sinks,
+                       dropout_p=dropout_p, dropout_seed=dropout_seed,
+                       dropout_offset=dropout_offset)
+    for name, size in (("block_q", block_q), ("block_k", block_k)):
+        if size is not None:
+            int_at_least(name, size, 1)
+    n_q, dv = q.shape[-2], v.shape[-1]
+    shapes = saved_shapes(user_batch, n_q, dv)
+    for name, x in (("out", out), ("lse", lse), ("dout", dout)):
+        if x is not None:
+            check_saved_shape(name, _shaped(x), shapes[name])
+    return Checked(batch=user_batch, n_q=n_q, n_k=k.shape[-2], d=q.shape[-1], dv=dv,
+                   out_dtype=fields["out_dtype"], dtype=fields["dtype"], scale=fields["scale"],
+                   groups=groups)
+
+
+def _shaped(x):
+    """``x`` itself if it has a shape and a dtype (a NumPy or Dask array), else ``np.asarray(x)``."""
+    return x if hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim") else np.asarray(x)
 
 
 def check_arrays(q, k, v, mask=None, *, enable_gqa=False):
@@ -575,10 +651,10 @@ def checked_window(window):
     return tuple(None if value is None else int(value) for value in window)
 
 
-def checked_softcap(softcap, acc):
+def checked_softcap(softcap, dtype):
     if softcap is None:
         return None
-    return checked_real("softcap", softcap, acc,
+    return checked_real("softcap", softcap, dtype,
                         what="a finite positive number (None turns it off)")
 
 
@@ -603,9 +679,9 @@ def per_head(name, x, batch, unit):
     return x
 
 
-def checked_alibi(slopes, batch, groups, acc, n_q, n_k):
+def checked_alibi(slopes, batch, groups, dtype, n_q, n_k):
     """The slopes, shaped (..., 1, 1), each checked by :func:`checked_real`: a bias
-    ``-slope · distance`` (distance up to ``max(Nq, Nk) - 1``) must not overflow ``acc``."""
+    ``-slope · distance`` (distance up to ``max(Nq, Nk) - 1``) must not overflow ``dtype``."""
     if slopes is None:
         return None
     slopes = per_head("alibi_slopes", slopes, batch, "slope")
@@ -613,28 +689,28 @@ def checked_alibi(slopes, batch, groups, acc, n_q, n_k):
         slopes = slopes.astype(np.float64)
     if not np.isfinite(slopes).all():
         raise ValueError(f"alibi_slopes must be finite, got {slopes}")
-    # A slope of 0 is no bias; any other must be normal in acc, and its largest bias finite
+    # A slope of 0 is no bias; any other must be normal in dtype, and its largest bias finite
     # (an infinite one gives inf - inf or 0 · inf, NaN, where a distance is 0).
-    limit = float(np.finfo(acc).max) / max(1, n_q - 1, n_k - 1)
+    limit = float(np.finfo(dtype).max) / max(1, n_q - 1, n_k - 1)
     nonzero = slopes[slopes != 0]
     extremes = (nonzero[np.abs(nonzero).argmin()], nonzero[np.abs(nonzero).argmax()])
     for slope in extremes if nonzero.size else ():  # the smallest and the largest in size
-        checked_real("each of alibi_slopes", abs(float(slope)), acc, what="finite", limit=limit,
+        checked_real("each of alibi_slopes", abs(float(slope)), dtype, what="finite", limit=limit,
                      limit_why=f" as slope · distance, distance up to {max(1, n_q - 1, n_k - 1)}")
     slopes = slopes[..., None, None]  # broadcasts against a tile's (rows, keys)
     return split_heads(slopes, -3, groups) if groups else slopes
 
 
-def checked_sinks(sinks, batch, groups, acc):
+def checked_sinks(sinks, batch, groups, dtype):
     """The sinks as float64, shaped (..., 1) to broadcast against a block's rows (the grouped
-    query split applied as for the ALiBi slopes); each finite in the compute dtype ``acc``."""
+    query split applied as for the ALiBi slopes); each finite in the compute dtype ``dtype``."""
     if sinks is None:
         return None
     sinks = per_head("sinks", sinks, batch, "logit")
-    with np.errstate(over="ignore"):  # a longdouble beyond float64, or a float64 beyond acc
-        finite = np.isfinite(sinks.astype(np.float64)) & np.isfinite(sinks.astype(acc))
+    with np.errstate(over="ignore"):  # a longdouble beyond float64, or a float64 beyond dtype
+        finite = np.isfinite(sinks.astype(np.float64)) & np.isfinite(sinks.astype(dtype))
     if not finite.all():
-        raise ValueError(f"sinks must be finite numbers in the compute dtype {acc}, got {sinks}")
+        raise ValueError(f"sinks must be finite numbers in the compute dtype {dtype}, got {sinks}")
     sinks = sinks.astype(np.float64)[..., None]  # broadcasts against a block's rows
     return split_heads(sinks, -2, groups) if groups else sinks
 

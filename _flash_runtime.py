@@ -1,9 +1,11 @@
 """flash_lib's runtime: the worker threads, BLAS held at one thread, the in-order hand-off of
-dQ's shares, cancellation, and which exponential NumPy runs fastest here. Nothing here knows
-about attention.
+dQ's shares, cancellation, IEEE flags, and which exponential NumPy runs fastest here; and the
+knobs that set them per context, which flash_lib exports: :func:`threads`,
+:func:`thread_count`, :func:`exponential`, :func:`use_exponential`. Nothing here knows about
+attention.
 
-Private to flash_lib: only ``flash_lib.py`` imports it (and ``tests/test_threads.py``, which
-tests its internals). Callers choose the thread count with ``flash_lib.threads(n)``.
+Private to flash_lib: ``flash_lib.py`` and ``flash_reference.py`` import it (and
+``tests/test_threads.py``, which tests its internals).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import threading
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
+
+import _flash_inputs as inputs
 
 
 def threads_from_environment():
@@ -45,7 +49,7 @@ def exponential_from_environment():
     return raw
 
 
-def exponential(dtype, choice="auto"):
+def _exponential(dtype, choice="auto"):
     """``np.exp2`` or ``np.exp`` for compute dtype ``dtype``: the one that makes the kernels faster
     on this CPU, read from the loops NumPy dispatches to (``numpy.lib.introspect.opt_func_info``),
     never from a timing, so that every run on one machine takes the same one. ``choice`` other
@@ -250,3 +254,87 @@ def _openblas_setter(lib):
         if hasattr(lib.dynlib, name) and hasattr(lib.dynlib, name.replace("set", "get")):
             return getattr(lib.dynlib, name)
     return lib.set_num_threads  # pragma: no cover - an OpenBLAS without the setter
+
+
+# --------------------------------------------------------------------------------------------
+# The knobs, per context: flash_lib exports them
+# --------------------------------------------------------------------------------------------
+
+# The default thread count: FLASH_LIB_THREADS, read at import (default: the number of cores, at
+# most 4); threads(n) overrides it for one context.
+_THREADS = threads_from_environment()
+_THREADS_HERE = contextvars.ContextVar("flash_lib_threads", default=None)
+# FLASH_LIB_EXP, read at import: "auto" (the default), "exp" or "exp2"; use_exponential(name)
+# overrides it for one context
+_EXPONENTIAL = exponential_from_environment()
+_EXPONENTIAL_HERE = contextvars.ContextVar("flash_lib_exponential", default=None)
+
+
+@contextlib.contextmanager
+def threads(n):
+    """Run the kernel calls made inside ``with flash_lib.threads(n):`` on up to ``n`` worker threads.
+
+    Per context, not process-wide: the setting is a context variable, so it holds for the
+    calling thread (and asyncio task) only, other threads keep theirs, and a new thread starts
+    at the default, ``FLASH_LIB_THREADS``. The count changes the speed, never the bits.
+    """
+    token = _THREADS_HERE.set(inputs.int_at_least("threads(n): n", n, 1))
+    try:
+        yield
+    finally:
+        _THREADS_HERE.reset(token)
+
+
+def thread_count():
+    """The worker-thread count in force here: the innermost :func:`threads`, else the default."""
+    n = _THREADS_HERE.get()
+    return _THREADS if n is None else n
+
+
+def exponential(dtype):
+    """The exponential the kernels use for compute dtype ``dtype`` (float32 for half-precision
+    inputs) on this machine: ``np.exp2`` for float32 where NumPy runs an AVX-512 loop for it
+    (there it took 0.46x the time of ``np.exp`` on a tile, and the forward 0.95x), else ``np.exp``.
+    ``FLASH_LIB_EXP=exp`` or ``exp2`` forces one for every dtype, and :func:`use_exponential`
+    for one context. In base 2 the scores carry ``log2(e)``, folded into the keys' scale (the
+    module docstring)."""
+    dtype = np.dtype(dtype)
+    choice = _EXPONENTIAL_HERE.get() or _EXPONENTIAL
+    return _exponential(np.float32 if dtype in inputs.HALF_DTYPES else dtype, choice)
+
+
+@contextlib.contextmanager
+def use_exponential(name):
+    """Compute the kernel calls made inside ``with flash_lib.use_exponential(name):`` with
+    ``name``'s exponential: ``"exp"`` (base e) or ``"exp2"`` (base 2) for every dtype, or
+    ``"auto"`` (:func:`exponential`'s choice for this machine). Per context, as :func:`threads`.
+    The base changes the last bits of the results, within the same error bounds (chapter 7)."""
+    if name not in EXPONENTIALS:
+        raise ValueError(f"use_exponential(name): name must be one of "
+                         f"{', '.join(EXPONENTIALS)}, got {name!r}")
+    token = _EXPONENTIAL_HERE.set(name)
+    try:
+        yield
+    finally:
+        _EXPONENTIAL_HERE.reset(token)
+
+
+def ieee_quiet():
+    """IEEE's "invalid" flag is ignored inside the kernels and references. The only invalid
+    operations left are those that give NaN to a row allowed to meet an inf or NaN (inf - inf,
+    0 · inf), which is what the contract gives such rows: the empty-row and masked-key guards keep
+    them from every other row. A new errstate per use (a decorator's is safe per call too)."""
+    return np.errstate(invalid="ignore")
+
+
+def per_worker(make):
+    """``get()`` returns the calling worker thread's buffers for this call: ``make()``'s, made at
+    its first block and reused for the others. A tile-sized array made per block is handed back
+    to the OS when freed and, made again, faulted in page by page (512 faults for a 2 MiB tile)."""
+    local = threading.local()
+
+    def get():
+        if not hasattr(local, "buffers"):
+            local.buffers = make()
+        return local.buffers
+    return get

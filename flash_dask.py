@@ -75,6 +75,7 @@ one thread per worker, for shards to run side by side.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -191,48 +192,23 @@ def dask_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=F
     float16 and bfloat16 inputs: ``flash_attention`` computes them in float32, and so do the
     pair tasks and the merges here; the output is rounded to the 16-bit dtype once, at the end.
     """
-    split_every = _check_split_every(split_every)
-    q, k, v = (_as_array(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
-    mask = None if mask is None else _as_array("mask", mask)
-    if mask is not None and mask.ndim < 2:  # a (Nk,) or scalar mask broadcasts over queries too
-        mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
-    # flash_lib's own check of dtypes and shapes (it reads shapes only: nothing is computed), then
-    # of causal, scale, dropout and sinks on arrays of one row: one source of truth for what the
-    # kernel accepts, and the dtypes it returns.
-    batch = flash_lib.check_arrays(q, k, v, mask)
-    n_q, n_k, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
-    dropout = _dropout_keywords(dropout_p, dropout_seed)
-    sinks = None if sinks is None else np.asarray(sinks)
-    out_meta, lse_meta = flash_lib.flash_attention(
-        *_one_row(batch, (d, q.dtype), (d, k.dtype), (dv, v.dtype)),
-        mask=None if mask is None else np.ones((1, 1), mask.dtype),
-        causal=causal, scale=scale, return_lse=True, sinks=sinks, **dropout)
-    out_dtype, lse_dtype = out_meta.dtype, lse_meta.dtype
+    s = _shards(q, k, v, mask, causal=causal, scale=scale, split_every=split_every,
+                dropout_p=dropout_p, dropout_seed=dropout_seed, sinks=sinks)
+    q, k, v, mask, sinks, dropout, split_every = (s.q, s.k, s.v, s.mask, s.sinks, s.dropout,
+                                                  s.split_every)
+    batch, dv, q_chunks, k_chunks = s.checked.batch, s.checked.dv, s.q_chunks, s.k_chunks
+    out_dtype, lse_dtype = s.checked.out_dtype, s.checked.dtype
     # flash_attention computes 16-bit inputs in float32, its lse's dtype; keeping the partials in
     # that dtype too means the only 16-bit rounding is the final one, as in one call.
     work = lse_dtype
-
-    # The shards: chunks along -2, taken from the Dask inputs; NumPy inputs are wrapped to match.
-    q_chunks = _sequence_chunks([("q", q, -2), ("mask", mask, -2)], n_q)
-    k_chunks = _sequence_chunks([("k", k, -2), ("v", v, -2), ("mask", mask, -1)], n_k)
-    q = _as_dask("q", q, q_chunks, -2)
-    k = _as_dask("k", k, k_chunks, -2)
-    v = _as_dask("v", v, k_chunks, -2)
-    # A NumPy mask is known now: shard pairs it forbids get no task. A Dask mask is not.
-    numpy_mask = None
-    if mask is not None:
-        if not isinstance(mask, da.Array):
-            numpy_mask = np.broadcast_to(mask, mask.shape[:-2] + (n_q, n_k))  # a view
-        mask = _as_dask("mask", mask, (q_chunks, k_chunks), None)
 
     token = tokenize(q, k, v, mask, bool(causal), scale, split_every, dropout, sinks)
     pair_name, merge_name, empty_name = _PAIR + token, _MERGE + token, _EMPTY + token
     layer = {}
     finals = []
-    pairs = _shard_pairs(n_q, n_k, q_chunks, k_chunks, causal, numpy_mask)
     q_starts, k_starts = _starts(q_chunks), _starts(k_chunks)
     for i, n_qi in enumerate(q_chunks):
-        row = pairs.get(i, {})
+        row = s.pairs.get(i, {})
         parts = []
         for chain in _chains(_ring_order(i, row, len(k_chunks)), split_every):
             state = None
@@ -355,54 +331,24 @@ def dask_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False,
     16-bit inputs are computed in float32, as by ``flash_attention_backward``, and the sums of
     the shares too; each gradient is rounded to its input's dtype once, at the end.
     """
-    split_every = _check_split_every(split_every)
-    q, k, v, out, lse, dout = (_as_array(name, x) for name, x in (
-        ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("dout", dout)))
-    mask = None if mask is None else _as_array("mask", mask)
-    if mask is not None and mask.ndim < 2:
-        mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
-    batch = flash_lib.check_arrays(q, k, v, mask)
-    n_q, n_k, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
-    for name, x, shape in (("out", out, batch + (n_q, dv)), ("lse", lse, batch + (n_q,)),
-                           ("dout", dout, batch + (n_q, dv))):
-        if x.shape != shape:
-            raise ValueError(f"{name} must have shape {shape}, what the forward returns for "
-                             f"these q, k, v (and mask), got {x.shape}")
-    # flash_lib's own check of the dtypes, causal, scale, dropout and sinks, on arrays of one row
-    dropout = _dropout_keywords(dropout_p, dropout_seed)
-    sinks = None if sinks is None else np.asarray(sinks)
-    one_q, one_k, one_v, one_out, one_dout = _one_row(
-        batch, (d, q.dtype), (d, k.dtype), (dv, v.dtype), (dv, out.dtype), (dv, dout.dtype))
-    grads_meta = flash_lib.flash_attention_backward(
-        one_q, one_k, one_v, one_out, np.zeros(batch + (1,), lse.dtype), one_dout,
-        mask=None if mask is None else np.ones((1, 1), mask.dtype), causal=causal, scale=scale,
-        sinks=sinks, **dropout)
-    dtypes = [g.dtype for g in grads_meta]
+    s = _shards(q, k, v, mask, causal=causal, scale=scale, split_every=split_every,
+                dropout_p=dropout_p, dropout_seed=dropout_seed, sinks=sinks,
+                saved={"out": out, "dout": dout, "lse": lse})
+    q, k, v, mask, sinks, dropout, split_every = (s.q, s.k, s.v, s.mask, s.sinks, s.dropout,
+                                                  s.split_every)
+    out, dout, lse = s.saved["out"], s.saved["dout"], s.saved["lse"]
+    batch, q_chunks, k_chunks = s.checked.batch, s.q_chunks, s.k_chunks
+    # the gradients' dtypes, as flash_attention_backward returns them (dsinks: the compute dtype)
+    dtypes = [q.dtype, k.dtype, v.dtype, s.checked.dtype]
     work = np.result_type(np.float32, *dtypes[:3])  # 16-bit -> float32, as flash_lib computes
-
-    q_chunks = _sequence_chunks([("q", q, -2), ("out", out, -2), ("dout", dout, -2),
-                                 ("lse", lse, -1), ("mask", mask, -2)], n_q)
-    k_chunks = _sequence_chunks([("k", k, -2), ("v", v, -2), ("mask", mask, -1)], n_k)
-    q = _as_dask("q", q, q_chunks, -2, partner="q")
-    out = _as_dask("out", out, q_chunks, -2, partner="q")
-    dout = _as_dask("dout", dout, q_chunks, -2, partner="q")
-    lse = _as_dask("lse", lse, q_chunks, -1, partner="q")
-    k = _as_dask("k", k, k_chunks, -2)
-    v = _as_dask("v", v, k_chunks, -2)
-    numpy_mask = None
-    if mask is not None:
-        if not isinstance(mask, da.Array):
-            numpy_mask = np.broadcast_to(mask, mask.shape[:-2] + (n_q, n_k))
-        mask = _as_dask("mask", mask, (q_chunks, k_chunks), None)
 
     token = tokenize(q, k, v, out, lse, dout, mask, bool(causal), scale, split_every, dropout,
                      sinks)
     pair_name, share_name, sum_name = _BPAIR + token, _BSHARE + token, _BSUM + token
     layer = {}
-    pairs = _shard_pairs(n_q, n_k, q_chunks, k_chunks, causal, numpy_mask)
     q_starts, k_starts = _starts(q_chunks), _starts(k_chunks)
     shares = {"dq": {}, "dk": {}, "dv": {}}  # gradient -> shard -> keys of its shares
-    for i, row in pairs.items():
+    for i, row in s.pairs.items():
         for chain in _chains(_ring_order(i, row, len(k_chunks)), split_every):
             running = None  # the chain's running dq: each step adds its pair's share to it
             for j in chain:
@@ -494,23 +440,15 @@ def _attend_pair(q, k, v, mask=None, *, scale, delta, work, dropout, offset):
     ``n`` rows further down), so every element keeps its global keep bit.
     """
     q, k, v = (x.astype(work, copy=False) for x in (q, k, v))  # 16-bit -> float32 only
-    attend = functools.partial(flash_lib.flash_attention, scale=scale, return_lse=True)
-    q0, k0 = offset
-    if delta is None:
-        return attend(q, k, v, mask=mask, **_at(dropout, q0, k0))
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    if n_q + delta <= n_k:
-        # Keys from n_q + delta on are past the last query's diagonal: drop them.
-        n = n_q + delta
-        return attend(q, k[..., :n, :], v[..., :n, :], mask=_cut(mask, -1, slice(n)), causal=True,
-                      **_at(dropout, q0, k0))
-    # The first n_k - delta queries cross the diagonal; the others see every key of the shard.
-    n = n_k - delta
-    top = attend(q[..., :n, :], k, v, mask=_cut(mask, -2, slice(n)), causal=True,
-                 **_at(dropout, q0, k0))
-    bottom = attend(q[..., n:, :], k, v, mask=_cut(mask, -2, slice(n, None)),
-                    **_at(dropout, q0 + n, k0))
-    return np.concatenate([top[0], bottom[0]], axis=-2), np.concatenate([top[1], bottom[1]], -1)
+    parts = [flash_lib.flash_attention(q[..., rows, :], k[..., keys, :], v[..., keys, :],
+                                       mask=_cut(_cut(mask, -2, rows), -1, keys), causal=causal,
+                                       scale=scale, return_lse=True,
+                                       **_at(dropout, offset[0] + rows.start, offset[1]))
+             for rows, keys, causal in _diagonal_cut(q.shape[-2], k.shape[-2], delta)]
+    if len(parts) == 1:
+        return parts[0]
+    return (np.concatenate([o for o, _ in parts], axis=-2),
+            np.concatenate([s for _, s in parts], axis=-1))
 
 
 def _backward_pair(q, k, v, out, lse, dout, mask=None, *, scale, delta, work, dropout, offset):
@@ -522,24 +460,36 @@ def _backward_pair(q, k, v, out, lse, dout, mask=None, *, scale, delta, work, dr
     diagonal and each part regenerates its own rows' keep bits.
     """
     q, k, v, out, lse, dout = (x.astype(work, copy=False) for x in (q, k, v, out, lse, dout))
-    grads = functools.partial(flash_lib.flash_attention_backward, scale=scale)
-    q0, k0 = offset
+    n_k = k.shape[-2]
+    parts = [flash_lib.flash_attention_backward(
+                 q[..., rows, :], k[..., keys, :], v[..., keys, :], out[..., rows, :],
+                 lse[..., rows], dout[..., rows, :], mask=_cut(_cut(mask, -2, rows), -1, keys),
+                 causal=causal, scale=scale, **_at(dropout, offset[0] + rows.start, offset[1]))
+             for rows, keys, causal in _diagonal_cut(q.shape[-2], n_k, delta)]
+    if len(parts) == 1:
+        dq, dk, dv = parts[0]
+        return dq, _pad_rows(dk, n_k), _pad_rows(dv, n_k)  # keys past the diagonal: 0
+    # the rows cut in two, each with every key: dq stacks, dk and dv add up
+    (dq_top, dk_top, dv_top), (dq_bottom, dk_bottom, dv_bottom) = parts
+    return np.concatenate([dq_top, dq_bottom], axis=-2), dk_top + dk_bottom, dv_top + dv_bottom
+
+
+def _diagonal_cut(n_q, n_k, delta):
+    """The calls a shard pair is cut into, so that flash_lib's bottom-right causal mask lies on
+    the global diagonal: ``[(rows, keys, causal)]``, slices of the pair's queries and keys.
+
+    ``delta`` None: the whole pair, not causal (causality allows every pair of it). Else query
+    ``r`` may see key ``c`` iff ``c <= r + delta``: if the last query's diagonal ends inside the
+    shard (``n_q + delta <= n_k``), the keys from ``n_q + delta`` on are past it and dropped, and
+    the rest is causal; otherwise the first ``n_k - delta`` queries cross the diagonal (causal)
+    and the others see every key of the shard (not causal).
+    """
     if delta is None:
-        return grads(q, k, v, out, lse, dout, mask=mask, **_at(dropout, q0, k0))
-    n_q, n_k = q.shape[-2], k.shape[-2]
+        return [(slice(0, n_q), slice(0, n_k), False)]
     if n_q + delta <= n_k:
-        # Keys from n_q + delta on are past the last query's diagonal: their share is 0.
-        n = n_q + delta
-        dq, dk, dv = grads(q, k[..., :n, :], v[..., :n, :], out, lse, dout,
-                           mask=_cut(mask, -1, slice(n)), causal=True, **_at(dropout, q0, k0))
-        return dq, _pad_rows(dk, n_k), _pad_rows(dv, n_k)
-    # The first n_k - delta queries cross the diagonal; the others see every key of the shard.
+        return [(slice(0, n_q), slice(0, n_q + delta), True)]
     n = n_k - delta
-    rows = [(slice(n), True, q0), (slice(n, None), False, q0 + n)]
-    top, bottom = (grads(q[..., r, :], k, v, out[..., r, :], lse[..., r], dout[..., r, :],
-                         mask=_cut(mask, -2, r), causal=c, **_at(dropout, start, k0))
-                   for r, c, start in rows)
-    return np.concatenate([top[0], bottom[0]], axis=-2), top[1] + bottom[1], top[2] + bottom[2]
+    return [(slice(0, n), slice(0, n_k), True), (slice(n, n_q), slice(0, n_k), False)]
 
 
 def _fold_pair(attend, state, *shards):
@@ -573,19 +523,13 @@ def _dsinks_share(out, lse, dout, *, sink, shape):
     work = sink.dtype
     D = (dout.astype(work) * out.astype(work)).sum(axis=-1)
     share = -(np.exp(sink - lse.astype(work)) * D).sum(axis=-1)
-    return _sum_to(share, shape)
-
-
-def _sum_to(x, shape):
-    """``x`` summed over the axes along which ``shape`` was broadcast to ``x.shape``."""
-    lead = x.ndim - len(shape)
-    x = x.sum(axis=tuple(range(lead))) if lead else x
-    axes = tuple(a for a, n in enumerate(shape) if n == 1 and x.shape[a] != 1)
-    return x.sum(axis=axes, keepdims=True) if axes else x
+    return flash_lib.sum_to(share, shape)
 
 
 def _pad_rows(x, n):
-    """``x`` with zero rows appended along -2 up to ``n`` rows."""
+    """``x`` with zero rows appended along -2 up to ``n`` rows (``x`` itself if it has them)."""
+    if x.shape[-2] == n:
+        return x
     pad = [(0, 0)] * x.ndim
     pad[-2] = (0, n - x.shape[-2])
     return np.pad(x, pad)
@@ -634,15 +578,65 @@ def _dropout_keywords(dropout_p, dropout_seed):
     return {"dropout_p": dropout_p, "dropout_seed": dropout_seed}
 
 
-def _one_row(batch, *specs):
-    """Arrays of one row, ``batch + (1, width)`` of ``dtype`` for each ``(width, dtype)``: what
-    flash_lib checks the keywords on (sinks must broadcast to the batch dims)."""
-    return tuple(np.zeros(batch + (1, width), dtype) for width, dtype in specs)
-
-
 def _batch_sinks(sinks, batch, work):
     """The sinks broadcast to the batch dims, with a trailing axis for the rows, in ``work``."""
     return np.ascontiguousarray(np.broadcast_to(sinks.astype(work), batch)[..., None])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shards:
+    """What the forward's and the backward's graphs start from (:func:`_shards`)."""
+
+    q: da.Array
+    k: da.Array
+    v: da.Array
+    mask: da.Array | None
+    saved: dict  # the backward's out, dout, lse, as Dask arrays chunked like q
+    checked: object  # flash_lib.check_inputs's record: batch, sizes, dtypes
+    q_chunks: tuple
+    k_chunks: tuple
+    pairs: dict  # {i: {j: delta}}: the shard pairs that get a task (_shard_pairs)
+    dropout: dict  # flash_lib's dropout keywords, {} without dropout
+    sinks: np.ndarray | None
+    split_every: int
+
+
+def _shards(q, k, v, mask, *, causal, scale, split_every, dropout_p, dropout_seed, sinks,
+            saved=None):
+    """Check a call's arguments with flash_lib's own rules (shapes and dtypes only: nothing is
+    computed), cut the sequences into shards (the chunks of the Dask inputs along -2; NumPy
+    inputs wrapped to match) and choose the shard pairs that get a task. ``saved``: the
+    backward's ``out``, ``dout`` and ``lse``, chunked like ``q``."""
+    split_every = _check_split_every(split_every)
+    q, k, v = (_as_array(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
+    saved = {name: _as_array(name, x) for name, x in (saved or {}).items()}
+    mask = None if mask is None else _as_array("mask", mask)
+    if mask is not None and mask.ndim < 2:  # a (Nk,) or scalar mask broadcasts over queries too
+        mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
+    checked = flash_lib.check_inputs(q, k, v, mask=mask, causal=causal, scale=scale, sinks=sinks,
+                                     dropout_p=dropout_p, dropout_seed=dropout_seed, **saved)
+    n_q, n_k = checked.n_q, checked.n_k
+    q_chunks = _sequence_chunks([("q", q, -2)] + [(name, x, -1 if name == "lse" else -2)
+                                                  for name, x in saved.items()]
+                                + [("mask", mask, -2)], n_q)
+    k_chunks = _sequence_chunks([("k", k, -2), ("v", v, -2), ("mask", mask, -1)], n_k)
+    partner = "q" if saved else "k"  # whose chunks a query-side array must have
+    q = _as_dask("q", q, q_chunks, -2, partner=partner)
+    saved = {name: _as_dask(name, x, q_chunks, -1 if name == "lse" else -2, partner="q")
+             for name, x in saved.items()}
+    k = _as_dask("k", k, k_chunks, -2)
+    v = _as_dask("v", v, k_chunks, -2)
+    # A NumPy mask is known now: shard pairs it forbids get no task. A Dask mask is not.
+    numpy_mask = None
+    if mask is not None:
+        if not isinstance(mask, da.Array):
+            numpy_mask = np.broadcast_to(mask, mask.shape[:-2] + (n_q, n_k))  # a view
+        mask = _as_dask("mask", mask, (q_chunks, k_chunks), None)
+    return _Shards(q=q, k=k, v=v, mask=mask, saved=saved, checked=checked, q_chunks=q_chunks,
+                   k_chunks=k_chunks,
+                   pairs=_shard_pairs(n_q, n_k, q_chunks, k_chunks, causal, numpy_mask),
+                   dropout=_dropout_keywords(dropout_p, dropout_seed),
+                   sinks=None if sinks is None else np.asarray(sinks), split_every=split_every)
 
 
 def _starts(chunks):

@@ -21,7 +21,7 @@ it; chapter 18 explains both):
 
 from __future__ import annotations
 
-import numbers
+import types
 
 import numpy as np
 
@@ -62,20 +62,14 @@ def _cu_seqlens(name, cu, total):
     return [int(x) for x in arr]
 
 
-def _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
-    cu_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, np.shape(q)[-2])
-    cu_k = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, np.shape(k)[-2])
+def _sequences(total_q, total_k, cu_seqlens_q, cu_seqlens_k):
+    """``(q_start, q_stop, k_start, k_stop)`` of each sequence, the offsets checked."""
+    cu_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q)
+    cu_k = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k)
     if len(cu_q) != len(cu_k):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length B + 1, got "
                          f"{len(cu_q)} and {len(cu_k)}")
     return list(zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]))
-
-
-def _results(q, k, v, enable_gqa):
-    """Leading shape, out dtype and lse dtype of flash_attention on these arrays."""
-    lead = flash_lib.check_arrays(q, k, v, enable_gqa=enable_gqa)
-    out = np.result_type(q.dtype, k.dtype, v.dtype)
-    return lead, out, (np.dtype(np.float32) if out.itemsize < 4 else out)
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, window=None,
@@ -113,12 +107,14 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False,
     on the sequence alone, bit for bit, and only its tiles are visited
     (:func:`varlen_tile_schedule`): work ``∝ Σ_b Nq_b · Nk_b``.
     """
-    seqs = _sequences(q, k, cu_seqlens_q, cu_seqlens_k)
-    lead, out_dtype, lse_dtype = _results(q, k, v, enable_gqa)
-    out = np.zeros(lead + (q.shape[-2], v.shape[-1]), out_dtype)
-    lse = np.full(lead + (q.shape[-2],), -np.inf, lse_dtype)
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     kwargs = _tiles(dict(causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                          scale=scale, enable_gqa=enable_gqa), block_q, block_k)
+    # every argument checked once, up front, with flash_lib's rules, whatever the lengths
+    checked = flash_lib.check_inputs(q, k, v, **kwargs)
+    seqs = _sequences(q.shape[-2], k.shape[-2], cu_seqlens_q, cu_seqlens_k)
+    out = np.zeros(checked.batch + (checked.n_q, checked.dv), checked.out_dtype)
+    lse = np.full(checked.batch + (checked.n_q,), -np.inf, checked.dtype)
     for q0, q1, k0, k1 in seqs:
         if q1 == q0 or k1 == k0:  # no query, or no key: zero rows and lse -inf, as allocated
             continue
@@ -156,16 +152,12 @@ def flash_attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_se
         :func:`flash_lib.flash_attention_backward` on that sequence alone (bit for bit). Keys of
         a sequence with no query, and queries of a sequence with no key, get exact zeros.
     """
-    seqs = _sequences(q, k, cu_seqlens_q, cu_seqlens_k)
-    lead, _, _ = _results(q, k, v, enable_gqa)
-    for name, x, n in (("out", out, v.shape[-1]), ("dout", dout, v.shape[-1])):
-        if np.shape(x) != lead + (q.shape[-2], n):
-            raise ValueError(f"{name} must have shape {lead + (q.shape[-2], n)}, got {np.shape(x)}")
-    if np.shape(lse) != lead + (q.shape[-2],):
-        raise ValueError(f"lse must have shape {lead + (q.shape[-2],)}, got {np.shape(lse)}")
-    dq, dk, dv = (np.zeros(x.shape, x.dtype) for x in (q, k, v))
+    q, k, v, out, lse, dout = (np.asarray(x) for x in (q, k, v, out, lse, dout))
     kwargs = _tiles(dict(causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                          scale=scale, enable_gqa=enable_gqa), block_q, block_k)
+    flash_lib.check_inputs(q, k, v, out=out, lse=lse, dout=dout, **kwargs)
+    seqs = _sequences(q.shape[-2], k.shape[-2], cu_seqlens_q, cu_seqlens_k)
+    dq, dk, dv = (np.zeros(x.shape, x.dtype) for x in (q, k, v))
     for q0, q1, k0, k1 in seqs:
         if q1 == q0 or k1 == k0:
             continue
@@ -183,8 +175,9 @@ def varlen_tile_schedule(cu_seqlens_q, cu_seqlens_k, block_q=flash_lib.DEFAULT_B
     in packed (global) positions: each sequence's :func:`flash_lib.tile_schedule`, shifted."""
     cu_q = np.asarray(cu_seqlens_q)
     cu_k = np.asarray(cu_seqlens_k)
-    seqs = _sequences(np.empty((int(cu_q[-1]) if cu_q.size else 0, 0)),
-                      np.empty((int(cu_k[-1]) if cu_k.size else 0, 0)), cu_q, cu_k)
+    # the totals are the offsets' own last entries (a 0-d or empty array is refused by the check)
+    seqs = _sequences(int(cu_q[-1]) if cu_q.ndim == 1 and cu_q.size else 0,
+                      int(cu_k[-1]) if cu_k.ndim == 1 and cu_k.size else 0, cu_q, cu_k)
     return [(q0 + a, q0 + b, k0 + c, k0 + e)
             for q0, q1, k0, k1 in seqs
             for a, b, c, e in flash_lib.tile_schedule(q1 - q0, k1 - k0, block_q, block_k, causal,
@@ -315,7 +308,6 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=No
     and merged, in float32, rounded once at the end.
     """
     q = np.asarray(q)
-    flash_lib.tile_schedule(0, 0, 1, 1, causal, window=window)  # checks causal and window
     if q.ndim != 4:
         raise ValueError(f"q must be (B, H, Nq, d), got shape {q.shape}")
     batch, heads, n_q, _ = q.shape
@@ -344,8 +336,16 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=No
                          f"overflow the cache's {cache.capacity} slots")
     for b in range(batch):  # check the pages first, so that a bad table writes nothing
         cache.pages(b, 0, int(lengths[b]))
-    # Checked like the kernels: shapes, dtypes, heads (one key, read nowhere else)
-    lead, out_dtype, lse_dtype = _results(q[0], k_cache[0, :, :1], v_cache[0, :, :1], enable_gqa)
+    # Every other argument checked with flash_lib's rules before anything is written, the
+    # cache described as the kernels will see each sequence's keys: (B, Hkv, longest, d) (the
+    # check reads shapes and dtypes only).
+    longest = int(lengths.max(initial=0))
+    keys, values = (types.SimpleNamespace(shape=(batch, c.shape[1], longest, c.shape[3]), ndim=4,
+                                          dtype=c.dtype) for c in (cache.k, cache.v))
+    checked = flash_lib.check_inputs(q, keys, values, causal=causal, window=window,
+                                     softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
+                                     enable_gqa=enable_gqa)
+    out_dtype, lse_dtype = checked.out_dtype, checked.dtype
     if k_new is not None:
         for b in range(batch):
             cache.write(b, int(seqlens[b]), k_new[b], v_new[b])

@@ -338,23 +338,16 @@ def backward_dq_kernel(
 
 
 def _check(q, k, v, mask, causal, scale):
-    """The inputs, checked as flash_lib checks them, and broadcast to one batch."""
+    """The inputs, checked by flash_lib's own rules (``flash_lib.check_inputs``: shapes, dtypes,
+    ``causal``, ``scale``), then this kernel's one restriction, and broadcast to one batch."""
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     mask = None if mask is None else np.asarray(mask)
-    batch = flash_lib.check_arrays(q, k, v, mask)
+    checked = flash_lib.check_inputs(q, k, v, mask=mask, causal=causal, scale=scale)
+    batch, scale = checked.batch, checked.scale
     dtypes = {q.dtype, k.dtype, v.dtype}
     if len(dtypes) != 1 or q.dtype not in (np.float32, np.float16):
         raise TypeError("flash_triton takes q, k, v of one dtype, float32 or float16, got "
                         f"{q.dtype}, {k.dtype}, {v.dtype}")
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
-    elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating,
-                                                                        np.integer)):
-        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    elif not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be finite and > 0, got {scale}")
     n_q, n_k = q.shape[-2], k.shape[-2]
     q = np.ascontiguousarray(np.broadcast_to(q, batch + q.shape[-2:]))
     k = np.ascontiguousarray(np.broadcast_to(k, batch + k.shape[-2:]))
@@ -463,14 +456,6 @@ def with_bug(bug):
     return buggy_attention
 
 
-def _sum_to(x, shape):
-    """Sum a gradient over the leading dims its input was broadcast along."""
-    lead = x.ndim - len(shape)
-    x = x.sum(axis=tuple(range(lead))) if lead else x
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
-    return x.sum(axis=axes, keepdims=True) if axes else x
-
-
 def attention_backward(q, k, v, out, lse, dout, *, causal=False, mask=None, scale=None):
     """The gradients ``dq, dk, dv`` of ``sum(dout * attention(q, k, v, ...))``, in Triton.
 
@@ -524,4 +509,4 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=False, mask=None, scal
     else:  # nothing to attend, or no one attending: every gradient is 0
         dq.zero_(), dk.zero_(), dvv.zero_()
     grads = [t.cpu().numpy().reshape(x.shape) for t, x in ((dq, q), (dk, k), (dvv, v))]
-    return tuple(_sum_to(g, shape) for g, shape in zip(grads, shapes))
+    return tuple(flash_lib.sum_to(g, shape) for g, shape in zip(grads, shapes))

@@ -114,13 +114,37 @@ print(inspect.getsource(flash_lib.online_softmax_update))
 # - `exp` is `np.exp`, or `np.exp2` when the kernel works in base 2, a choice the section
 #   "In base 2" below explains; every line above holds in either base.
 #
-# Everything else in `flash_attention` feeds this function: its inner function `attend` takes one
-# query block, computes each tile's `s` with one matrix product (followed by the score variants,
-# softcap and ALiBi, when they are asked for), sets the disallowed pairs to $-\infty$, calls
-# `online_softmax_update`, and after the last tile divides once (`_finalize`:
-# $O_i = \operatorname{diag}(l)^{-1}\text{acc}$, $\text{lse}_i = m + \log l$, and the empty rows
-# of chapter 6). flash_lib applies $\tau$ to the inputs rather than to the scores, its own choice
-# that appendix 22 explains.
+# ## The tile loop in flash_lib
+#
+# Everything else in `flash_attention` feeds this function. It checks its arguments into one
+# `problem`, then runs `attention_forward_block` on its worker threads, one query block each:
+# the box's outer loop body, whole.
+
+# %%
+print(inspect.getsource(flash_lib.attention_forward_block))
+
+# %% [markdown]
+# Against the box, line for line:
+#
+# - `q_i = problem.q_tile(q_start, q_stop)`: **load** $Q_i$, already multiplied by its share of
+#   $\tau$ (flash_lib applies $\tau$ to the inputs rather than to the scores, its own choice
+#   that appendix 22 explains). `m, l = problem.initial_state(...)` and `acc = np.zeros(...)`:
+#   $m = -\infty$, $l = 0$, $\text{acc} = 0$ (a sink starts a row at $m = $ sink, $l = 1$:
+#   chapter 17).
+# - `for tile in problem.row(...)`: **for** each key block $j$, of those the band can reach
+#   (causal and sliding window skip the others without computing them: chapters 6 and 14).
+#   `tile` carries what the box does not show: which of the tile's pairs are allowed, the dropout
+#   keep mask, the product that keeps a masked key's inf or NaN out.
+# - `if cancelled.is_set(): return` stops a call interrupted with Ctrl-C before its next tile;
+#   `if tile.allowed is False: continue` skips a tile where a `mask_mod` allows no pair (chapter 15).
+# - `s = tile.scores(q_i, out=s_buf)`: **load** $K_j$ and compute $S = \tau Q_i K_j^\top$ into a
+#   buffer reused from tile to tile, then the score variants when they are asked for (chapter 14).
+# - `tile.mask(s)`: $-\infty$ at the pairs that are not allowed (chapter 6).
+# - `online_softmax_update(m, l, acc, s, tile.v, tile.pv(out=pv), exp)`: the box's two inner
+#   lines, above, with $V_j$ = `tile.v` and $PV_j$ computed by `tile.pv` into a reused buffer.
+# - After the loop, `_finalize`: $O_i = \operatorname{diag}(l)^{-1}\text{acc}$ and
+#   $\text{lse}_i = m + \log l$, once (and the empty rows of chapter 6); **store** them. The
+#   dropout factor $1/(1 - p)$ and a sink's exact lse are chapter 17's.
 #
 # ## The forward from scratch
 #

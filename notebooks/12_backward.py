@@ -285,9 +285,25 @@ print(inspect.getsource(flash_lib.attention_backward_tile))
 # `np.copyto` lines keep an inf or NaN at a masked pair out of the sums (chapter 6); `scores` is
 # for the score variants (chapter 14).
 #
-# Around it, `flash_attention_backward` runs key blocks on workers. Each worker keeps its
-# $dK_j$, $dV_j$ and walks the query blocks in order; the shares of $dQ_i$ are added in
-# key-block order, each worker waiting for its turn on $dQ_i$. Floating-point addition is not
+# Around it, `flash_attention_backward` computes $D$, then runs `attention_backward_block` on its
+# worker threads, one key block each: the box's outer loop body.
+
+# %%
+print(inspect.getsource(flash_lib.attention_backward_block))
+
+# %% [markdown]
+# Against the box: `k_j`, `v_j` (and `k_s`, the keys in the scores' unit) are the **load** of
+# $K_j, V_j$; `dk_j`, `dv_j` the zeroed $dK_j$, $dV_j$. `for i, tile in
+# enumerate(problem.column(...))` walks every query block $i$ in order; a tile the forward
+# does not visit has `tile.allowed is False` and computes nothing, but the worker still takes its
+# turn at $dQ_i$. `attention_backward_tile(...)` is the inner body above, given $Q_i$, $dO_i$,
+# $\text{lse}_i$ (in the scores' unit) and $D_i$; `with turns.turn(i, j, cancelled)` then adds
+# its share `dq[...] += share`, the box's $dQ_i \mathrel{+}= \tau\, dS_{ij} K_j$ (the $\tau$ of
+# $dQ$ once, at the end, and of $dK_j$ after the loop). The last lines **store** $dK_j$, $dV_j$
+# (summed over the heads that share a key, for grouped queries: chapter 15).
+#
+# Each worker keeps its $dK_j$, $dV_j$ and walks the query blocks in order; the shares of
+# $dQ_i$ are added in key-block order, each worker waiting for its turn on $dQ_i$. Floating-point addition is not
 # associative, so atomic adds in finishing order would make $dQ$'s last bits depend on timing;
 # in key-block order they do not depend on how many threads ran or which finished first.
 # FlashAttention 3's deterministic mode does the same on a GPU, with a semaphore per query block
@@ -308,13 +324,14 @@ computed = []
 tile_function = flash_lib.attention_backward_tile
 
 
-def recording_tile(q_t, k_t, v_t, dout_t, *rest, **kwargs):
+def recording_tile(q_t, k_t, v_t, *, dout, **kwargs):
     first_row = lambda x, rows: int(np.flatnonzero((rows == x[0]).all(axis=-1))[0])
-    q0, k0 = first_row(dout_t, dout), first_row(v_t, v)
-    computed.append((q0, q0 + len(dout_t), k0, k0 + len(v_t)))
-    return tile_function(q_t, k_t, v_t, dout_t, *rest, **kwargs)
+    q0, k0 = first_row(dout, dout_all), first_row(v_t, v)
+    computed.append((q0, q0 + len(dout), k0, k0 + len(v_t)))
+    return tile_function(q_t, k_t, v_t, dout=dout, **kwargs)
 
 
+dout_all = dout
 try:
     flash_lib.attention_backward_tile = recording_tile  # the kernel looks it up at each call
     flash_lib.flash_attention_backward(q, k, v, out, lse, dout, causal=True, block_q=b_draw,

@@ -205,10 +205,14 @@ def test_bad_inputs():
         flash_triton.attention(q, k[..., :8], v)
     with pytest.raises(ValueError, match="mask"):
         flash_triton.attention(q, k, v, mask=np.ones((8, 9), dtype=bool))
-    with pytest.raises(ValueError, match="scale"):
-        flash_triton.attention(q, k, v, scale=-1.0)
-    with pytest.raises(TypeError, match="scale"):
-        flash_triton.attention(q, k, v, scale="1")
+    # the scale by flash_lib's own rule (flash_lib.check_inputs): a positive normal number of
+    # the compute dtype, float32 here, so 1e39 (inf in float32) is refused as flash_lib refuses it
+    for scale in (-1.0, "1", 1e39, 1e-39):
+        with pytest.raises(ValueError, match="scale") as raised:
+            flash_triton.attention(q, k, v, scale=scale)
+        with pytest.raises(ValueError) as by_flash_lib:
+            flash_lib.flash_attention(q, k, v, scale=scale)
+        assert str(raised.value) == str(by_flash_lib.value)
     out, lse = flash_triton.attention(q, k, v, return_lse=True)
     with pytest.raises(ValueError, match="lse must have shape"):
         flash_triton.attention_backward(q, k, v, out, lse[:, :4], out)
