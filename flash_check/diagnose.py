@@ -1,8 +1,9 @@
 """The likely cause of a failure: per check, a table of known mistakes (a condition, a message).
 
-Imported by ``flash_check`` (its runner builds one :class:`Evidence` per accuracy run and calls
-:meth:`Evidence.explain` with the table of the check that failed) and by ``tests/test_check.py``
-(which holds the one softmax written here, :func:`_misplaced`, to precise_attention).
+Imported by ``_runner.py`` (the accuracy check builds one :class:`Evidence` per run and calls
+:meth:`Evidence.explain` with the table of the check that failed), by ``training.py`` (the tables
+of its own checks, at the end) and by ``tests/test_check.py`` (which holds the one softmax written
+here, :func:`_misplaced`, to precise_attention).
 
 A condition looks at the :class:`Evidence` (the case's inputs and references, the kernel's output,
 the probes below) and the facts of the failure (what the check measured); it returns something
@@ -23,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 
 import flash_lib
-from flash_check import FACTOR, OUT_FLOOR, _call, _max_error, _split
+from flash_check._core import FACTOR, OUT_FLOOR, _call, _max_error, _split
 
 _KEEP = object()  # "as the case says", for Evidence.allowed
 #: The keywords that decide which pairs may attend.

@@ -2,8 +2,8 @@
 (``"dropout"``), each skipped unless the feature is listed; and the gradient checks they run when
 :func:`flash_check.check_kernel` is given the kernel's ``backward=``.
 
-Registered by ``cases.py`` on import. The conventions are flash_lib's (issue 24), FlashAttention's
-and gpt-oss's:
+Registered when ``flash_check`` imports this module, after ``cases.py``'s cases. The conventions
+are flash_lib's (issue 24), FlashAttention's and gpt-oss's:
 
 * ``sinks=``: one logit per head, broadcastable to the result's batch dims (``(H,)`` or
   ``(B, H)``), neither scaled nor softcapped: ``lse_i = log(exp(sink) + Σ_j exp(s_ij))``,
@@ -53,9 +53,11 @@ import zlib
 import numpy as np
 
 import flash_lib
-from flash_check import (FACTOR, LSE_FLOOR, OUT_FLOOR, Case, Inputs, Result, _accuracy, _call,
-                         _lse_error, _max_error, _reference, _split, random_qkv, register_case)
 from flash_check import diagnose
+from flash_check._core import (FACTOR, LSE_FLOOR, OUT_FLOOR, Case, Inputs, Result, _call,
+                               _lse_error, _max_error, _reference, _split, random_qkv,
+                               register_case)
+from flash_check._runner import _accuracy
 
 #: The floor of a gradient's error (max |g - t| / max |t|), in eps of the dtype: a backward sums
 #: dS·K over key blocks and dSᵀ·Q over query blocks in another order than the dense product.

@@ -19,6 +19,7 @@ import pytest
 import flash_check
 import flash_lib
 from flash_check import bugs, training
+from flash_check._core import _Context, _reference
 from flash_check.bugs import tiled_attention, variant_attention, variant_attention_backward
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -262,9 +263,18 @@ def test_a_kernel_that_raises_or_writes_its_inputs_is_reported():
     assert [f.check for f in report.failures] == ["inputs"]
 
 
-def test_a_new_case_is_one_registration(monkeypatch):
+@pytest.fixture
+def registry():
+    """flash_check.CASES, given back after the test with the cases it held before (the registry
+    is one dict, shared by every module of flash_check: rebinding the name would not do)."""
+    saved = dict(flash_check.CASES)
+    yield flash_check.CASES
+    flash_check.CASES.clear()
+    flash_check.CASES.update(saved)
+
+
+def test_a_new_case_is_one_registration(registry):
     """The way the variants will be added: a Case with its own feature, skipped without it."""
-    monkeypatch.setattr(flash_check, "CASES", dict(flash_check.CASES))
 
     def make(rng, dtype):
         q, k, v = flash_check.random_qkv(rng, 9, 33, dtype=dtype)
@@ -347,9 +357,9 @@ def test_the_diagnoses_reference_is_the_truth():
     for name in VARIANT_CASES:
         if flash_check.CASES[name].make is None:  # the dropout case: a check of its own
             continue
-        ref = flash_check._reference(flash_check.CASES[name], "float64", 0)
-        ctx = flash_check._Context(variant_attention, flash_check.CASES[name], "float64",
-                                   ALL + VARIANTS, -np.inf, 0, {})
+        ref = _reference(flash_check.CASES[name], "float64", 0)
+        ctx = _Context(variant_attention, flash_check.CASES[name], "float64", ALL + VARIANTS,
+                       -np.inf, 0, {})
         why = flash_check.diagnose.Evidence(ctx, ref, ref.out, ref.lse)
         assert flash_lib.rowwise_relative_error(why.misplaced(), ref.out).max() < 1e-15, name
 
@@ -444,9 +454,8 @@ def test_training_cases_are_skipped_unless_their_feature_is_listed():
 def test_the_dropout_probe_reads_flash_libs_own_mask():
     """The mask the dropout case reads off flash_lib's output (q = 0, v = identity) is exactly
     flash_lib.dropout_keep's, at the default tiles and at the others the case tries."""
-    ctx = flash_check._Context(functools.partial(flash_lib.flash_attention, return_lse=True),
-                               flash_check.CASES["dropout"], "float32", ALL + TRAINING, -np.inf,
-                               0, {})
+    ctx = _Context(functools.partial(flash_lib.flash_attention, return_lse=True),
+                   flash_check.CASES["dropout"], "float32", ALL + TRAINING, -np.inf, 0, {})
     probe = training._Dropout(ctx, flash_check.Result("dropout", "float32"))
     expected = flash_lib.dropout_keep(probe.seed, probe.p, probe.batch + (probe.n_q, probe.n_k))
     assert np.array_equal(probe.keep("keep values"), expected)
@@ -461,8 +470,8 @@ def test_the_agreement_interval_is_the_derived_one():
     indicators share an element pairwise, is (a(1 - a) + 2|c|)/n, not the independent a(1 - a)/n:
     measured over 2000 independent masks, the spread of the agreement is the derived σ to within
     6% (the estimate's own error is 1.6%; the independent formula is 13% too small)."""
-    ctx = flash_check._Context(variant_attention, flash_check.CASES["dropout"], "float64",
-                               ("dropout",), -np.inf, 0, {})
+    ctx = _Context(variant_attention, flash_check.CASES["dropout"], "float64", ("dropout",),
+                   -np.inf, 0, {})
     probe = training._Dropout(ctx, flash_check.Result("dropout", "float64"))
     rng = np.random.default_rng(5)
     shape = (probe.n_q, probe.n_k)
