@@ -5,8 +5,11 @@ The broken kernels are flash_check.bugs' small tiled kernels with a switch per b
 chapter 20 prints), written independently of flash_lib.
 """
 
+import ast
 import functools
+import graphlib
 import importlib.util
+import itertools
 import os
 import pathlib
 import re
@@ -658,6 +661,70 @@ def test_cli_rejects_what_it_cannot_load(tmp_path):
         assert run.returncode == 2 and words in run.stderr, (target, run.stderr)
     run = _cli(tmp_path, "kernels_under_test:good", "--features", "windw")
     assert run.returncode == 2 and "unknown" in run.stderr
+
+
+# --- the package imports one way -----------------------------------------------------------
+
+
+def _package_imports():
+    """Each flash_check module's imports of the package, read from its source: ``{module:
+    {module it imports: names it takes from it}}``, and the imports of the package that stand
+    anywhere but at the module's head (a function's body, below the first definition)."""
+    package = ROOT / "flash_check"
+    modules = {path.stem for path in package.glob("*.py")}
+    graph, misplaced = {}, []
+    for path in sorted(package.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        body = tree.body[1:] if ast.get_docstring(tree) is not None else tree.body
+        head = list(itertools.takewhile(lambda n: isinstance(n, (ast.Import, ast.ImportFrom)),
+                                        body))
+        edges = graph[path.stem] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found = [(alias.name.partition(".")[2] or "__init__", None)
+                         for alias in node.names if alias.name.split(".")[0] == "flash_check"]
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level:  # relative: from . import x, from .x import y
+                    module = "flash_check" + ("." + module if module else "")
+                if module.split(".")[0] != "flash_check":
+                    continue
+                target = module.partition(".")[2]
+                found = [(target, alias.name) if target else
+                         (alias.name, None) if alias.name in modules else ("__init__", alias.name)
+                         for alias in node.names]
+            else:
+                continue
+            for target, name in found:
+                edges.setdefault(target, set()).update([name] if name else [])
+            if found and node not in head:
+                misplaced.append(f"{path.name}:{node.lineno}")
+    return graph, misplaced
+
+
+def _private_module(name):
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_flash_check_imports_one_way():
+    """The package's modules form layers: _core at the bottom imports none of the others, no
+    module imports one that imports it back (directly or through others), every import of the
+    package stands at its module's head (none in a function or below the code, where a cycle
+    hides), and a private name (_x) comes only from a private module below (_core, _runner)."""
+    graph, misplaced = _package_imports()
+    assert not misplaced, f"imports of flash_check outside a module's head: {misplaced}"
+    assert graph["_core"] == {}, graph["_core"]
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as exc:
+        pytest.fail(f"flash_check imports itself in a loop: {' -> '.join(exc.args[1])}")
+    # __init__ re-exports from the modules below it; only __main__ (python -m) stands above it
+    above = {module for module, edges in graph.items() if {"__init__", "__main__"} & set(edges)}
+    assert above == {"__main__"}, above
+    private = [f"{module} takes {name} from {target}" for module, edges in graph.items()
+               for target, names in edges.items() for name in names
+               if name.startswith("_") and not _private_module(target)]
+    assert not private, private
 
 
 # --- real kernels ---------------------------------------------------------------------------
