@@ -91,10 +91,12 @@ built-in cases, which register themselves. Each module imports only modules list
 (``tests/test_check.py`` holds the package to that: no import cycle, no import inside a function):
 
 - ``_core.py``: the constants, the types, the registry, the results, the references;
-- ``diagnose.py``: the known mistakes, a table of condition and message per check;
+- ``diagnose.py``: the known mistakes of the accuracy check, a table of condition and message per
+  check;
 - ``_runner.py``: the accuracy check and :func:`check_kernel`;
 - ``cases.py``: the built-in cases (the classic ones, the variants', memory);
-- ``training.py``: the sinks and dropout cases, and the gradient checks;
+- ``training.py``: the sinks and dropout cases, the gradient checks, and their own tables of
+  known mistakes;
 - ``serving.py``: the packed-batch and KV-cache cases;
 - ``adapters.py``: PyTorch and JAX as kernels, and FlashAttention's layouts;
 - ``_cli.py``: the command line, :func:`main` (``__main__.py`` runs it);

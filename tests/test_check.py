@@ -574,6 +574,36 @@ def test_dropout_mistakes_are_named(mistake):
     assert failing and all(words in f.diagnosis for f in failing), str(report)
 
 
+def _right_on_the_probe(mistaken):
+    """A kernel right on the dropout probe (q = 0) and ``mistaken`` on any other q: the probe's
+    checks pass, so the output on random inputs is the first to fail."""
+    right, _ = _dense_dropout(_counter)
+    return lambda q, k, v, **kw: (right if not q.any() else mistaken)(q, k, v, **kw)
+
+
+OUTPUT_MISTAKES = {
+    # name: (the mistaken kernel, words of the out error's diagnosis)
+    "no rescale": (_dense_dropout(_counter, rescale=False)[0], "the output is (P∘Z)·V"),
+    "renormalised": (_dense_dropout(_counter, renormalise=True)[0],
+                     "the output is softmax over the kept keys"),
+    "undropped": (lambda q, k, v, dropout_p, **kw: _dense_dropout(_counter)[0](q, k, v, **kw),
+                  "the output is attention without dropout on these inputs"),
+    "none of these": (lambda q, k, v, **kw: tuple(1.01 * x for x in
+                                                  _dense_dropout(_counter)[0](q, k, v, **kw)),
+                      "the mask depends on q, k or v"),
+}
+
+
+@pytest.mark.parametrize("mistake", OUTPUT_MISTAKES)
+def test_dropout_output_mistakes_are_named(mistake):
+    """Each row of training.DROPOUT_OUT, by what its mistake returns on the random inputs."""
+    mistaken, words = OUTPUT_MISTAKES[mistake]
+    report = flash_check.check_kernel(_right_on_the_probe(mistaken), features=("lse", "dropout"),
+                                      cases=["dropout"])
+    failing = [f for f in report.failures if f.check == "out error"]
+    assert failing and words in failing[0].diagnosis, str(report)
+
+
 SINK_MISTAKES = {
     # name: (what the kernel does to the sinks before flash_lib sees them, case, words)
     "scaled": (lambda sinks, kw: sinks / 4, "sinks", "the sink is multiplied by the scale"),
