@@ -10,7 +10,6 @@ failed; ``training.py`` reuses it before checking the gradients.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import numpy as np
 
