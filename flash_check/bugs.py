@@ -10,7 +10,8 @@ kernel passing the cases is evidence about the cases and not about flash_lib's c
 - :func:`variant_attention` adds the variants (window, softcap, ALiBi, GQA, mask_mod, attention
   sinks, dropout); ``bug=`` one of :data:`VARIANT_BUGS` gets one of them wrong the way real
   kernels do. :func:`variant_attention_backward` is its backward (masks, causal, sinks, dropout),
-  with the bugs of :data:`VARIANT_BUGS` that belong to a backward.
+  with the bugs of :data:`VARIANT_BUGS` that belong to a backward. Each of these bugs is one row
+  of a table: the steps of the kernel it replaces (``_VARIANT_ZOO``).
 
 All are plain Python loops over tiles: small inputs only. The dropout mask here comes from a
 generator of its own (SplitMix64's finaliser applied to the seed, the batch index and the global
@@ -20,6 +21,9 @@ library's random numbers.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -38,33 +42,6 @@ BUGS = {
     "uniform_empty_rows": "masked scores set to -1e9 instead of -inf",
     "stale_max": "p = exp(s - m) against the previous block's max",
 }
-
-#: The variants' bugs of :func:`variant_attention`: name -> what the kernel then does.
-VARIANT_BUGS = {
-    "window_left_off_by_one": "the window's left edge is exclusive: keys > i + (Nk - Nq) - left",
-    "window_top_left": "the window is centred on j = i, not on j = i + (Nk - Nq)",
-    "softcap_after_mask": "softcap applied after the mask: masked scores become -c, not -inf",
-    "softcap_after_bias": "softcap applied after the ALiBi bias, not before it",
-    "alibi_gym_form": "ALiBi as slope·(j - i) (attention-gym's score_mod), right only under causal",
-    "alibi_top_left": "ALiBi's distance |i - j|, not |i + (Nk - Nq) - j|",
-    "gqa_h_mod_hkv": "query head h reads kv head h mod Hkv, not h // (Hq / Hkv)",
-    "mask_mod_inverted": "mask_mod's True taken as masked out",
-    "mask_mod_swapped": "mask_mod called as mask_mod(k_idx, q_idx)",
-    "mask_mod_corner_skip": "a tile skipped when mask_mod is False at its four corners",
-    "mask_mod_local_indices": "mask_mod called with positions local to the tile",
-    "dropout_stateful_tiles": "each tile's keep mask drawn, in visiting order, from one stateful "
-                              "generator seeded once per call",
-    "dropout_backward_other_mask": "the backward regenerates the mask with i and j swapped in "
-                                   "the counter: another mask than the forward's",
-    "dropout_no_rescale": "kept weights not divided by 1 - p",
-    "sink_counted_twice": "split-KV over two halves of the keys, each started from the sink, "
-                          "then merged: the sink counted twice",
-    "dsinks_sign": "the backward returns +sum exp(sink - lse) D for dsinks, not minus",
-}
-#: The bugs of :data:`VARIANT_BUGS` that only :func:`variant_attention_backward` makes (the
-#: forward makes the others; "dropout_stateful_tiles" both, each in its own visiting order).
-BACKWARD_BUGS = ("dropout_backward_other_mask", "dsinks_sign")
-
 
 def _check_bug(bug, known):
     if bug is not None and bug not in known:
@@ -152,17 +129,148 @@ def _batch_index(batch):
     return np.arange(int(np.prod(batch, dtype=np.int64))).reshape(batch + (1, 1))
 
 
-def _keep_tile(dropout, batch, qs, qe, ks, ke, bug):
-    """The keep mask of one tile, (*batch, qe - qs, ke - ks), or None without dropout."""
+# --------------------------------------------------------------------------------------------
+# The variants' kernel: its steps, and the bugs that replace them
+# --------------------------------------------------------------------------------------------
+
+
+def _counter_mask(dropout, batch, i, j):
+    """A tile's keep mask, :func:`counter_keep` at its pairs' global positions (i, j): the same
+    whatever the tiles and the order they are visited in."""
+    p, seed, _, _ = dropout
+    return counter_keep(seed, p, _batch_index(batch), i, j)
+
+
+def _stateful_mask(dropout, batch, i, j):
+    """The next numbers of one generator seeded once per call: a mask that depends on the tiles
+    and on the order they are visited in."""
+    p, _, _, state = dropout
+    return state.random(batch + (i.shape[0], j.shape[1])) >= p
+
+
+def _swapped_mask(dropout, batch, i, j):
+    """The counter with the positions swapped, (b, j, i): another mask than the forward's."""
+    p, seed, _, _ = dropout
+    return counter_keep(seed, p, _batch_index(batch), j, i)
+
+
+def _mask_mod_pairs(mask_mod, i, j):
+    """mask_mod on the tile's global positions: True = may attend."""
+    return np.asarray(mask_mod(i, j))
+
+
+def _corners_only(mask_mod, i, j):
+    """mask_mod's pairs, or none (the tile skipped) where it is False at the tile's 4 corners."""
+    corners = np.asarray(mask_mod(i[[0, -1]], j[:, [0, -1]]))
+    return _mask_mod_pairs(mask_mod, i, j) if corners.any() else np.zeros((i.size, j.size), bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Steps:
+    """The steps of :func:`variant_attention` and its backward that a bug replaces, each as
+    FlashAttention takes it: ``_Steps()`` is the right kernel, a bug one or two steps changed."""
+
+    #: GQA: query head h of Hq reads kv head h // (Hq / Hkv), a group of consecutive heads
+    kv_head: Callable = lambda h, h_q, h_kv: h // (h_q // h_kv)
+    #: the window is centred on key i + offset (offset = Nk - Nq: aligned bottom-right)
+    window_offset: Callable = lambda offset: offset
+    #: the window's left edge is inclusive: key j >= first = i + offset - left
+    window_left: Callable = lambda j, first: j >= first
+    #: mask_mod's pairs of a tile: on global positions, True = may attend
+    mask_mod_pairs: Callable = _mask_mod_pairs
+    #: softcap on the scaled "scores", not after the ALiBi bias ("biased") or the mask ("masked")
+    cap_at: str = "scores"
+    #: ALiBi: s - slope·|i + offset - j|
+    alibi: Callable = lambda s, slopes, i, j, offset: s - slopes * np.abs(i + offset - j)
+    #: the key ranges each started from a fresh state (the sink's) and merged: all keys in one
+    splits: Callable = lambda n_k: [(0, n_k)]
+    #: dropout's kept weights are divided by 1 - p
+    rescale: Callable = lambda p: 1 / (1 - p)
+    #: the keep mask of a tile, in the forward and in the backward: the same, from the counter
+    keep: Callable = _counter_mask
+    backward_keep: Callable = _counter_mask
+    #: dsinks_h = -Σ_i exp(sink_h - lse_i)·D_i, from share = Σ_i exp(sink_h - lse_i)·D_i
+    dsinks: Callable = lambda share: -share
+
+
+_RIGHT = _Steps()
+
+
+def _bug(what, **steps):
+    """One bug of the zoo: what the kernel then does, and its steps (``steps`` replaced)."""
+    return what, dataclasses.replace(_RIGHT, **steps)
+
+
+#: The variants' bugs, one row each: name -> (what the kernel then does, its steps).
+_VARIANT_ZOO = {
+    "window_left_off_by_one": _bug(
+        "the window's left edge is exclusive: keys > i + (Nk - Nq) - left",
+        window_left=lambda j, first: j > first),
+    "window_top_left": _bug(
+        "the window is centred on j = i, not on j = i + (Nk - Nq)",
+        window_offset=lambda offset: 0),
+    "softcap_after_mask": _bug(
+        "softcap applied after the mask: masked scores become -c, not -inf", cap_at="masked"),
+    "softcap_after_bias": _bug(
+        "softcap applied after the ALiBi bias, not before it", cap_at="biased"),
+    "alibi_gym_form": _bug(
+        "ALiBi as slope·(j - i) (attention-gym's score_mod), right only under causal",
+        alibi=lambda s, slopes, i, j, offset: s + slopes * (j - i)),
+    "alibi_top_left": _bug(
+        "ALiBi's distance |i - j|, not |i + (Nk - Nq) - j|",
+        alibi=lambda s, slopes, i, j, offset: s - slopes * np.abs(i - j)),
+    "gqa_h_mod_hkv": _bug(
+        "query head h reads kv head h mod Hkv, not h // (Hq / Hkv)",
+        kv_head=lambda h, h_q, h_kv: h % h_kv),
+    "mask_mod_inverted": _bug(
+        "mask_mod's True taken as masked out",
+        mask_mod_pairs=lambda mask_mod, i, j: ~_mask_mod_pairs(mask_mod, i, j)),
+    "mask_mod_swapped": _bug(
+        "mask_mod called as mask_mod(k_idx, q_idx)",
+        mask_mod_pairs=lambda mask_mod, i, j: _mask_mod_pairs(mask_mod, j, i)),
+    "mask_mod_corner_skip": _bug(
+        "a tile skipped when mask_mod is False at its four corners",
+        mask_mod_pairs=_corners_only),
+    "mask_mod_local_indices": _bug(
+        "mask_mod called with positions local to the tile",
+        mask_mod_pairs=lambda mask_mod, i, j: _mask_mod_pairs(mask_mod, i - i[0, 0],
+                                                              j - j[0, 0])),
+    "dropout_stateful_tiles": _bug(
+        "each tile's keep mask drawn, in visiting order, from one stateful generator seeded once "
+        "per call", keep=_stateful_mask, backward_keep=_stateful_mask),
+    "dropout_backward_other_mask": _bug(
+        "the backward regenerates the mask with i and j swapped in the counter: another mask "
+        "than the forward's", backward_keep=_swapped_mask),
+    "dropout_no_rescale": _bug(
+        "kept weights not divided by 1 - p", rescale=lambda p: 1),
+    "sink_counted_twice": _bug(
+        "split-KV over two halves of the keys, each started from the sink, then merged: the "
+        "sink counted twice", splits=lambda n_k: [(0, n_k // 2), (n_k // 2, n_k)]),
+    "dsinks_sign": _bug(
+        "the backward returns +sum exp(sink - lse) D for dsinks, not minus",
+        dsinks=lambda share: share),
+}
+#: The variants' bugs of :func:`variant_attention`: name -> what the kernel then does.
+VARIANT_BUGS = {name: what for name, (what, _) in _VARIANT_ZOO.items()}
+#: The bugs of :data:`VARIANT_BUGS` that only :func:`variant_attention_backward` makes (the
+#: forward makes the others; "dropout_stateful_tiles" both, each in its own visiting order).
+BACKWARD_BUGS = ("dropout_backward_other_mask", "dsinks_sign")
+
+
+def _steps(bug):
+    """The steps of the kernel that makes ``bug`` (None: the right one)."""
+    _check_bug(bug, VARIANT_BUGS)
+    return _RIGHT if bug is None else _VARIANT_ZOO[bug][1]
+
+
+def _keep_tile(dropout, batch, qs, qe, ks, ke, draw):
+    """The keep mask of one tile, (*batch, qe - qs, ke - ks), drawn by ``draw`` (the step
+    ``keep`` or ``backward_keep``) at the tile's global positions, or None without dropout."""
     if dropout is None:
         return None
-    p, seed, (oq, ok), state = dropout
-    if bug == "dropout_stateful_tiles":  # one generator, advanced tile by tile
-        return state.random(batch + (qe - qs, ke - ks)) >= p
+    _, _, (oq, ok), _ = dropout
     i, j = np.arange(oq + qs, oq + qe)[:, None], np.arange(ok + ks, ok + ke)[None, :]
-    if bug == "dropout_backward_other_mask":  # the backward's counter, positions swapped
-        return counter_keep(seed, p, _batch_index(batch), j, i)
-    return counter_keep(seed, p, _batch_index(batch), i, j)
+    return draw(dropout, batch, i, j)
 
 
 def _dropout_state(dropout_p, dropout_seed, dropout_offset):
@@ -181,30 +289,26 @@ def variant_attention(q, k, v, *, mask=None, causal=False, scale=None, window=No
     A sink starts each row's state at ``m = sink, l = 1, acc = 0`` (one more key, of score
     ``sink`` and value 0). Dropout multiplies each tile's weights by its keep mask / (1 - p) in
     ``acc`` only, so that ``l`` and the lse stay the undropped ones (FlashAttention's)."""
-    _check_bug(bug, VARIANT_BUGS)
-    if bug in BACKWARD_BUGS:
-        bug = None  # the forward of a backward's bug is right
+    steps = _steps(bug)  # a backward's bug leaves the forward's steps right
     acc = np.float32 if q.dtype == np.float16 else q.dtype.type
     n_q, n_k = q.shape[-2], k.shape[-2]
     scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
     if enable_gqa:  # a gather per query head (a real kernel indexes instead of copying)
-        heads = np.arange(q.shape[-3])
-        groups = q.shape[-3] // k.shape[-3]
-        kv_head = heads % k.shape[-3] if bug == "gqa_h_mod_hkv" else heads // groups
+        kv_head = steps.kv_head(np.arange(q.shape[-3]), q.shape[-3], k.shape[-3])
         k, v = k[..., kv_head, :, :], v[..., kv_head, :, :]
     batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2],
                                 () if mask is None else np.shape(mask)[:-2])
     slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, acc)[..., None, None]
     offset = n_k - n_q
-    window_offset = 0 if bug == "window_top_left" else offset
+    window_offset = steps.window_offset(offset)
     out = np.zeros(batch + (n_q, v.shape[-1]), acc)
     lse = np.full(batch + (n_q,), -np.inf, acc)
     sink = None if sinks is None else np.broadcast_to(np.asarray(sinks, acc), batch)[..., None]
     dropout = _dropout_state(dropout_p, dropout_seed, dropout_offset)
-    rescale = acc(1 if bug == "dropout_no_rescale" else 1 / (1 - dropout_p))
+    rescale = acc(steps.rescale(dropout_p))
     # The keys in splits, each from a fresh state: one split, unless the bug is flash-decoding's
     # split-KV with the sink in every split's start.
-    splits = ([(0, n_k // 2), (n_k // 2, n_k)] if bug == "sink_counted_twice" else [(0, n_k)])
+    splits = steps.splits(n_k)
 
     def cap(x):
         return acc(softcap) * np.tanh(x / acc(softcap))
@@ -224,15 +328,7 @@ def variant_attention(q, k, v, *, mask=None, causal=False, scale=None, window=No
                 j = np.arange(ks, ke)[None, :]
                 ok = np.ones((qe - qs, ke - ks), bool)
                 if mask_mod is not None:
-                    if bug == "mask_mod_corner_skip":  # looks at the tile's corners only
-                        corners = np.asarray(mask_mod(np.array([[qs], [qe - 1]]),
-                                                      np.array([[ks, ke - 1]])))
-                        if not corners.any():
-                            continue
-                    a, b = (i - qs, j - ks) if bug == "mask_mod_local_indices" else (i, j)
-                    mod = np.asarray(mask_mod(b, a) if bug == "mask_mod_swapped"
-                                     else mask_mod(a, b))
-                    mod = ~mod if bug == "mask_mod_inverted" else mod
+                    mod = steps.mask_mod_pairs(mask_mod, i, j)
                     if not mod.any():  # no pair allowed: the tile is never multiplied
                         continue
                     ok = ok & mod
@@ -244,32 +340,28 @@ def variant_attention(q, k, v, *, mask=None, causal=False, scale=None, window=No
                 if window is not None:
                     left, right = window
                     if left is not None:
-                        first = i + window_offset - left
-                        ok = ok & ((j > first) if bug == "window_left_off_by_one" else (j >= first))
+                        ok = ok & steps.window_left(j, i + window_offset - left)
                     if right is not None:
                         ok = ok & (j <= i + window_offset + right)
                 s = (q[..., qs:qe, :].astype(acc)
                      @ np.swapaxes(k[..., ks:ke, :], -1, -2).astype(acc) * acc(scale))
-                if softcap is not None and bug not in ("softcap_after_mask", "softcap_after_bias"):
+                # softcap where the steps put it: on the scaled scores (right), or after the bias
+                # or the mask
+                if softcap is not None and steps.cap_at == "scores":
                     s = cap(s)
                 if slopes is not None:
-                    if bug == "alibi_gym_form":
-                        s = s + slopes * (j - i)
-                    elif bug == "alibi_top_left":
-                        s = s - slopes * np.abs(i - j)
-                    else:
-                        s = s - slopes * np.abs(i + offset - j)
-                if softcap is not None and bug == "softcap_after_bias":
+                    s = steps.alibi(s, slopes, i, j, offset)
+                if softcap is not None and steps.cap_at == "biased":
                     s = cap(s)
                 s = np.where(ok, s, -np.inf)
-                if softcap is not None and bug == "softcap_after_mask":
+                if softcap is not None and steps.cap_at == "masked":
                     s = cap(s)
                 m_new = np.maximum(m, s.max(axis=-1))
                 m_ref = np.where(m_new == -np.inf, 0, m_new)
                 p = np.exp(s - m_ref[..., None])
                 alpha = np.exp(m - m_ref)
                 l = alpha * l + p.sum(axis=-1)  # undropped: the softmax's own denominator
-                keep = _keep_tile(dropout, batch, qs, qe, ks, ke, bug)
+                keep = _keep_tile(dropout, batch, qs, qe, ks, ke, steps.keep)
                 if keep is not None:
                     p = np.where(keep, p * rescale, 0)
                 o = alpha[..., None] * o + p @ v[..., ks:ke, :].astype(acc)
@@ -297,7 +389,7 @@ def variant_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=Fal
     With ``Z`` the keep mask and ``P = exp(S - lse)`` (lse holds the sink): ``dV = (P∘Z/(1-p))ᵀ
     dO``, ``dP = (dO Vᵀ)∘Z/(1-p)``, ``dS = P∘(dP - D)``, ``D = rowsum(dO∘O)``, and
     ``dsinks_h = -Σ_i exp(sink_h - lse_i)·D_i``."""
-    _check_bug(bug, VARIANT_BUGS)
+    steps = _steps(bug)  # of which the backward takes backward_keep and dsinks
     acc = np.float32 if q.dtype == np.float16 else q.dtype.type
     n_q, n_k = q.shape[-2], k.shape[-2]
     scale = acc(1 / np.sqrt(q.shape[-1]) if scale is None else scale)
@@ -311,9 +403,6 @@ def variant_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=Fal
     D = (dout * out).sum(axis=-1, keepdims=True)
     dropout = _dropout_state(dropout_p, dropout_seed, dropout_offset)
     rescale = acc(1 / (1 - dropout_p))
-    # the mask's bugs a backward can make: another counter, or a stateful generator visited
-    # key block first (so another mask than the forward's, which visits query blocks first)
-    mask_bug = bug if bug in ("dropout_backward_other_mask", "dropout_stateful_tiles") else None
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros(batch + v.shape[-2:], acc)
     for ks in range(0, n_k, block_k):
         ke = min(ks + block_k, n_k)
@@ -329,7 +418,9 @@ def variant_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=Fal
             s = q[..., qs:qe, :] @ np.swapaxes(k[..., ks:ke, :], -1, -2) * scale
             p = np.where(ok, np.exp(np.where(ok, s, 0) - lse_ref[..., qs:qe, :]), 0)
             dp = dout[..., qs:qe, :] @ np.swapaxes(v[..., ks:ke, :], -1, -2)
-            keep = _keep_tile(dropout, batch, qs, qe, ks, ke, mask_bug)
+            # the mask's bugs a backward can make: another counter, or a stateful generator
+            # visited key block first (another mask than the forward's, visited query block first)
+            keep = _keep_tile(dropout, batch, qs, qe, ks, ke, steps.backward_keep)
             p_dropped = p if keep is None else np.where(keep, p * rescale, 0)
             if keep is not None:
                 dp = np.where(keep, dp * rescale, 0)
@@ -344,7 +435,7 @@ def variant_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=Fal
     sinks = np.asarray(sinks)
     sink = np.broadcast_to(sinks.astype(acc), batch)[..., None]
     share = (np.exp(sink - lse) * D[..., 0]).sum(axis=-1)  # Σ_i exp(sink - lse_i)·D_i
-    dsinks = _sum_to(share if bug == "dsinks_sign" else -share, sinks.shape)
+    dsinks = _sum_to(steps.dsinks(share), sinks.shape)
     return grads + (dsinks.astype(acc),)
 
 

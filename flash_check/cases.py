@@ -1,10 +1,10 @@
 """The built-in cases, registered into ``flash_check.CASES`` on import, in the order they run.
 
-Imported once by ``flash_check`` itself; a new case is one :func:`flash_check.register_case` call
-in any module, as below. The classic cases come first (each exposes one classic bug), then the
-variants' (window, softcap, ALiBi, GQA, mask_mod; skipped unless the kernel lists the feature),
-then the memory case (its own check, ``run=``), then training.py's (sinks, dropout) and
-serving.py's.
+Imported once by ``flash_check`` itself, before ``training.py`` and ``serving.py``, whose cases
+follow these; a new case is one :func:`flash_check.register_case` call in any module, as below.
+The classic cases come first (each exposes one classic bug), then the variants' (window, softcap,
+ALiBi, GQA, mask_mod; skipped unless the kernel lists the feature), then the memory case (its own
+check, ``run=``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import zlib
 import numpy as np
 
 import flash_lib
-from flash_check import MEMORY_EXPONENT, Case, Inputs, Result, random_qkv, register_case
+from flash_check._core import MEMORY_EXPONENT, Case, Inputs, Result, random_qkv, register_case
 
 # --------------------------------------------------------------------------------------------
 # The classic cases
@@ -376,10 +376,3 @@ def _memory(ctx):
 register_case(Case("memory", f"scratch memory at N = {_MEMORY_SIZES[0]} and {_MEMORY_SIZES[1]} "
                    f"(float32 where checked), measured by tracemalloc", None, needs=("memory",),
                    once=True, run=_memory))
-
-
-
-# The training features' cases (sinks, dropout): flash_check/training.py; the serving cases
-# (varlen, kvcache, paged): flash_check/serving.py, last. Each registers its cases on import.
-from flash_check import training  # noqa: E402, F401
-from flash_check import serving  # noqa: E402, F401

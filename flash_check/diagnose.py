@@ -1,8 +1,10 @@
 """The likely cause of a failure: per check, a table of known mistakes (a condition, a message).
 
-Imported by ``flash_check`` (its runner builds one :class:`Evidence` per accuracy run and calls
-:meth:`Evidence.explain` with the table of the check that failed) and by ``tests/test_check.py``
-(which holds the one softmax written here, :func:`_misplaced`, to precise_attention).
+Imported by ``_runner.py`` (the accuracy check builds one :class:`Evidence` per run and calls
+:meth:`Evidence.explain` with the table of the check that failed), by ``training.py`` (whose
+checks keep their own tables, built from :class:`Mistake` and :func:`explain`, beside them) and
+by ``tests/test_check.py`` (which holds the one softmax written here, :func:`_misplaced`, to
+precise_attention).
 
 A condition looks at the :class:`Evidence` (the case's inputs and references, the kernel's output,
 the probes below) and the facts of the failure (what the check measured); it returns something
@@ -23,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 import flash_lib
-from flash_check import FACTOR, OUT_FLOOR, _call, _max_error, _split
+from flash_check._core import FACTOR, OUT_FLOOR, _call, _max_error, _split
 
 _KEEP = object()  # "as the case says", for Evidence.allowed
 #: The keywords that decide which pairs may attend.
@@ -43,7 +45,8 @@ class Mistake:
     message: str
 
 
-def _always(evidence, facts):
+def always(evidence, facts):
+    """The condition of a table's last row: it always holds."""
     return True
 
 
@@ -718,7 +721,7 @@ EMPTY_ROWS = (
             "fully masked row gets uniform weights (the mean of all values): masked scores are "
             "set to a large finite negative number (-1e9, -0.7 * finfo.max) instead of -inf, and "
             "empty rows are not zeroed"),
-    Mistake(_always, "fully masked rows are not 0: an empty row must give the empty sum, 0"),
+    Mistake(always, "fully masked rows are not 0: an empty row must give the empty sum, 0"),
 )
 
 #: Why the lse of rows with no allowed key (``got``, shown as ``values``) is not ``lse_empty``.
@@ -731,7 +734,7 @@ EMPTY_LSE = (
             "the lse of a fully masked row is {values}, expected lse_empty = {lse_empty}: masked "
             "scores are a large finite number rather than -inf"),
     TOP_LEFT,
-    Mistake(_always, "the lse of a fully masked row is {values}, expected lse_empty = "
+    Mistake(always, "the lse of a fully masked row is {values}, expected lse_empty = "
             "{lse_empty}; if that is the kernel's convention (FlashAttention writes +inf, "
             "PyTorch's CPU flash op 0.0), pass it as lse_empty"),
 )
@@ -753,160 +756,3 @@ LSE_ERROR = (
     _hint("lse wrong: "),
 )
 
-
-# --------------------------------------------------------------------------------------------
-# The training features' checks (flash_check/training.py): dropout and the gradients. Their
-# conditions look at the facts the check measured (the evidence is the check's context).
-# --------------------------------------------------------------------------------------------
-
-
-def _near(x, value, tol):
-    return x.size > 0 and bool(np.all(np.abs(x - value) <= tol))
-
-
-# The conditions on a keep mask read off a kernel (``ratio``: 0 dropped, 1 kept), forward or
-# backward: not finite; no entry dropped or scaled (dropout ignored); kept entries unscaled.
-def _is(field, value):
-    """A condition: the fact ``field`` is ``value``."""
-    return lambda ev, f: f[field] == value
-
-
-def _ratio_nonfinite(ev, f):
-    return not np.isfinite(f["ratio"]).all()
-
-
-def _ratio_ignored(ev, f):
-    return _near(f["ratio"], 1 - f["p"], f["tol"])
-
-
-def _ratio_unscaled(ev, f):
-    return _near(f["ratio"][f["ratio"] != 0], 1 - f["p"], f["tol"])
-
-
-#: Why the output on uniform weights (q = 0) and v = identity is not a keep mask over
-#: Nk·(1 - p): ``ratio`` = out·Nk·(1 - p), which must be 0 (dropped) or 1 (kept) everywhere.
-DROPOUT_VALUES = (
-    Mistake(_ratio_nonfinite, "NaN or inf in the output with dropout on, on finite inputs"),
-    Mistake(_ratio_ignored, "dropout is ignored: every weight is kept and none is scaled (is "
-            "dropout_p passed through to the kernel?)"),
-    Mistake(_ratio_unscaled,
-            "the kept weights are not divided by 1 - p: out = (P∘Z)·V where dropout is "
-            "(P∘Z/(1 - p))·V, whose expectation over the mask Z is P·V"),
-    Mistake(lambda ev, f: _near(f["row_sums"], 1.0, f["tol"]),
-            "the kept weights are renormalised to sum to 1 (the mask applied before the row sum "
-            "l, or a softmax over the kept keys): dropout keeps the undropped softmax P, zeroes "
-            "the dropped entries and divides the rest by 1 - p"),
-    Mistake(_always, "on uniform weights (q = 0) and v = identity, out·Nk·(1 - p) must be 0 or 1 "
-            "(out = (P∘Z/(1 - p))·V, Z a mask of 0s and 1s); found {values}"),
-)
-
-#: Why the keep rate is outside 1 - p ± 5σ (``rate``, ``p``, ``half``: the half-width).
-DROPOUT_RATE = (
-    Mistake(lambda ev, f: abs(f["rate"] - f["p"]) <= f["half"],
-            "the kernel keeps with probability p = {p:g}, not 1 - p: keep an element iff its "
-            "uniform number is >= p (FlashAttention: iff its random word >= p·2³²)"),
-    Mistake(_always, "the keep rate is outside 1 - p ± 5σ: the uniform numbers or the threshold "
-            "are wrong (a word scaled by 2⁻³¹ instead of 2⁻³², a signed comparison, a threshold "
-            "rounded from p in low precision?)"),
-)
-
-#: Why two masks that must be independent agree more (or less) often than independent ones:
-#: ``what`` is "rows" (row i + 1 against row i, ``shift`` keys on), "batch", "keys" or "seed".
-DROPOUT_CORRELATED = (
-    Mistake(lambda ev, f: f["what"] == "rows" and f["shift"] != 0,
-            "row i + 1's keep mask is row i's shifted by {shift} keys (agreement {agree:.3f}; "
-            "independent masks agree {expected:.3f} ± {half:.3f}): one generator stream per row "
-            "started at counter=[row, 0, 0, 0] overlaps the next row's stream (NumPy's Philox "
-            "advances the counter once per 4 words); derive each element's counter so that no "
-            "two coincide, e.g. (j // 4, i, b) taking word j % 4"),
-    Mistake(_is("what", "rows"),
-            "neighbouring query rows have the same keep mask (agreement {agree:.3f}; independent "
-            "masks agree {expected:.3f} ± {half:.3f}): the counter ignores the query position i"),
-    Mistake(_is("what", "batch"),
-            "neighbouring batch elements (heads) have the same keep mask (agreement {agree:.3f}; "
-            "independent masks agree {expected:.3f} ± {half:.3f}): the counter ignores the batch "
-            "index b"),
-    Mistake(_is("what", "seed"),
-            "the masks of seeds s and s + 1 agree on {agree:.3f} of the pairs (independent masks "
-            "agree {expected:.3f} ± {half:.3f}): the mask does not follow dropout_seed"),
-    Mistake(_always, "neighbouring keys' masks agree on {agree:.3f} of the pairs (independent "
-            "masks agree {expected:.3f} ± {half:.3f}): the random numbers are not independent "
-            "from key to key"),
-)
-
-#: Why the kept pairs change between calls: with other block sizes (``blocks``), or with the same.
-DROPOUT_UNSTABLE = (
-    Mistake(lambda ev, f: f["blocks"] is None,
-            "two calls with the same seed kept different pairs ({differ} of {total}): the mask "
-            "must be a function of the seed and the element alone (a global or stateful "
-            "generator that is not reseeded?)"),
-    Mistake(_always, "the kept pairs change with the block sizes: (block_q, block_k) = {blocks} "
-            "keeps {differ} of {total} pairs differently from the default tiles: the mask is "
-            "drawn tile by tile from a stateful generator (np.random.Generator, "
-            "torch.Generator), so it depends on the tiles and the order they are visited, or "
-            "from tile-local positions; draw each element's number from a counter-based "
-            "generator keyed by the seed, at a counter made of the element's own (b, i, j), as "
-            "FlashAttention does with Philox"),
-)
-
-#: Why the keep mask read off the backward (``ratio`` = dV·Nk·(1 - p) on q = 0, dout = identity)
-#: is not the forward's (``differ`` of ``total`` pairs).
-DROPOUT_BACKWARD = (
-    Mistake(_ratio_nonfinite, "NaN or inf in dv with dropout on, on finite inputs"),
-    Mistake(_ratio_ignored,
-            "the backward ignores dropout: dV = Pᵀ·dO, where it must be (P∘Z/(1 - p))ᵀ·dO with "
-            "the forward's mask Z, regenerated from the seed"),
-    Mistake(_ratio_unscaled,
-            "the backward omits 1/(1 - p): dV = (P∘Z)ᵀ·dO, where it must be (P∘Z/(1 - p))ᵀ·dO, "
-            "as must dP = (dO·Vᵀ)∘Z/(1 - p)"),
-    Mistake(lambda ev, f: f["differ"] > 0,
-            "the backward's keep mask differs from the forward's in {differ} of {total} pairs "
-            "(read off dV on q = 0, dout = identity): the backward must regenerate the forward's "
-            "mask element by element, from the same seed and the same counter (b, i, j), "
-            "whatever order it visits the tiles in (key block first, in FlashAttention-2); a "
-            "stateful generator, a counter with i and j swapped or tile-local positions give "
-            "another mask"),
-    Mistake(_always, "dV·Nk·(1 - p) on q = 0, dout = identity must be 0 or 1; found {values}"),
-)
-
-#: Why the output with dropout, on random inputs, is above its bound against (P∘Z/(1-p))·V built
-#: with the mask read off the kernel (``closest``: the alternative it matches, if one does).
-DROPOUT_OUT = (
-    Mistake(_is("closest", "no rescale"),
-            "the output is (P∘Z)·V: the kept weights are not divided by 1 - p"),
-    Mistake(_is("closest", "renormalised"),
-            "the output is softmax over the kept keys: the mask is applied before the row sum "
-            "l, which must stay the undropped one"),
-    Mistake(_is("closest", "undropped"),
-            "the output is attention without dropout on these inputs, although dropout showed on "
-            "the probe: dropout depends on the inputs?"),
-    Mistake(_always, "wrong with dropout on random inputs, although the keep mask read off the "
-            "probe (same seed, shape and p) was right: the mask depends on q, k or v, or the "
-            "dropped weights reach P·V"),
-)
-
-#: Why the lse with dropout is above its bound (the undropped lse).
-DROPOUT_LSE = (
-    Mistake(_is("closest", "kept only"),
-            "the lse is that of the kept scores only: FlashAttention's lse is the undropped one, "
-            "which the backward's P = exp(S - lse) needs"),
-    Mistake(_always, "lse wrong with dropout on: it is the undropped log-sum-exp of the scores"),
-)
-
-#: Why a gradient (``name``) is above its bound (``flipped``: it matches the truth negated).
-GRADIENT = (
-    Mistake(lambda ev, f: f["name"] == "dsinks" and f["flipped"],
-            "dsinks has the wrong sign: dsinks_h = -Σ_i exp(sink_h - lse_i)·D_i (the sink takes "
-            "probability exp(sink - lse_i) from row i's keys, and d out_i / d sink = "
-            "-exp(sink - lse_i)·out_i)"),
-    Mistake(_is("name", "dsinks"),
-            "dsinks wrong: dsinks_h = -Σ_i exp(sink_h - lse_i)·D_i, D_i = rowsum(dO∘O), summed "
-            "over every axis the sinks were broadcast along"),
-    Mistake(lambda ev, f: f["dropout"],
-            "{name} wrong with dropout on, although dV's mask is the forward's: dP = "
-            "(dO·Vᵀ)∘Z/(1 - p) and dS = P∘(dP - D) with D = rowsum(dO∘O) of the dropped output"),
-    Mistake(lambda ev, f: f["sinks"],
-            "{name} wrong with sinks: the backward's P = exp(S - lse) must use the lse that "
-            "includes the sink; the tile loop is otherwise unchanged"),
-    Mistake(_always, "{name} wrong: {hint}"),
-)

@@ -1,8 +1,8 @@
 """The serving cases: packed variable-length batches (feature ``"varlen"``) and the KV cache
 (``"kvcache"``, and ``"paged"`` for a block table), each skipped unless the feature is listed.
 
-Registered by ``cases.py`` on import. The kernels they call take flash_lib's layout (heads
-before tokens, as :mod:`flash_serving` does):
+Registered when ``flash_check`` imports this module, last (after ``training.py``'s). The kernels
+they call take flash_lib's layout (heads before tokens, as :mod:`flash_serving` does):
 
 * ``"varlen"``: ``fn(q, k, v, *, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None)`` with
   ``q (H, total_q, d)``, ``k (H, total_k, d)``, ``v (H, total_k, dv)``; returns ``out
@@ -29,8 +29,8 @@ from __future__ import annotations
 import numpy as np
 
 import flash_lib
-from flash_check import (FACTOR, FEATURES, LSE_FLOOR, OUT_FLOOR, Case, Result, _call, _lse_error,
-                         _max_error, _split, register_case)
+from flash_check._core import (FACTOR, FEATURES, LSE_FLOOR, OUT_FLOOR, Case, Result, _call,
+                               _lse_error, _max_error, _split, register_case)
 
 FEATURES.update({
     "varlen": "takes q (H, total_q, d), k, v (H, total_k, ·) packed end to end with "

@@ -2,8 +2,8 @@
 (``"dropout"``), each skipped unless the feature is listed; and the gradient checks they run when
 :func:`flash_check.check_kernel` is given the kernel's ``backward=``.
 
-Registered by ``cases.py`` on import. The conventions are flash_lib's (issue 24), FlashAttention's
-and gpt-oss's:
+Registered when ``flash_check`` imports this module, after ``cases.py``'s cases. The conventions
+are flash_lib's (issue 24), FlashAttention's and gpt-oss's:
 
 * ``sinks=``: one logit per head, broadcastable to the result's batch dims (``(H,)`` or
   ``(B, H)``), neither scaled nor softcapped: ``lse_i = log(exp(sink) + Σ_j exp(s_ij))``,
@@ -41,10 +41,16 @@ and gpt-oss's:
 The gradient bound is the output's rule applied to each gradient as a whole: ``max|g - t| /
 max|t| <= FACTOR · naive's + GRAD_FLOOR[dtype]`` (a row of ``dk`` can be a few ulps by
 cancellation, so it is not measured row by row).
+
+Each check's diagnoses stand beside it, a table of :class:`flash_check.diagnose.Mistake` (a
+condition on the facts the check measured, a message; the first row that holds names the cause).
+The rows of :data:`DROPOUT_OUT` and :data:`DROPOUT_LSE` each carry what a kernel making their
+mistake returns on the same random inputs and mask, as diagnose's variant table does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import warnings
@@ -53,9 +59,11 @@ import zlib
 import numpy as np
 
 import flash_lib
-from flash_check import (FACTOR, LSE_FLOOR, OUT_FLOOR, Case, Inputs, Result, _accuracy, _call,
-                         _lse_error, _max_error, _reference, _split, random_qkv, register_case)
-from flash_check import diagnose
+from flash_check._core import (FACTOR, LSE_FLOOR, OUT_FLOOR, Case, Inputs, Result, _call,
+                               _lse_error, _max_error, _reference, _split, random_qkv,
+                               register_case)
+from flash_check._runner import _accuracy
+from flash_check.diagnose import Mistake, always, explain
 
 #: The floor of a gradient's error (max |g - t| / max |t|), in eps of the dtype: a backward sums
 #: dS·K over key blocks and dSᵀ·Q over query blocks in another order than the dense product.
@@ -199,6 +207,30 @@ def _global_error(g, t):
     return float(diff / scale) if scale > 0 else (0.0 if diff == 0 else math.inf)
 
 
+def _is(field, value):
+    """A condition: the fact ``field`` is ``value``."""
+    return lambda ev, f: f[field] == value
+
+
+#: Why a gradient (``name``) is above its bound (``flipped``: it matches the truth negated).
+GRADIENT = (
+    Mistake(lambda ev, f: f["name"] == "dsinks" and f["flipped"],
+            "dsinks has the wrong sign: dsinks_h = -Σ_i exp(sink_h - lse_i)·D_i (the sink takes "
+            "probability exp(sink - lse_i) from row i's keys, and d out_i / d sink = "
+            "-exp(sink - lse_i)·out_i)"),
+    Mistake(_is("name", "dsinks"),
+            "dsinks wrong: dsinks_h = -Σ_i exp(sink_h - lse_i)·D_i, D_i = rowsum(dO∘O), summed "
+            "over every axis the sinks were broadcast along"),
+    Mistake(lambda ev, f: f["dropout"],
+            "{name} wrong with dropout on, although dV's mask is the forward's: dP = "
+            "(dO·Vᵀ)∘Z/(1 - p) and dS = P∘(dP - D) with D = rowsum(dO∘O) of the dropped output"),
+    Mistake(lambda ev, f: f["sinks"],
+            "{name} wrong with sinks: the backward's P = exp(S - lse) must use the lse that "
+            "includes the sink; the tile loop is otherwise unchanged"),
+    Mistake(always, "{name} wrong: {hint}"),
+)
+
+
 def _check_gradients(ctx, result, grads, truth, naive, names, *, dropout, sinks):
     """Each gradient's shape, then its error against FACTOR · naive's + GRAD_FLOOR."""
     for name, g, t, n in zip(names, grads, truth, naive):
@@ -215,8 +247,8 @@ def _check_gradients(ctx, result, grads, truth, naive, names, *, dropout, sinks)
             flipped = _global_error(-g.astype(np.float64), t) <= bound
             ctx.fail(result, f"{name} error", f"{err:.2g}", f"{FACTOR:g} x naive's "
                      f"{naive_err:.2g} + {GRAD_FLOOR[ctx.dtype]:.2g} = {bound:.2g}",
-                     diagnose.explain(diagnose.GRADIENT, ctx, name=name, flipped=flipped,
-                                      dropout=dropout, sinks=sinks, hint=ctx.case.hint))
+                     explain(GRADIENT, ctx, name=name, flipped=flipped, dropout=dropout,
+                             sinks=sinks, hint=ctx.case.hint))
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,6 +282,104 @@ def _compute(dtype):
 
 class _Stop(Exception):
     """A failure recorded; the rest of the dropout case cannot run."""
+
+
+def _near(x, value, tol):
+    return x.size > 0 and bool(np.all(np.abs(x - value) <= tol))
+
+
+# The conditions on a keep mask read off a kernel (``ratio``: 0 dropped, 1 kept), forward or
+# backward: not finite; no entry dropped or scaled (dropout ignored); kept entries unscaled.
+def _ratio_nonfinite(ev, f):
+    return not np.isfinite(f["ratio"]).all()
+
+
+def _ratio_ignored(ev, f):
+    return _near(f["ratio"], 1 - f["p"], f["tol"])
+
+
+def _ratio_unscaled(ev, f):
+    return _near(f["ratio"][f["ratio"] != 0], 1 - f["p"], f["tol"])
+
+
+#: Why the output on uniform weights (q = 0) and v = identity is not a keep mask over
+#: Nk·(1 - p): ``ratio`` = out·Nk·(1 - p), which must be 0 (dropped) or 1 (kept) everywhere.
+DROPOUT_VALUES = (
+    Mistake(_ratio_nonfinite, "NaN or inf in the output with dropout on, on finite inputs"),
+    Mistake(_ratio_ignored, "dropout is ignored: every weight is kept and none is scaled (is "
+            "dropout_p passed through to the kernel?)"),
+    Mistake(_ratio_unscaled,
+            "the kept weights are not divided by 1 - p: out = (P∘Z)·V where dropout is "
+            "(P∘Z/(1 - p))·V, whose expectation over the mask Z is P·V"),
+    Mistake(lambda ev, f: _near(f["row_sums"], 1.0, f["tol"]),
+            "the kept weights are renormalised to sum to 1 (the mask applied before the row sum "
+            "l, or a softmax over the kept keys): dropout keeps the undropped softmax P, zeroes "
+            "the dropped entries and divides the rest by 1 - p"),
+    Mistake(always, "on uniform weights (q = 0) and v = identity, out·Nk·(1 - p) must be 0 or 1 "
+            "(out = (P∘Z/(1 - p))·V, Z a mask of 0s and 1s); found {values}"),
+)
+
+
+#: Why the keep mask read off the backward (``ratio`` = dV·Nk·(1 - p) on q = 0, dout = identity)
+#: is not the forward's (``differ`` of ``total`` pairs).
+DROPOUT_BACKWARD = (
+    Mistake(_ratio_nonfinite, "NaN or inf in dv with dropout on, on finite inputs"),
+    Mistake(_ratio_ignored,
+            "the backward ignores dropout: dV = Pᵀ·dO, where it must be (P∘Z/(1 - p))ᵀ·dO with "
+            "the forward's mask Z, regenerated from the seed"),
+    Mistake(_ratio_unscaled,
+            "the backward omits 1/(1 - p): dV = (P∘Z)ᵀ·dO, where it must be (P∘Z/(1 - p))ᵀ·dO, "
+            "as must dP = (dO·Vᵀ)∘Z/(1 - p)"),
+    Mistake(lambda ev, f: f["differ"] > 0,
+            "the backward's keep mask differs from the forward's in {differ} of {total} pairs "
+            "(read off dV on q = 0, dout = identity): the backward must regenerate the forward's "
+            "mask element by element, from the same seed and the same counter (b, i, j), "
+            "whatever order it visits the tiles in (key block first, in FlashAttention-2); a "
+            "stateful generator, a counter with i and j swapped or tile-local positions give "
+            "another mask"),
+    Mistake(always, "dV·Nk·(1 - p) on q = 0, dout = identity must be 0 or 1; found {values}"),
+)
+
+
+#: Why two masks that must be independent agree more (or less) often than independent ones:
+#: ``what`` is "rows" (row i + 1 against row i, ``shift`` keys on), "batch", "keys" or "seed".
+DROPOUT_CORRELATED = (
+    Mistake(lambda ev, f: f["what"] == "rows" and f["shift"] != 0,
+            "row i + 1's keep mask is row i's shifted by {shift} keys (agreement {agree:.3f}; "
+            "independent masks agree {expected:.3f} ± {half:.3f}): one generator stream per row "
+            "started at counter=[row, 0, 0, 0] overlaps the next row's stream (NumPy's Philox "
+            "advances the counter once per 4 words); derive each element's counter so that no "
+            "two coincide, e.g. (j // 4, i, b) taking word j % 4"),
+    Mistake(_is("what", "rows"),
+            "neighbouring query rows have the same keep mask (agreement {agree:.3f}; independent "
+            "masks agree {expected:.3f} ± {half:.3f}): the counter ignores the query position i"),
+    Mistake(_is("what", "batch"),
+            "neighbouring batch elements (heads) have the same keep mask (agreement {agree:.3f}; "
+            "independent masks agree {expected:.3f} ± {half:.3f}): the counter ignores the batch "
+            "index b"),
+    Mistake(_is("what", "seed"),
+            "the masks of seeds s and s + 1 agree on {agree:.3f} of the pairs (independent masks "
+            "agree {expected:.3f} ± {half:.3f}): the mask does not follow dropout_seed"),
+    Mistake(always, "neighbouring keys' masks agree on {agree:.3f} of the pairs (independent "
+            "masks agree {expected:.3f} ± {half:.3f}): the random numbers are not independent "
+            "from key to key"),
+)
+
+
+#: Why the kept pairs change between calls: with other block sizes (``blocks``), or with the same.
+DROPOUT_UNSTABLE = (
+    Mistake(lambda ev, f: f["blocks"] is None,
+            "two calls with the same seed kept different pairs ({differ} of {total}): the mask "
+            "must be a function of the seed and the element alone (a global or stateful "
+            "generator that is not reseeded?)"),
+    Mistake(always, "the kept pairs change with the block sizes: (block_q, block_k) = {blocks} "
+            "keeps {differ} of {total} pairs differently from the default tiles: the mask is "
+            "drawn tile by tile from a stateful generator (np.random.Generator, "
+            "torch.Generator), so it depends on the tiles and the order they are visited, or "
+            "from tile-local positions; draw each element's number from a counter-based "
+            "generator keyed by the seed, at a counter made of the element's own (b, i, j), as "
+            "FlashAttention does with Philox"),
+)
 
 
 class _Dropout:
@@ -303,7 +433,7 @@ class _Dropout:
         out, _ = self.call(q, k, v, self.keywords(**kwargs), "the dropout probe (q = 0, v = I)")
         ratio = out.astype(np.float64) * self.n_k * (1 - self.p)
         return self.read(ratio, out.astype(np.float64).sum(axis=-1), check,
-                         diagnose.DROPOUT_VALUES, "keep values")
+                         DROPOUT_VALUES, "keep values")
 
     def read(self, ratio, row_sums, check, table, name):
         kept, dropped = np.abs(ratio - 1) <= self.tol, np.abs(ratio) <= self.tol
@@ -312,9 +442,9 @@ class _Dropout:
             values = ", ".join(f"{x:.4g}" for x in np.unique(np.round(odd, 4))[:4])
             self.ctx.fail(self.result, name, f"{odd.size} of {ratio.size} entries neither 0 "
                           f"nor 1 ({values}{'...' if odd.size > 4 else ''})", "0 or 1",
-                          diagnose.explain(table, self.ctx, ratio=ratio, p=self.p,
-                                           tol=self.tol, row_sums=row_sums, values=values,
-                                           differ=0, total=ratio.size))
+                          explain(table, self.ctx, ratio=ratio, p=self.p, tol=self.tol,
+                                  row_sums=row_sums, values=values, differ=0,
+                                  total=ratio.size))
             raise _Stop
         return kept
 
@@ -341,15 +471,15 @@ class _Dropout:
         for c in copies or ([worst] if worst["z"] > 1 else []):
             self.ctx.fail(self.result, f"independent {c['what']}", f"agreement {c['agree']:.3f}",
                           f"{c['expected']:.3f} ± {c['half']:.3f}",
-                          diagnose.explain(diagnose.DROPOUT_CORRELATED, self.ctx, **c))
+                          explain(DROPOUT_CORRELATED, self.ctx, **c))
 
     def same(self, keep, other, blocks):
         differ = int((keep != other).sum())
         if differ:
             self.ctx.fail(self.result, "same mask", f"{differ} of {keep.size} pairs differ",
                           "the same kept pairs",
-                          diagnose.explain(diagnose.DROPOUT_UNSTABLE, self.ctx, blocks=blocks,
-                                           differ=differ, total=keep.size))
+                          explain(DROPOUT_UNSTABLE, self.ctx, blocks=blocks, differ=differ,
+                                  total=keep.size))
 
 
 def _takes_blocks(fn):
@@ -358,6 +488,92 @@ def _takes_blocks(fn):
     except (TypeError, ValueError):
         return False
     return "block_q" in parameters and "block_k" in parameters
+
+
+#: Why the keep rate is outside 1 - p ± 5σ (``rate``, ``p``, ``half``: the half-width).
+DROPOUT_RATE = (
+    Mistake(lambda ev, f: abs(f["rate"] - f["p"]) <= f["half"],
+            "the kernel keeps with probability p = {p:g}, not 1 - p: keep an element iff its "
+            "uniform number is >= p (FlashAttention: iff its random word >= p·2³²)"),
+    Mistake(always, "the keep rate is outside 1 - p ± 5σ: the uniform numbers or the threshold "
+            "are wrong (a word scaled by 2⁻³¹ instead of 2⁻³², a signed comparison, a threshold "
+            "rounded from p in low precision?)"),
+)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _RandomRun:
+    """The dropout case on random inputs: q, k, v, the keep mask read off the probe, p, the scale,
+    and the truth (P∘Z/(1 - p))·V in extended precision; what the mistakes of
+    :data:`DROPOUT_OUT` and :data:`DROPOUT_LSE` compute their outputs from."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    keep: np.ndarray
+    p: float
+    scale: float
+    truth: np.ndarray
+
+
+def _returns(mistake, error):
+    """A condition: the kernel returned (``got``) what ``mistake(run)`` computes, to within 1% of
+    its ``error`` from the truth (``err``)."""
+    return lambda run, facts: error(facts["got"], mistake(run)) <= 0.01 * facts["err"]
+
+
+def _scores(run):
+    """The scaled scores q·kᵀ·scale in extended precision."""
+    wide = np.longdouble
+    return run.q.astype(wide) @ np.swapaxes(run.k, -1, -2).astype(wide) * run.scale
+
+
+def _not_rescaled(run):
+    """(P∘Z)·V: the kept weights not divided by 1 - p."""
+    return run.truth * (1 - run.p)
+
+
+def _renormalised(run):
+    """Softmax over the kept keys only: the mask applied before the row sum."""
+    s = _scores(run)
+    e = np.where(run.keep, np.exp(s - s.max(axis=-1, keepdims=True)), 0)
+    return (e / e.sum(axis=-1, keepdims=True)) @ run.v.astype(np.longdouble)
+
+
+def _undropped(run):
+    """Attention without dropout: every weight kept, none scaled."""
+    return _dense(run.q, run.k, run.v, np.ones_like(run.keep), 0.0, run.scale, np.longdouble)[0]
+
+
+def _kept_lse(run):
+    """The log-sum-exp of the kept scores only."""
+    return np.log(np.where(run.keep, np.exp(_scores(run)), 0).sum(axis=-1))
+
+
+#: Why the output with dropout, on random inputs, is above its bound against the truth built with
+#: the mask read off the probe: each row a mistake with what a kernel making it returns on the same
+#: inputs and mask; the first whose output is the kernel's names it, else the last row.
+DROPOUT_OUT = (
+    Mistake(_returns(_not_rescaled, _max_error),
+            "the output is (P∘Z)·V: the kept weights are not divided by 1 - p"),
+    Mistake(_returns(_renormalised, _max_error),
+            "the output is softmax over the kept keys: the mask is applied before the row sum "
+            "l, which must stay the undropped one"),
+    Mistake(_returns(_undropped, _max_error),
+            "the output is attention without dropout on these inputs, although dropout showed on "
+            "the probe: dropout depends on the inputs?"),
+    Mistake(always, "wrong with dropout on random inputs, although the keep mask read off the "
+            "probe (same seed, shape and p) was right: the mask depends on q, k or v, or the "
+            "dropped weights reach P·V"),
+)
+
+#: Why the lse with dropout is above its bound against the undropped lse, as above.
+DROPOUT_LSE = (
+    Mistake(_returns(_kept_lse, _lse_error),
+            "the lse is that of the kept scores only: FlashAttention's lse is the undropped one, "
+            "which the backward's P = exp(S - lse) needs"),
+    Mistake(always, "lse wrong with dropout on: it is the undropped log-sum-exp of the scores"),
+)
 
 
 def _dropout(ctx):
@@ -381,7 +597,7 @@ def _dropout_checks(ctx, result, probe):
     notes.append(f"keep rate {rate:.4f}, 1 - p = {1 - p:g} ± {half:.4f}")
     if abs(rate - (1 - p)) > half:
         ctx.fail(result, "keep rate", f"{rate:.4f} over {n} pairs", f"{1 - p:g} ± {half:.4f} "
-                 f"(5σ)", diagnose.explain(diagnose.DROPOUT_RATE, ctx, rate=rate, p=p,
+                 f"(5σ)", explain(DROPOUT_RATE, ctx, rate=rate, p=p,
                                            half=half))
     # Independence: rows against shifted rows and keys (in the first batch element: the others
     # may be its copies, reported as such), batch elements, seeds
@@ -416,32 +632,24 @@ def _dropout_checks(ctx, result, probe):
     scale = 1 / math.sqrt(q.shape[-1])
     compute = _compute(probe.dtype)
     truth, truth_lse = _dense(q, k, v, keep, p, scale, np.longdouble)
+    run = _RandomRun(q, k, v, keep, p, scale, truth)
     naive, naive_lse = _dense(q, k, v, keep, p, scale, compute)
     naive = naive.astype(probe.dtype)
     err, naive_err = _max_error(out, truth), _max_error(naive, truth)
     bound = FACTOR * naive_err + OUT_FLOOR[ctx.dtype]
     result.out_error, result.out_naive, result.out_bound = err, naive_err, bound
     if err > bound:
-        alternatives = {
-            "no rescale": truth * (1 - p),
-            "renormalised": _renormalised(q, k, v, keep, scale),
-            "undropped": _dense(q, k, v, np.ones_like(keep), 0.0, scale, np.longdouble)[0]}
-        closest = next((name for name, alt in alternatives.items()
-                        if _max_error(out, alt) <= 0.01 * err), None)
         ctx.fail(result, "out error", f"{err:.2g}", f"{FACTOR:g} x naive's {naive_err:.2g} + "
                  f"{OUT_FLOOR[ctx.dtype]:.2g} = {bound:.2g}",
-                 diagnose.explain(diagnose.DROPOUT_OUT, ctx, closest=closest))
+                 explain(DROPOUT_OUT, run, got=out, err=err))
     if lse is not None:
         err = _lse_error(lse, truth_lse)
         naive_err = _lse_error(naive_lse.astype(lse.dtype), truth_lse)
         bound = FACTOR * naive_err + LSE_FLOOR[ctx.dtype]
         result.lse_error, result.lse_naive, result.lse_bound = err, naive_err, bound
         if err > bound:
-            s = q.astype(np.longdouble) @ np.swapaxes(k, -1, -2).astype(np.longdouble) * scale
-            kept_lse = np.log(np.where(keep, np.exp(s), 0).sum(axis=-1))
-            closest = "kept only" if _lse_error(lse, kept_lse) <= 0.01 * err else None
             ctx.fail(result, "lse error", f"{err:.2g}", f"{bound:.2g}",
-                     diagnose.explain(diagnose.DROPOUT_LSE, ctx, closest=closest))
+                     explain(DROPOUT_LSE, run, got=lse, err=err))
     if ctx.backward is None or lse is None:
         notes.append("gradients not checked" + (": no backward= given" if ctx.backward is None
                                                 else ": needs the lse feature"))
@@ -465,15 +673,15 @@ def _dropout_checks(ctx, result, probe):
         return
     ratio = np.swapaxes(grads[2].astype(np.float64), -1, -2) * n_k * (1 - p)
     try:
-        back = probe.read(ratio, ratio.sum(axis=-1), "backward keep", diagnose.DROPOUT_BACKWARD,
+        back = probe.read(ratio, ratio.sum(axis=-1), "backward keep", DROPOUT_BACKWARD,
                           "backward mask")
     except _Stop:
         return
     differ = int((back != keep).sum())
     if differ:
         ctx.fail(result, "backward mask", f"{differ} of {keep.size} pairs differ",
-                 "the forward's mask", diagnose.explain(
-                     diagnose.DROPOUT_BACKWARD, ctx, ratio=ratio, p=p, tol=probe.tol,
+                 "the forward's mask", explain(
+                     DROPOUT_BACKWARD, ctx, ratio=ratio, p=p, tol=probe.tol,
                      differ=differ, total=keep.size, values=""))
         return
     # The gradients on the random inputs, against the dense backward with the same mask
@@ -487,14 +695,6 @@ def _dropout_checks(ctx, result, probe):
                      sinks=False)
     notes.append("the backward's mask and gradients checked")
     result.note = "; ".join(notes)
-
-
-def _renormalised(q, k, v, keep, scale):
-    """Softmax over the kept keys only: the mask applied before the row sum."""
-    wide = np.longdouble
-    s = q.astype(wide) @ np.swapaxes(k, -1, -2).astype(wide) * scale
-    e = np.where(keep, np.exp(s - s.max(axis=-1, keepdims=True)), 0)
-    return (e / e.sum(axis=-1, keepdims=True)) @ v.astype(wide)
 
 
 register_case(Case(

@@ -5,8 +5,11 @@ The broken kernels are flash_check.bugs' small tiled kernels with a switch per b
 chapter 20 prints), written independently of flash_lib.
 """
 
+import ast
 import functools
+import graphlib
 import importlib.util
+import itertools
 import os
 import pathlib
 import re
@@ -19,6 +22,7 @@ import pytest
 import flash_check
 import flash_lib
 from flash_check import bugs, training
+from flash_check._core import _Context, _reference
 from flash_check.bugs import tiled_attention, variant_attention, variant_attention_backward
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -262,9 +266,18 @@ def test_a_kernel_that_raises_or_writes_its_inputs_is_reported():
     assert [f.check for f in report.failures] == ["inputs"]
 
 
-def test_a_new_case_is_one_registration(monkeypatch):
+@pytest.fixture
+def registry():
+    """flash_check.CASES, given back after the test with the cases it held before (the registry
+    is one dict, shared by every module of flash_check: rebinding the name would not do)."""
+    saved = dict(flash_check.CASES)
+    yield flash_check.CASES
+    flash_check.CASES.clear()
+    flash_check.CASES.update(saved)
+
+
+def test_a_new_case_is_one_registration(registry):
     """The way the variants will be added: a Case with its own feature, skipped without it."""
-    monkeypatch.setattr(flash_check, "CASES", dict(flash_check.CASES))
 
     def make(rng, dtype):
         q, k, v = flash_check.random_qkv(rng, 9, 33, dtype=dtype)
@@ -347,9 +360,9 @@ def test_the_diagnoses_reference_is_the_truth():
     for name in VARIANT_CASES:
         if flash_check.CASES[name].make is None:  # the dropout case: a check of its own
             continue
-        ref = flash_check._reference(flash_check.CASES[name], "float64", 0)
-        ctx = flash_check._Context(variant_attention, flash_check.CASES[name], "float64",
-                                   ALL + VARIANTS, -np.inf, 0, {})
+        ref = _reference(flash_check.CASES[name], "float64", 0)
+        ctx = _Context(variant_attention, flash_check.CASES[name], "float64", ALL + VARIANTS,
+                       -np.inf, 0, {})
         why = flash_check.diagnose.Evidence(ctx, ref, ref.out, ref.lse)
         assert flash_lib.rowwise_relative_error(why.misplaced(), ref.out).max() < 1e-15, name
 
@@ -444,9 +457,8 @@ def test_training_cases_are_skipped_unless_their_feature_is_listed():
 def test_the_dropout_probe_reads_flash_libs_own_mask():
     """The mask the dropout case reads off flash_lib's output (q = 0, v = identity) is exactly
     flash_lib.dropout_keep's, at the default tiles and at the others the case tries."""
-    ctx = flash_check._Context(functools.partial(flash_lib.flash_attention, return_lse=True),
-                               flash_check.CASES["dropout"], "float32", ALL + TRAINING, -np.inf,
-                               0, {})
+    ctx = _Context(functools.partial(flash_lib.flash_attention, return_lse=True),
+                   flash_check.CASES["dropout"], "float32", ALL + TRAINING, -np.inf, 0, {})
     probe = training._Dropout(ctx, flash_check.Result("dropout", "float32"))
     expected = flash_lib.dropout_keep(probe.seed, probe.p, probe.batch + (probe.n_q, probe.n_k))
     assert np.array_equal(probe.keep("keep values"), expected)
@@ -461,8 +473,8 @@ def test_the_agreement_interval_is_the_derived_one():
     indicators share an element pairwise, is (a(1 - a) + 2|c|)/n, not the independent a(1 - a)/n:
     measured over 2000 independent masks, the spread of the agreement is the derived σ to within
     6% (the estimate's own error is 1.6%; the independent formula is 13% too small)."""
-    ctx = flash_check._Context(variant_attention, flash_check.CASES["dropout"], "float64",
-                               ("dropout",), -np.inf, 0, {})
+    ctx = _Context(variant_attention, flash_check.CASES["dropout"], "float64", ("dropout",),
+                   -np.inf, 0, {})
     probe = training._Dropout(ctx, flash_check.Result("dropout", "float64"))
     rng = np.random.default_rng(5)
     shape = (probe.n_q, probe.n_k)
@@ -562,6 +574,36 @@ def test_dropout_mistakes_are_named(mistake):
     assert failing and all(words in f.diagnosis for f in failing), str(report)
 
 
+def _right_on_the_probe(mistaken):
+    """A kernel right on the dropout probe (q = 0) and ``mistaken`` on any other q: the probe's
+    checks pass, so the output on random inputs is the first to fail."""
+    right, _ = _dense_dropout(_counter)
+    return lambda q, k, v, **kw: (right if not q.any() else mistaken)(q, k, v, **kw)
+
+
+OUTPUT_MISTAKES = {
+    # name: (the mistaken kernel, words of the out error's diagnosis)
+    "no rescale": (_dense_dropout(_counter, rescale=False)[0], "the output is (P∘Z)·V"),
+    "renormalised": (_dense_dropout(_counter, renormalise=True)[0],
+                     "the output is softmax over the kept keys"),
+    "undropped": (lambda q, k, v, dropout_p, **kw: _dense_dropout(_counter)[0](q, k, v, **kw),
+                  "the output is attention without dropout on these inputs"),
+    "none of these": (lambda q, k, v, **kw: tuple(1.01 * x for x in
+                                                  _dense_dropout(_counter)[0](q, k, v, **kw)),
+                      "the mask depends on q, k or v"),
+}
+
+
+@pytest.mark.parametrize("mistake", OUTPUT_MISTAKES)
+def test_dropout_output_mistakes_are_named(mistake):
+    """Each row of training.DROPOUT_OUT, by what its mistake returns on the random inputs."""
+    mistaken, words = OUTPUT_MISTAKES[mistake]
+    report = flash_check.check_kernel(_right_on_the_probe(mistaken), features=("lse", "dropout"),
+                                      cases=["dropout"])
+    failing = [f for f in report.failures if f.check == "out error"]
+    assert failing and words in failing[0].diagnosis, str(report)
+
+
 SINK_MISTAKES = {
     # name: (what the kernel does to the sinks before flash_lib sees them, case, words)
     "scaled": (lambda sinks, kw: sinks / 4, "sinks", "the sink is multiplied by the scale"),
@@ -649,6 +691,70 @@ def test_cli_rejects_what_it_cannot_load(tmp_path):
         assert run.returncode == 2 and words in run.stderr, (target, run.stderr)
     run = _cli(tmp_path, "kernels_under_test:good", "--features", "windw")
     assert run.returncode == 2 and "unknown" in run.stderr
+
+
+# --- the package imports one way -----------------------------------------------------------
+
+
+def _package_imports():
+    """Each flash_check module's imports of the package, read from its source: ``{module:
+    {module it imports: names it takes from it}}``, and the imports of the package that stand
+    anywhere but at the module's head (a function's body, below the first definition)."""
+    package = ROOT / "flash_check"
+    modules = {path.stem for path in package.glob("*.py")}
+    graph, misplaced = {}, []
+    for path in sorted(package.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        body = tree.body[1:] if ast.get_docstring(tree) is not None else tree.body
+        head = list(itertools.takewhile(lambda n: isinstance(n, (ast.Import, ast.ImportFrom)),
+                                        body))
+        edges = graph[path.stem] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found = [(alias.name.partition(".")[2] or "__init__", None)
+                         for alias in node.names if alias.name.split(".")[0] == "flash_check"]
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level:  # relative: from . import x, from .x import y
+                    module = "flash_check" + ("." + module if module else "")
+                if module.split(".")[0] != "flash_check":
+                    continue
+                target = module.partition(".")[2]
+                found = [(target, alias.name) if target else
+                         (alias.name, None) if alias.name in modules else ("__init__", alias.name)
+                         for alias in node.names]
+            else:
+                continue
+            for target, name in found:
+                edges.setdefault(target, set()).update([name] if name else [])
+            if found and node not in head:
+                misplaced.append(f"{path.name}:{node.lineno}")
+    return graph, misplaced
+
+
+def _private_module(name):
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_flash_check_imports_one_way():
+    """The package's modules form layers: _core at the bottom imports none of the others, no
+    module imports one that imports it back (directly or through others), every import of the
+    package stands at its module's head (none in a function or below the code, where a cycle
+    hides), and a private name (_x) comes only from a private module below (_core, _runner)."""
+    graph, misplaced = _package_imports()
+    assert not misplaced, f"imports of flash_check outside a module's head: {misplaced}"
+    assert graph["_core"] == {}, graph["_core"]
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as exc:
+        pytest.fail(f"flash_check imports itself in a loop: {' -> '.join(exc.args[1])}")
+    # __init__ re-exports from the modules below it; only __main__ (python -m) stands above it
+    above = {module for module, edges in graph.items() if {"__init__", "__main__"} & set(edges)}
+    assert above == {"__main__"}, above
+    private = [f"{module} takes {name} from {target}" for module, edges in graph.items()
+               for target, names in edges.items() for name in names
+               if name.startswith("_") and not _private_module(target)]
+    assert not private, private
 
 
 # --- real kernels ---------------------------------------------------------------------------
