@@ -90,6 +90,12 @@ _IN_KERNEL = contextvars.ContextVar("flash_lib_in_kernel", default=False)
 BLAS_LIBS = ThreadpoolController().select(user_api="blas").lib_controllers
 
 
+def worker_count(threads, n_blocks, n_scores):
+    """The threads :func:`run_blocks` runs ``n_blocks`` blocks of ``n_scores`` scores on: one
+    below ``PARALLEL_MIN_SCORES``, else up to ``threads``, at most one per block."""
+    return min(threads, n_blocks) if n_scores >= PARALLEL_MIN_SCORES else 1
+
+
 def run_blocks(work_on, blocks, *, n_blocks, n_scores, threads):
     """Call ``work_on(block, cancelled)`` for every block, on up to ``threads`` threads, BLAS at one.
 
@@ -109,7 +115,7 @@ def run_blocks(work_on, blocks, *, n_blocks, n_scores, threads):
     ``cancelled`` is set: every worker stops before its next tile, and the exception reaches
     the caller once they have.
     """
-    workers = min(threads, n_blocks) if n_scores >= PARALLEL_MIN_SCORES else 1
+    workers = worker_count(threads, n_blocks, n_scores)
     cancelled = threading.Event()
     if _IN_KERNEL.get():
         for block in blocks:

@@ -98,6 +98,7 @@ __all__ = [
     "check_arrays",
     "threads",
     "thread_count",
+    "worker_count",
     "measure_peak_bytes",
     "rowwise_relative_error",
 ]
@@ -143,6 +144,14 @@ def thread_count():
     """The worker-thread count in force here: the innermost :func:`threads`, else the default."""
     n = _THREADS_HERE.get()
     return _THREADS if n is None else n
+
+
+def worker_count(n_blocks, n_scores):
+    """The worker threads a kernel call here runs its ``n_blocks`` blocks on (query blocks in the
+    forward, key blocks in the backward), for ``n_scores`` scores in all (batch × Nq × Nk): one
+    below 2²⁰ scores, where a thread pool costs more than it saves, else up to
+    :func:`thread_count`, at most one per block."""
+    return _runtime.worker_count(thread_count(), n_blocks, n_scores)
 
 
 def exponential(dtype):
