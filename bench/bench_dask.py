@@ -29,7 +29,7 @@ Usage::
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_dask.py
 
 Method: ``time.perf_counter``, best of ``--rounds`` runs (default: 3 below N = 65536, else 1),
-the three set-ups taking turns within each round (``bench/timing.py``, without its untimed
+the three set-ups taking turns within each round (``flash_bench.best_times``, without its untimed
 settling runs: a cluster run is too costly to repeat). Before timing, each cluster computes a
 small attention (imports, first transfers) and the in-process kernel runs once on a small input.
 On a 2-core machine two workers can at best halve one worker's time; the in-process kernel already
@@ -51,7 +51,7 @@ from distributed import Client, LocalCluster, futures_of
 
 import flash_dask
 import flash_lib
-from timing import best_times, load_average  # bench/timing.py, beside this script
+from flash_bench import best_times, load_average
 
 D = 64
 FULL_SIZES = [16384, 65536]

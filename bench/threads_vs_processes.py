@@ -18,7 +18,7 @@ Usage::
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/threads_vs_processes.py
 
-Method: ``time.perf_counter``. Each timed forward is preceded by ``timing.SETTLE`` seconds of
+Method: ``time.perf_counter``. Each timed forward is preceded by ``flash_bench.SETTLE`` seconds of
 untimed calls in the same set-up (threads and processes alike), so that no set-up is timed cold;
 each set-up keeps its best of ``--rounds`` and its median.
 """
@@ -34,7 +34,7 @@ import time
 import numpy as np
 
 import flash_lib
-from timing import SETTLE, load_average, run_untimed  # bench/timing.py, beside this script
+from flash_bench import SETTLE, load_average, run_untimed
 
 D = 64
 TILE = 512
