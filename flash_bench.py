@@ -93,11 +93,10 @@ def best_times(fns, seconds=0.0, min_rounds=None, *, max_rounds=50, settle=SETTL
 
     ``settle``: before each timed call the callable runs untimed for this many seconds (at least
     once; 0: exactly once; None: never, for calls too costly to repeat). OpenBLAS and OpenMP
-    pools keep their threads spinning for ~0.1-0.2 s after a call (measured: flash 36 ms right
-    after a threaded matmul, 20 ms after 0.2 s of idle), stealing a core from whatever runs next;
-    so each callable is timed in its own steady state, as when a model calls it layer after
-    layer. (Idling instead would hand the kernels cold caches and sleeping cores: naive measured
-    20% slower after a pause.)
+    pools keep their threads spinning for ~0.1-0.2 s after a call, stealing a core from whatever
+    runs next; so each callable is timed in its own steady state, as when a model calls it layer
+    after layer. (Idling instead would hand the kernels cold caches and sleeping cores, which
+    slows them too; ``bench/RESULTS.md``, 2026-11-29, has both measurements.)
 
     ``before(name)`` and ``after(name, result)`` run around each timed call, outside the timing
     (to reset a counter, keep the result, read what the call moved).

@@ -73,14 +73,14 @@ def start_cluster(n_workers):
         "distributed.nanny.pre-spawn-environ.FLASH_LIB_THREADS": "1",
         # Dask's default MALLOC_TRIM_THRESHOLD_=65536 turns off glibc's adaptive mmap threshold
         # (mallopt(3)): every large NumPy temporary is then mapped afresh, and flash_attention
-        # ran about 30% slower in a worker than in this process. Dropped, for a fair comparison.
+        # ran slower in a worker than in this process (bench/RESULTS.md). Dropped, for a fair
+        # comparison.
         "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
         # keep every transfer of a run in the log that the byte count sums
         "distributed.admin.low-level-log-length": 1_000_000,
         # Dask's housekeeping, slowed down (flash_dask.QUIET_CLUSTER). On a 2-core machine two
         # workers compute on both cores, and the housekeeping takes its CPU from them, where one
-        # worker leaves it a free core: in a 19-21 s forward at N = 65536 the scheduler took
-        # 1.3-1.5 s of CPU and each worker's event loop 0.9-1.2 s; with these, 0.8 s and 0.4 s.
+        # worker leaves it a free core (bench/RESULTS.md, 2026-12-02, has what it took).
         **flash_dask.QUIET_CLUSTER,
     }):
         cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,

@@ -879,10 +879,9 @@ TARGETS = {
         "forward: flash GFLOP/s (4·N²·d flops) as a percentage of the run's best large-GEMM rate, "
         "N = 4096 and 8192",
         {"float64": 62, "float32": 55},
-        "the two matmuls of a tile are about three quarters of its work (one 512 × 512 float32 "
-        "tile on one thread: matmuls 570 µs, max 45, subtract 35, exp 85, row sum 41), so a kernel "
-        "adding little beyond them runs at this share of GEMM; float32's elementwise passes weigh "
-        "more"),
+        "the two matmuls of a tile are about three quarters of its work (the floor section "
+        "above; bench/RESULTS.md, 2026-12-01), so a kernel adding little beyond them runs at "
+        "this share of GEMM; float32's elementwise passes weigh more"),
     "forward_vs_floor": Target(
         "forward: flash time / its floor (one tile's operations timed one by one on one thread, "
         "× tiles / threads), N = 4096 and 8192",
@@ -934,10 +933,9 @@ TARGETS = {
         "issue 24: the backward regenerates the mask instead of storing it, so the mask is drawn "
         "twice per tile; that must cost at most half again the training step. One 512 × 512 tile's "
         "mask is 32768 Philox4x32-7 counters (FlashAttention-2's rounds, 16 bits an element), "
-        "drawn two tiles at a time in ~25 uint64 NumPy passes: 0.41-0.42 ms a tile on a Zen 4 core "
-        "(2026-12-01), against 0.46-0.49 for one tile a draw in five-call rounds and 1.5-1.7 ms "
-        "for Philox4x32-10 at 32 bits an element; ~8.7 ms of float64 fwd+bwd tile work and ~3.4 "
-        "ms of float32, where two draws and the scaling make it close"),
+        "drawn two tiles at a time in ~25 uint64 NumPy passes: a tile's two draws are about a "
+        "tenth of its float64 fwd+bwd work, and enough of float32's that they and the scaling "
+        "make it close (bench/RESULTS.md, 2026-12-01, has the figures)"),
     "packed_tiles": Target(
         "packed batch, lengths (4096, 64 x 16): tiles visited / tiles of the sequences run one "
         "by one",

@@ -12,7 +12,8 @@ that cost, on one CPU, for two pieces of work:
 each on one thread, on two threads (``flash_lib.threads(2)``), and as two processes of one
 thread each that compute half the queries each, started together (the time of the slower one).
 The work is exactly the same in the three set-ups, so the ratios are what the threads cost.
-``_flash_runtime.run_blocks`` and ``_flash_dropout`` quote the figures.
+``bench/RESULTS.md`` records what it measured (2026-12-01), which ``_flash_runtime.run_blocks``
+and ``_flash_dropout`` rest on.
 
 Usage::
 

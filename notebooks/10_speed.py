@@ -375,7 +375,7 @@ plt.show()
 # measured 1.83 ms with NumPy's AVX-512 loops, the exponential 0.20 ms of it (11%). float32's
 # `exp` took 0.125 ms of a tile and its `exp2` 0.058 (Intel's SVML, which NumPy builds in for
 # AVX-512 only), so there the kernel computes float32 in base 2, for a forward 5% faster
-# (`flash_lib.exponential` has the measurements; float64's `exp2`, 0.18 ms, saved nothing
+# (`bench/RESULTS.md` has the measurements; float64's `exp2`, 0.18 ms, saved nothing
 # measurable and float64 keeps `exp`). With the AVX-512 loops off
 # (`NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR"`, what NumPy runs on an AVX2 CPU),
 # float32's `exp2` is scalar (0.57 ms) and the kernel keeps `exp`, which stays vectorised (0.28 ms
