@@ -43,15 +43,14 @@ them (it passes 3 of them from about 3.3e5 elements on). 16 bits bound the bias 
 elements), with half the counters 32 bits an element would need.
 
 Why not NumPy's own ``np.random.Philox``: it is Philox4x64 (not the generator GPU kernels use)
-and serial, one stream per call: one 512 × 512 tile took 2.0 ms of ``random_raw`` plus a Python
-call per row here. This one computes ``CHUNK`` counters at once with uint64 products, in place in
-preallocated buffers (NumPy has no 32 × 32 → 64-bit multiply-high, so a word lives in a
-uint64). The first two rounds cost vectors only (a word depends on the line alone or the counter
-alone); the last writes the output two words to a uint64, whose four uint16s are then the eight
-keys' numbers in order, so one comparison gives the mask. One 512 × 512 tile (32768 counters)
-took about 0.5 ms on one AMD EPYC Zen 4 core (2026-12-01), against 1.5-1.7 ms, timed alongside,
-for the Philox4x32-10 at 32 bits an element this module used before; the three-call round below
-took 57 µs a round of 32768 counters against 67 for the five-call one it replaced (2026-12-01).
+and serial, one stream per call, so a tile costs a Python call per row. This one computes
+``CHUNK`` counters at once with uint64 products, in place in preallocated buffers (NumPy has no
+32 × 32 → 64-bit multiply-high, so a word lives in a uint64). The first two rounds cost vectors
+only (a word depends on the line alone or the counter alone); the last writes the output two
+words to a uint64, whose four uint16s are then the eight keys' numbers in order, so one
+comparison gives the mask. ``bench/RESULTS.md`` (2026-12-01) has what a tile's mask and a round
+cost, against ``np.random.Philox``, the Philox4x32-10 at 32 bits an element this module used
+before, and the five-call round the one below replaced.
 
 Why the words go in pairs, ``(c0, c2)`` as one array and the products ``(c0·M0, c2·M1)`` as
 another: one NumPy call then does both words' step. The pair ``(c1, c3)`` is never stored on its
@@ -62,15 +61,12 @@ third pair took five.
 
 Why a draw covers two tiles (:data:`TILES_PER_DRAW`): a draw is about 25 NumPy calls whatever its
 size, and on two worker threads each call gives the GIL up and takes it back, handing it to the
-other worker at nearly every call. ``bench/threads_vs_processes.py`` measured that cost (AMD EPYC
-Zen 4, 2 cores, 2026-12-01, forward at N = 4096, with dropout minus without, when a draw covered
-one tile): the mask cost 0.65 ms a 512 × 512 tile on one thread, 0.56 ms a tile in each of two
-processes, and 1.22 ms a tile in each of two threads (float32; float64 0.89, 0.80, 1.63). Drawing
-two tiles per call halves the hand-overs per tile; ``bench/bench_flash.py --training-only`` (same
-machine, 2026-12-01) measured fwd+bwd with dropout / without, float32 at N = 4096, 1.39–1.41 with
-two tiles per draw against 1.56–1.64 with one in the same session; four tiles gained nothing
-more. The buffers then hold two tiles' counters, 3.5 MiB a worker at 512 × 512 tiles, still fixed
-whatever N.
+other worker at nearly every call, so a tile's mask cost about twice as much in each of two
+threads as in each of two processes (``bench/threads_vs_processes.py``). Drawing two tiles per
+call halves the hand-overs per tile, which made fwd+bwd with dropout measurably faster against
+fwd+bwd without (``bench/bench_flash.py --training-only``); four tiles gained nothing more
+(``bench/RESULTS.md``, 2026-12-01, has the figures). The buffers then hold two tiles' counters,
+3.5 MiB a worker at 512 × 512 tiles, still fixed whatever N.
 
 Private to flash_lib: imported by ``flash_lib.py`` and ``_flash_inputs.py`` only (and by
 ``tests/test_training.py``, which checks :func:`philox4x32` against the known answers).

@@ -56,13 +56,10 @@ def _exponential(dtype, choice="auto"):
     than ``"auto"`` forces it, for both dtypes.
 
     ``exp2`` for float32 where NumPy runs an AVX-512 loop for it (Intel's SVML, which NumPy
-    builds in for AVX-512 only); ``exp`` otherwise. Measured on an AMD EPYC Zen 4, NumPy 2.4,
-    2026-12-02. One 512 × 512 tile's exponential, one thread (µs, float32 / float64): AVX-512
-    loops, exp 125 / 199, exp2 58 / 177; AVX2 loops (``NPY_DISABLE_CPU_FEATURES``), exp 315 /
-    1139, exp2 569 / 1005 (float32's exp2 is scalar there); baseline, exp 570 / 1068, exp2 570 /
-    1002. The whole kernel at N = 4096, d = 64, two threads, exp2 against exp interleaved over
-    22-29 rounds: float32 forward 0.954, backward 0.984; float64 1.002 and 1.010, so float64 keeps
-    exp (its 22 µs a tile are 1% of the tile, below what two threads let show).
+    builds in for AVX-512 only): there it takes half ``exp``'s time on a tile, and the forward
+    is faster. ``exp`` otherwise: with AVX2 loops float32's ``exp2`` is scalar, slower than
+    ``exp``; and float64's ``exp2`` gains too little of a tile to show in the kernel, so float64
+    keeps ``exp``. ``bench/RESULTS.md`` (2026-12-02) has the measurements.
     """
     if choice != "auto":
         return {"exp": np.exp, "exp2": np.exp2}[choice]
@@ -94,6 +91,12 @@ _IN_KERNEL = contextvars.ContextVar("flash_lib_in_kernel", default=False)
 BLAS_LIBS = ThreadpoolController().select(user_api="blas").lib_controllers
 
 
+def worker_count(threads, n_blocks, n_scores):
+    """The threads :func:`run_blocks` runs ``n_blocks`` blocks of ``n_scores`` scores on: one
+    below ``PARALLEL_MIN_SCORES``, else up to ``threads``, at most one per block."""
+    return min(threads, n_blocks) if n_scores >= PARALLEL_MIN_SCORES else 1
+
+
 def run_blocks(work_on, blocks, *, n_blocks, n_scores, threads):
     """Call ``work_on(block, cancelled)`` for every block, on up to ``threads`` threads, BLAS at one.
 
@@ -104,16 +107,15 @@ def run_blocks(work_on, blocks, *, n_blocks, n_scores, threads):
     bookkeeping is O(workers) whatever the number of blocks. Each worker runs in a copy of the
     caller's context, so ``np.errstate`` (a context variable) holds inside the workers as it
     does for the caller. What threads cost against processes: every NumPy call gives the GIL up
-    and takes it back, and between two busy threads a short call hands it over. The forward at
-    N = 4096 (d = 64, float32) ran 1.83x faster on two threads than on one and 1.93x as two
-    processes of half the queries each; with dropout, whose mask was then ~50 short calls a tile,
-    1.44x and 2.06x (AMD EPYC Zen 4, 2 cores, 2026-12-01, ``bench/threads_vs_processes.py``):
-    why ``_flash_dropout`` now draws two tiles per call, in fewer calls.
+    and takes it back, and between two busy threads a short call hands it over, so work made of
+    many short calls gains less from a second thread than from a second process (dropout's mask
+    most: why ``_flash_dropout`` draws two tiles per call, in fewer calls;
+    ``bench/threads_vs_processes.py`` measures it, ``bench/RESULTS.md`` has the figures).
     If a worker raises, or the caller is interrupted (Ctrl-C),
     ``cancelled`` is set: every worker stops before its next tile, and the exception reaches
     the caller once they have.
     """
-    workers = min(threads, n_blocks) if n_scores >= PARALLEL_MIN_SCORES else 1
+    workers = worker_count(threads, n_blocks, n_scores)
     cancelled = threading.Event()
     if _IN_KERNEL.get():
         for block in blocks:

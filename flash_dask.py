@@ -41,27 +41,14 @@ shard). The backward's pairs need no sink either (the lse they are given holds i
 ``dsinks`` is computed once per query shard from its ``lse`` and ``D = rowsum(dout ∘ out)``, then
 summed over the shards.
 
-Where the time goes, on 2 worker processes of one core each (the forward, N = 65536, shards of
-4096, 256 pair tasks; distributed's task stream and the workers' transfer logs, on a 2-core
-machine shared with other jobs, ``bench/bench_dask.py``). When each query shard's pair results
-were merged by a tree, the workers computed for 96-97% of the run and received 275-354 MiB
-(2.9-3.7 × q+k+v) from each other, nearly all of it partial outputs sent to another worker's
-merge; 2 workers ran 1.64-1.79 × faster than 1. With the chains (4 per query shard) 171-185 MiB
-moved, of which the partial results are only some 40 MiB (chain ends meeting at their merge;
-the rest is query shards fetched once and the output gathered), transfers took 0.1-0.4% of the
-workers' time, and 2 workers ran 1.77-1.89 × faster than 1. One chain per query shard moved
-22-36 MiB in the same time, within the noise. What was left is that a pair task ran 5-15%
-slower beside another one than alone (150-165 against 143 ms). Not the caches: two processes
-running the same 4096 × 4096 ``flash_attention`` at once took 1.0-1.8% longer than one. The CPU
-time of every process during one 2-worker run (``psutil``, 2026-12-02) says where it goes: each
-worker's compute thread took 17-18.5 s, but the scheduler took 1.3-1.5 s and each worker's
-event loop 0.9-1.2 s more, 3.3-3.7 s of the 38-41 core-seconds the run had, all of it taken
-from the two cores the workers compute on (one worker leaves it a free core). Most of that is
-Dask's housekeeping on timers: the workers' statistical profiler (a stack sample every 10 ms),
-the system monitor (``psutil`` every 0.5 s) and every server's event-loop tick (every 20 ms).
-:data:`QUIET_CLUSTER` slows them down: 0.8 s and 0.4 s. 2 workers then ran 1.86-1.90 × faster
-than 1 in three runs alternating with three of the defaults (1.72-1.80), and 1.80 × in a full
-``make bench-dask``.
+Why chains and :data:`QUIET_CLUSTER`, from where the time of a 2-worker forward went
+(``bench/bench_dask.py``; ``bench/RESULTS.md``, 2026-12-01 and 2026-12-02, has the figures). When
+each query shard's pair results were merged by a tree, nearly every partial output travelled to
+another worker's merge; with chains the running state stays on its worker and only chain ends
+meet, so the workers spend almost none of their time on transfers. What was left, a pair task
+running slower beside another one than alone, was not the caches but Dask's housekeeping on
+timers (the workers' statistical profiler, the system monitor, every server's event-loop tick),
+whose CPU comes from the cores the workers compute on: :data:`QUIET_CLUSTER` slows it down.
 
 Memory: a pair task holds its q, k and v shards, the running state, its partial result and
 ``flash_attention``'s tile scratch, so a worker's working set is set by the shard sizes, never
@@ -97,8 +84,8 @@ __all__ = ["DEFAULT_SHARD", "QUIET_CLUSTER", "dask_attention", "dask_attention_b
 #: profile page), the system monitor every 10 s instead of 0.5 s (the dashboard's CPU and
 #: network plots) and the event-loop tick every 1 s instead of 20 ms (it measures how long the
 #: loop was blocked, for the "unresponsive" warning). Nothing a computation needs: set them
-#: before the cluster starts, ``with dask.config.set(QUIET_CLUSTER): LocalCluster(...)`` (the
-#: module docstring says what they cost).
+#: before the cluster starts, ``with dask.config.set(QUIET_CLUSTER): LocalCluster(...)``
+#: (``bench/RESULTS.md`` says what they cost).
 QUIET_CLUSTER = {
     "distributed.worker.profile.enabled": False,
     "distributed.admin.system-monitor.interval": "10s",

@@ -104,6 +104,7 @@ __all__ = [
     "sum_to",
     "threads",
     "thread_count",
+    "worker_count",
     "measure_peak_bytes",
     "rowwise_relative_error",
 ]
@@ -667,3 +668,11 @@ def sum_to(x, shape):
     gradient of a broadcast input, as autograd gives it (a ``k`` shared by every head gets the
     sum of the heads' gradients). ``shape`` may have fewer dims than ``x``."""
     return tiles.sum_to(x, shape)
+
+
+def worker_count(n_blocks, n_scores):
+    """The worker threads a kernel call here runs its ``n_blocks`` blocks on (query blocks in the
+    forward, key blocks in the backward), for ``n_scores`` scores in all (batch × Nq × Nk): one
+    below 2²⁰ scores, where a thread pool costs more than it saves, else up to
+    :func:`thread_count`, at most one per block."""
+    return _runtime.worker_count(thread_count(), n_blocks, n_scores)

@@ -29,7 +29,7 @@ Usage::
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_dask.py
 
 Method: ``time.perf_counter``, best of ``--rounds`` runs (default: 3 below N = 65536, else 1),
-the three set-ups taking turns within each round (``bench/timing.py``, without its untimed
+the three set-ups taking turns within each round (``flash_bench.best_times``, without its untimed
 settling runs: a cluster run is too costly to repeat). Before timing, each cluster computes a
 small attention (imports, first transfers) and the in-process kernel runs once on a small input.
 On a 2-core machine two workers can at best halve one worker's time; the in-process kernel already
@@ -51,7 +51,7 @@ from distributed import Client, LocalCluster, futures_of
 
 import flash_dask
 import flash_lib
-from timing import best_times, load_average  # bench/timing.py, beside this script
+from flash_bench import best_times, load_average
 
 D = 64
 FULL_SIZES = [16384, 65536]
@@ -73,14 +73,14 @@ def start_cluster(n_workers):
         "distributed.nanny.pre-spawn-environ.FLASH_LIB_THREADS": "1",
         # Dask's default MALLOC_TRIM_THRESHOLD_=65536 turns off glibc's adaptive mmap threshold
         # (mallopt(3)): every large NumPy temporary is then mapped afresh, and flash_attention
-        # ran about 30% slower in a worker than in this process. Dropped, for a fair comparison.
+        # ran slower in a worker than in this process (bench/RESULTS.md). Dropped, for a fair
+        # comparison.
         "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
         # keep every transfer of a run in the log that the byte count sums
         "distributed.admin.low-level-log-length": 1_000_000,
         # Dask's housekeeping, slowed down (flash_dask.QUIET_CLUSTER). On a 2-core machine two
         # workers compute on both cores, and the housekeeping takes its CPU from them, where one
-        # worker leaves it a free core: in a 19-21 s forward at N = 65536 the scheduler took
-        # 1.3-1.5 s of CPU and each worker's event loop 0.9-1.2 s; with these, 0.8 s and 0.4 s.
+        # worker leaves it a free core (bench/RESULTS.md, 2026-12-02, has what it took).
         **flash_dask.QUIET_CLUSTER,
     }):
         cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,

@@ -8,7 +8,7 @@ Measured side by side in one run, for d = 64 and N queries = N keys:
 * the scratch memory of each kernel: ``flash_lib.measure_peak_bytes`` minus the returned array;
 * flash time / ``torch.nn.functional.scaled_dot_product_attention`` time, when PyTorch is
   installed (``make setup`` installs it; its CPU build is enough);
-* flash time / its floor on this machine (``bench/tile_ops.py``): one tile's unavoidable NumPy
+* flash time / its floor on this machine (``flash_bench``): one tile's unavoidable NumPy
   operations (the forward's two matmuls, row max, subtract, exp, row sum, rescale of acc; the
   backward's five matmuls and its elementwise passes), timed one by one on one thread at the
   start of the run, summed, times the tiles visited (``flash_lib.tile_schedule``), over the
@@ -43,9 +43,9 @@ Usage::
 Method: ``time.perf_counter``; every kernel runs once untimed first (under ``tracemalloc``, which
 gives its scratch memory and the output to check); then the kernels of one size are timed in
 turn, round after round, so that a change of machine load hits them alike, and each keeps its
-best (minimum) time (``bench/timing.py``). Before each timed call the kernel runs untimed for
-``timing.SETTLE`` seconds, so that the threads another library leaves spinning after its call
-(OpenBLAS, PyTorch's OpenMP) do not count against the kernel that happens to run next. At least
+best (minimum) time (``flash_bench.best_times``). Before each timed call the kernel runs untimed
+for ``flash_bench.SETTLE`` seconds, so that the threads another library leaves spinning after its
+call (OpenBLAS, PyTorch's OpenMP) do not count against the kernel that happens to run next. At least
 3 rounds, fewer when one round is long (huge N), more until about ``--seconds`` have passed.
 Inputs: ``np.random.default_rng(0)``, standard normal. Absolute times on a shared machine are
 noisy; the ratios, measured side by side, are the result.
@@ -65,10 +65,11 @@ import time
 
 import numpy as np
 
+import flash_bench
 import flash_lib
 import flash_serving
 import tile_ops  # bench/tile_ops.py, beside this script
-from timing import best_times, load_average  # bench/timing.py, beside this script
+from flash_bench import best_times, load_average
 
 D = 64
 DTYPES = {"float64": np.float64, "float32": np.float32}
@@ -255,11 +256,11 @@ def machine_info(torch, torch_reason):
     log(f"cpu count {cpus} (usable by this process: {usable}); load average {load_average()}")
     blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
     log(f"numpy {np.__version__}, BLAS {blas.get('name')} {blas.get('version')}")
-    loops = tile_ops.numpy_loops()
-    log(f"CPU {tile_ops.cpu_name()}; NumPy's loops (numpy.lib.introspect.opt_func_info, "
+    loops = flash_bench.numpy_loops()
+    log(f"CPU {flash_bench.cpu_name()}; NumPy's loops (numpy.lib.introspect.opt_func_info, "
         f"float32/float64): " + ", ".join(f"{u} {loops['loops'][u]['float32']}/"
                                           f"{loops['loops'][u]['float64']}"
-                                          for u in tile_ops.UFUNCS))
+                                          for u in flash_bench.UFUNCS))
     log(f"  CPU features NumPy dispatches to here: {' '.join(loops['found']) or 'none'} of "
         f"{' '.join(loops['dispatch'])} (baseline {' '.join(loops['baseline'])}); "
         f"NPY_DISABLE_CPU_FEATURES={loops['disabled'] or '(unset)'}")
@@ -321,7 +322,7 @@ def openblas_kernels():
                     "forced": forced})
 
 
-#: Per dtype name, the best one-thread seconds of each operation of one tile (tile_ops):
+#: Per dtype name, the best one-thread seconds of each operation of one tile (flash_bench):
 #: {"forward": {op: s}, "backward": {op: s}}; measured by floor_section at the start.
 FLOOR = {}
 
@@ -330,15 +331,15 @@ def floor_section(args):
     """Time one tile's unavoidable operations, op by op on one thread, for each dtype (forward,
     and backward when the run has fwd+bwd rows): the per-tile floor every row is divided by."""
     log(f"\n# the floor: one {args.block_q} × {args.block_k} tile, d = {D}, its operations timed "
-        f"one by one on one thread, in the kernel's order (bench/tile_ops.py); best of "
+        f"one by one on one thread, in the kernel's order (flash_bench); best of "
         f"repetitions, µs. A row's floor = this sum × its tiles / its worker threads")
     directions = ["forward"] + (["backward"] if args.backward_sizes else [])
     for name in args.dtypes:
         best = {}
         for _ in range(2):  # forward and backward alternately, so a busy moment hits both
             for direction in directions:
-                timer = {"forward": tile_ops.forward_floor,
-                         "backward": tile_ops.backward_floor}[direction]
+                timer = {"forward": flash_bench.forward_floor,
+                         "backward": flash_bench.backward_floor}[direction]
                 t = timer(DTYPES[name], args.block_q, args.block_k, D,
                           seconds=args.floor_seconds / 2 / len(directions))
                 old = best.get(direction, {})
@@ -351,11 +352,11 @@ def floor_section(args):
                                               args.floor_seconds / 2)
         for direction, ops in best.items():
             total = sum(ops.values())
-            matmuls = sum(s for op, s in ops.items() if op in tile_ops.MATMULS)
+            matmuls = sum(s for op, s in ops.items() if op in flash_bench.MATMULS)
             log(f"{name} {direction}: " + ", ".join(f"{op} {1e6 * s:.0f}" for op, s in ops.items())
                 + f"; floor {1e6 * total:.0f} µs a tile (matmuls {100 * matmuls / total:.0f}%, "
-                f"{tile_ops.kernel_exponential(DTYPES[name])} "
-                f"{100 * sum(s for op, s in ops.items() if op in tile_ops.EXPONENTIALS) / total:.0f}%)")
+                f"{flash_bench.kernel_exponential(DTYPES[name])} "
+                f"{100 * sum(s for op, s in ops.items() if op in flash_bench.EXPONENTIALS) / total:.0f}%)")
             faults = one_thread[f"{direction} page faults"]
             log(f"  flash_lib's {direction} on one thread, N = {4 * args.block_q}: "
                 f"{1e6 * one_thread[direction]:.0f} µs a tile, "
@@ -378,9 +379,9 @@ def floor_of(name, n, args, causal=False, backward=False):
     if name not in FLOOR:
         return None
     kw = dict(block_q=args.block_q, block_k=args.block_k, causal=causal)
-    total = tile_ops.floor_seconds(sum(FLOOR[name]["forward"].values()), n, **kw)
+    total = flash_bench.floor_seconds(sum(FLOOR[name]["forward"].values()), n, **kw)
     if backward:
-        total += tile_ops.floor_seconds(sum(FLOOR[name]["backward"].values()), n, **kw,
+        total += flash_bench.floor_seconds(sum(FLOOR[name]["backward"].values()), n, **kw,
                                         backward=True)
     return total
 
@@ -878,10 +879,9 @@ TARGETS = {
         "forward: flash GFLOP/s (4·N²·d flops) as a percentage of the run's best large-GEMM rate, "
         "N = 4096 and 8192",
         {"float64": 62, "float32": 55},
-        "the two matmuls of a tile are about three quarters of its work (one 512 × 512 float32 "
-        "tile on one thread: matmuls 570 µs, max 45, subtract 35, exp 85, row sum 41), so a kernel "
-        "adding little beyond them runs at this share of GEMM; float32's elementwise passes weigh "
-        "more"),
+        "the two matmuls of a tile are about three quarters of its work (the floor section "
+        "above; bench/RESULTS.md, 2026-12-01), so a kernel adding little beyond them runs at "
+        "this share of GEMM; float32's elementwise passes weigh more"),
     "forward_vs_floor": Target(
         "forward: flash time / its floor (one tile's operations timed one by one on one thread, "
         "× tiles / threads), N = 4096 and 8192",
@@ -933,10 +933,9 @@ TARGETS = {
         "issue 24: the backward regenerates the mask instead of storing it, so the mask is drawn "
         "twice per tile; that must cost at most half again the training step. One 512 × 512 tile's "
         "mask is 32768 Philox4x32-7 counters (FlashAttention-2's rounds, 16 bits an element), "
-        "drawn two tiles at a time in ~25 uint64 NumPy passes: 0.41-0.42 ms a tile on a Zen 4 core "
-        "(2026-12-01), against 0.46-0.49 for one tile a draw in five-call rounds and 1.5-1.7 ms "
-        "for Philox4x32-10 at 32 bits an element; ~8.7 ms of float64 fwd+bwd tile work and ~3.4 "
-        "ms of float32, where two draws and the scaling make it close"),
+        "drawn two tiles at a time in ~25 uint64 NumPy passes: a tile's two draws are about a "
+        "tenth of its float64 fwd+bwd work, and enough of float32's that they and the scaling "
+        "make it close (bench/RESULTS.md, 2026-12-01, has the figures)"),
     "packed_tiles": Target(
         "packed batch, lengths (4096, 64 x 16): tiles visited / tiles of the sequences run one "
         "by one",

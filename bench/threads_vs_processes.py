@@ -12,13 +12,14 @@ that cost, on one CPU, for two pieces of work:
 each on one thread, on two threads (``flash_lib.threads(2)``), and as two processes of one
 thread each that compute half the queries each, started together (the time of the slower one).
 The work is exactly the same in the three set-ups, so the ratios are what the threads cost.
-``_flash_runtime.run_blocks`` and ``_flash_dropout`` quote the figures.
+``bench/RESULTS.md`` records what it measured (2026-12-01), which ``_flash_runtime.run_blocks``
+and ``_flash_dropout`` rest on.
 
 Usage::
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/threads_vs_processes.py
 
-Method: ``time.perf_counter``. Each timed forward is preceded by ``timing.SETTLE`` seconds of
+Method: ``time.perf_counter``. Each timed forward is preceded by ``flash_bench.SETTLE`` seconds of
 untimed calls in the same set-up (threads and processes alike), so that no set-up is timed cold;
 each set-up keeps its best of ``--rounds`` and its median.
 """
@@ -34,7 +35,7 @@ import time
 import numpy as np
 
 import flash_lib
-from timing import SETTLE, load_average, run_untimed  # bench/timing.py, beside this script
+from flash_bench import SETTLE, load_average, run_untimed
 
 D = 64
 TILE = 512

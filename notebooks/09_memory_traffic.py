@@ -41,8 +41,8 @@ import numpy as np
 import matplotlib.pyplot as plt
 from threadpoolctl import threadpool_limits
 
+import flash_bench
 import flash_lib
-from bench import timing
 
 rng = np.random.default_rng(10)
 
@@ -434,9 +434,10 @@ def cache_sizes():
 
 def best_time(fn, repeats=3):
     """The best of at least `repeats` timed calls, and as many more as fit in 0.1 s (up to 50),
-    each after one untimed call (warm caches): the project's one timing loop, `bench/timing.py`."""
-    return timing.best_times({"fn": fn}, seconds=0.1, min_rounds=repeats, max_rounds=50,
-                             settle=0)[0]["fn"]
+    each after one untimed call (warm caches): the project's one timing loop,
+    `flash_bench.best_times`."""
+    return flash_bench.best_times({"fn": fn}, seconds=0.1, min_rounds=repeats, max_rounds=50,
+                                  settle=0)[0]["fn"]
 
 
 caches = cache_sizes()

@@ -48,8 +48,8 @@ import numpy as np
 import matplotlib.pyplot as plt
 from threadpoolctl import threadpool_limits
 
+import flash_bench
 import flash_lib
-from bench import timing
 
 rng = np.random.default_rng(9)
 
@@ -82,8 +82,8 @@ def best_times(fns, settle=0.15):
     """Best wall time of each callable in `fns` (a dict), timed in turn, round after round: at
     least 2 rounds, more (up to 20) until 0.25 s have passed, each call after `settle` seconds
     of untimed runs, so that threads left spinning by the previous kernel have gone idle. The
-    project's one timing loop (`bench/timing.py`, which `make bench` uses too)."""
-    return timing.best_times(fns, seconds=0.25, min_rounds=2, max_rounds=20, settle=settle)[0]
+    project's one timing loop (`flash_bench.best_times`, which `make bench` uses too)."""
+    return flash_bench.best_times(fns, seconds=0.25, min_rounds=2, max_rounds=20, settle=settle)[0]
 
 
 def random_inputs(n):
@@ -257,7 +257,7 @@ plt.show()
 # 2: `flash_lib.exponential`, {doc}`chapter 5 <05_tiling>`), the row sum, the product $P v$ and
 # the rescale of `acc`. Each does work in proportion to the tile, and no kernel that computes the tile with these
 # calls can take less than the sum of their times. We time them one by one on one thread, in the
-# kernel's order and on buffers laid out as the kernel's (`bench/tile_ops.py`, which `make bench`
+# kernel's order and on buffers laid out as the kernel's (`flash_bench`, which `make bench`
 # uses too), each keeping its best time. Their sum is the tile's *floor*, and the floor model of
 # a whole call is
 #
@@ -271,18 +271,17 @@ plt.show()
 # other, and the threads' contention for caches and memory.
 
 # %%
-from bench import tile_ops
-
 tile_q, tile_k = flash_lib.DEFAULT_BLOCK_Q, flash_lib.DEFAULT_BLOCK_K
 # float32, the dtype timed above, and float64, for the breakdown below
-floor_ops = {name: tile_ops.forward_floor(t, tile_q, tile_k, d, seconds=0.4)
+floor_ops = {name: flash_bench.forward_floor(t, tile_q, tile_k, d, seconds=0.4)
              for name, t in (("float32", np.float32), ("float64", np.float64))}
 per_tile = {name: sum(ops.values()) for name, ops in floor_ops.items()}
-matmul_per_tile = sum(s for op, s in floor_ops["float32"].items() if op in tile_ops.MATMULS)
-floor_model = np.array([tile_ops.floor_seconds(per_tile["float32"], n) for n in sizes])
-matmul_model = np.array([tile_ops.floor_seconds(matmul_per_tile, n) for n in sizes])
+matmul_per_tile = sum(s for op, s in floor_ops["float32"].items() if op in flash_bench.MATMULS)
+floor_model = np.array([flash_bench.floor_seconds(per_tile["float32"], n) for n in sizes])
+matmul_model = np.array([flash_bench.floor_seconds(matmul_per_tile, n) for n in sizes])
 print(f"one {tile_q} × {tile_k} tile, each call timed: "
-      + ", ".join("exp or exp2" if op in tile_ops.EXPONENTIALS else op for op in floor_ops["float32"]))
+      + ", ".join("exp or exp2" if op in flash_bench.EXPONENTIALS else op
+                  for op in floor_ops["float32"]))
 print("tiles visited: " + ", ".join(
     f"{len(flash_lib.tile_schedule(n, n, tile_q, tile_k))} at N = {n}" for n in sizes))
 
@@ -291,15 +290,15 @@ print("tiles visited: " + ", ".join(
 # or the baseline SSE; and so does which of the two the kernel calls. `NPY_DISABLE_CPU_FEATURES`
 # switches the faster loops off, as on an older CPU, but NumPy reads it once, at import; so the
 # same floor is measured again in a child process started with NumPy's AVX-512 loops off
-# (`tile_ops.floor_at_level`; loops this process has already switched off stay off there), whose
+# (`flash_bench.floor_at_level`; loops this process has already switched off stay off there), whose
 # flash_lib chooses its exponential for its own loops. Each bar below is labelled with the
 # exponential the kernel used and the loop NumPy reported for it in the process that timed it
 # (`numpy.lib.introspect.opt_func_info`).
 
 # %%
-loops_here = tile_ops.numpy_loops()
-avx2 = tile_ops.floor_at_level("AVX2", ("float32", "float64"), seconds=0.4)  # None off x86-64
-exp_here = {name: tile_ops.kernel_exponential(name) for name in floor_ops}
+loops_here = flash_bench.numpy_loops()
+avx2 = flash_bench.floor_at_level("AVX2", ("float32", "float64"), seconds=0.4)  # None off x86-64
+exp_here = {name: flash_bench.kernel_exponential(name) for name in floor_ops}
 floor_bars = [(name, exp_here[name], loops_here["loops"][exp_here[name]][name], ops)
               for name, ops in floor_ops.items()]
 if avx2 is not None:
@@ -308,7 +307,7 @@ if avx2 is not None:
                    for name, ops in avx2["forward"].items()]
 
 # %% tags=["nbval-ignore-output"]
-print(f"on the machine that built this page: {tile_ops.describe(loops_here)}")
+print(f"on the machine that built this page: {flash_bench.describe(loops_here)}")
 print("the floor of one tile, µs, one thread:")
 for name, exp_name, exp_loop, ops in floor_bars:
     total = sum(ops.values())
@@ -324,10 +323,10 @@ print("float32 kernel / floor model: " + ", ".join(
 # the right the floor of one tile, op by op, for each dtype and exponential loop.
 
 # %%
-groups = [("matmuls q·kᵀ, P·v", "C0", lambda op: op in tile_ops.MATMULS),
-          ("exp or exp2", "C3", lambda op: op in tile_ops.EXPONENTIALS),
+groups = [("matmuls q·kᵀ, P·v", "C0", lambda op: op in flash_bench.MATMULS),
+          ("exp or exp2", "C3", lambda op: op in flash_bench.EXPONENTIALS),
           ("max, subtract, sum, rescale, row state", "C7",
-           lambda op: op not in tile_ops.MATMULS and op not in tile_ops.EXPONENTIALS)]
+           lambda op: op not in flash_bench.MATMULS and op not in flash_bench.EXPONENTIALS)]
 fig, (ax_m, ax_b) = plt.subplots(1, 2, figsize=(12.5, 4.8), gridspec_kw={"width_ratios": [1, 1.25]})
 ax_m.loglog(sizes, seconds["flash"], "o-", color="C0", label="flash_attention, measured")
 ax_m.loglog(sizes, floor_model, "s--", color="C1", label="floor model: tile floor × tiles / workers")
@@ -342,7 +341,8 @@ ax_m.set_title(f"flash_attention against its floor, float32, d = {d}", fontsize=
 ax_m.grid(True, which="major", alpha=0.3)
 ax_m.margins(y=0.2)  # room for the ratios above the points
 ax_m.legend(fontsize=8, loc="upper left")
-labels = [f"{name}, {exp_name}\n{tile_ops.loop_name(loop)}" for name, exp_name, loop, _ in floor_bars]
+labels = [f"{name}, {exp_name}\n{flash_bench.loop_name(loop)}"
+          for name, exp_name, loop, _ in floor_bars]
 for i, (name, exp_name, loop, ops) in enumerate(floor_bars):
     left, total = 0.0, sum(ops.values())
     for g, (group, color, member) in enumerate(groups):
@@ -363,8 +363,8 @@ try:
     load = f", load average {os.getloadavg()[0]:.1f}"
 except (AttributeError, OSError):  # Windows
     load = ""
-fig.suptitle(f"measured on {tile_ops.cpu_name()} ({cores} cores{load}), "
-             f"OpenBLAS kernel {tile_ops.openblas_kernel()}", fontsize=9)
+fig.suptitle(f"measured on {flash_bench.cpu_name()} ({cores} cores{load}), "
+             f"OpenBLAS kernel {flash_bench.openblas_kernel()}", fontsize=9)
 fig.tight_layout()
 plt.show()
 
@@ -375,7 +375,7 @@ plt.show()
 # measured 1.83 ms with NumPy's AVX-512 loops, the exponential 0.20 ms of it (11%). float32's
 # `exp` took 0.125 ms of a tile and its `exp2` 0.058 (Intel's SVML, which NumPy builds in for
 # AVX-512 only), so there the kernel computes float32 in base 2, for a forward 5% faster
-# (`flash_lib.exponential` has the measurements; float64's `exp2`, 0.18 ms, saved nothing
+# (`bench/RESULTS.md` has the measurements; float64's `exp2`, 0.18 ms, saved nothing
 # measurable and float64 keeps `exp`). With the AVX-512 loops off
 # (`NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR"`, what NumPy runs on an AVX2 CPU),
 # float32's `exp2` is scalar (0.57 ms) and the kernel keeps `exp`, which stays vectorised (0.28 ms

@@ -1,3 +1,3 @@
 """Makes notebooks/ a package for pytest only, so that its conftest.py is imported as
-``notebooks.conftest`` and does not collide with ``tests/conftest.py`` (which the tests import
-by name). The chapters do not import it."""
+``notebooks.conftest`` and does not collide with ``tests/conftest.py``. The chapters do not
+import it."""

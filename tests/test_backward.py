@@ -2,17 +2,25 @@
 
 Checked three independent ways: against the dense oracle ``naive_attention_backward`` (P whole,
 the softmax Jacobian written out, no use of D = rowsum(dO ∘ O)); against the same computation in
-longdouble (``precise_attention_backward``) with an error bound derived below; and against
+longdouble (``precise_attention_backward``) with a derived error bound
+(``helpers.gradient_bounds``); and against
 central finite differences of the forward, which use neither derivation.
 """
 
 import warnings
 
-import ml_dtypes
 import numpy as np
 import pytest
-from conftest import random_qkv
-from hypothesis import given, note
+from helpers import (
+    BFLOAT16,
+    GARBAGE,
+    GRADIENTS_VS_NAIVE,
+    check_central_differences,
+    gradient_bounds,
+    grads,
+    random_qkv,
+)
+from hypothesis import given
 from hypothesis import strategies as st
 
 import flash_lib
@@ -25,15 +33,6 @@ from flash_lib import (
     precise_attention_backward,
 )
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def flash_grads(q, k, v, dout, **kw):
-    """Forward with lse, then the tiled backward with the same arguments."""
-    blocks = {name: kw.pop(name) for name in ("block_q", "block_k") if name in kw}
-    out, lse = flash_attention(q, k, v, return_lse=True, **kw, **blocks)
-    return flash_attention_backward(q, k, v, out, lse, dout, **kw, **blocks)
-
 
 def inputs(rng, n_q, n_k, d=8, dv=5, dtype=np.float64, batch=(), amplitude=1.0):
     q, k, v = random_qkv(rng, n_q, n_k, d, dv=dv, batch=batch)
@@ -45,45 +44,6 @@ def inputs(rng, n_q, n_k, d=8, dv=5, dtype=np.float64, batch=(), amplitude=1.0):
 # ---------------------------------------------------------------------------------------------
 # Against the truth, with a derived bound
 # ---------------------------------------------------------------------------------------------
-
-
-def gradient_bounds(q, k, v, dout, scale, allowed):
-    """Per-entry error bounds on (dq, dk, dv) for a float64 kernel, from the longdouble truth.
-
-    Each gradient is a sum of terms built from P_ij = exp(S_ij - lse_i). The argument S_ij - lse_i
-    is computed with an absolute error of about (d + 2)·u·(|S_ij| + |lse_i|) (the dot product's
-    d roundings at the scores' magnitude, then lse's), so P_ij carries that as a relative error:
-    it grows with the magnitude of the scores, which is why rows whose scores reach 1e3 have
-    gradients 1e3 times less accurate than rows of O(1) scores, however a kernel computes them.
-    dP_ij = dO_i·V_j and D_i = dO_i·O_i add γ_dv of their terms' magnitudes; summing over Nk keys
-    (dq) or Nq queries (dk, dv) adds γ_N of the terms. So with c = d + dv + max(Nq, Nk) + 4,
-        |Δ dq_ic| <= c·u·τ Σ_j P_ij (1 + |S_ij| + |lse_i|)·(|dP_ij - D_i| + M_i)·|k_jc|,
-        |Δ dk_jc| <= c·u·τ Σ_i P_ij (1 + |S_ij| + |lse_i|)·(|dP_ij - D_i| + M_i)·|q_ic|,
-        |Δ dv_jc| <= c·u·Σ_i P_ij (1 + |S_ij| + |lse_i|)·|dO_ic|,
-    where M_i = Σ_c |dO_ic|·(max_j |V_jc| + |O_ic|) bounds the terms of dP_ij and D_i.
-    """
-    q, k, v, dout = (np.asarray(x, np.longdouble) for x in (q, k, v, dout))
-    s = scale * (q @ np.swapaxes(k, -1, -2))
-    s = np.where(allowed, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
-    m = np.where(m == -np.inf, 0, m)
-    e = np.exp(s - m)
-    l = e.sum(axis=-1, keepdims=True)
-    p = e / np.where(l == 0, 1, l)
-    lse = np.where(l == 0, 0, m + np.log(np.where(l == 0, 1, l)))
-    out = p @ v
-    dp = dout @ np.swapaxes(v, -1, -2)
-    d_row = (dout * out).sum(axis=-1, keepdims=True)
-    size = np.abs(dout) @ (np.abs(v).max(axis=-2, keepdims=True) + np.abs(out)).swapaxes(-1, -2)
-    size = np.diagonal(size, axis1=-2, axis2=-1)[..., None]  # M_i
-    w = p * (1 + np.abs(np.where(allowed, s, 0)) + np.abs(lse))
-    c = q.shape[-1] + v.shape[-1] + max(q.shape[-2], k.shape[-2]) + 4
-    u = np.finfo(np.float64).eps / 2
-    ds_size = w * (np.abs(dp - d_row) + size)
-    bound_dq = c * u * scale * (ds_size @ np.abs(k))
-    bound_dk = c * u * scale * (np.swapaxes(ds_size, -1, -2) @ np.abs(q))
-    bound_dv = c * u * (np.swapaxes(w, -1, -2) @ np.abs(dout))
-    return bound_dq, bound_dk, bound_dv
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -102,7 +62,7 @@ def test_float64_gradients_within_a_derived_bound_of_the_truth(amplitude, causal
     spans = np.nanmax(scores, axis=-1) - np.nanmin(scores, axis=-1)
     truth = precise_attention_backward(q, k, v, dout, causal=causal)
     bounds = gradient_bounds(q, k, v, dout, scale, allowed)
-    flash = flash_grads(q, k, v, dout, causal=causal, block_q=8, block_k=16)
+    flash = grads("flash", q, k, v, dout, causal=causal, block_q=8, block_k=16)
     naive = naive_attention_backward(q, k, v, dout, causal=causal)
     for name, f, n, t, b in zip(("dq", "dk", "dv"), flash, naive, truth, bounds):
         err_f, err_n = np.abs(f - t), np.abs(n - t)
@@ -121,7 +81,7 @@ def test_low_precision_gradients_within_a_few_times_naives_own_error(dtype):
     rng = np.random.default_rng(9)
     q, k, v, dout = inputs(rng, 60, 70, d=16, dv=8, dtype=dtype, batch=(2,))
     truth = precise_attention_backward(q, k, v, dout, causal=True)
-    flash = flash_grads(q, k, v, dout, causal=True, block_q=16, block_k=32)
+    flash = grads("flash", q, k, v, dout, causal=True, block_q=16, block_k=32)
     naive = naive_attention_backward(q, k, v, dout, causal=True)
     eps = float(np.finfo(np.float32).eps if dtype == np.float32 else
                 (np.finfo(np.float16).eps if dtype == np.float16 else 2.0**-7))
@@ -152,7 +112,8 @@ def test_low_precision_gradients_within_a_few_times_naives_own_error(dtype):
 def test_directional_derivatives_match_central_differences(case):
     """d/dε sum(dout * flash(q + εδq, k + εδk, v + εδv)) at 0, by central differences with
     ε = 1e-5 (truncation ~ε², rounding ~u/ε: both ~1e-10 here), equals Σ dq·δq + dk·δk + dv·δv
-    to 1e-6 relative, along 3 random directions."""
+    to 1e-7 relative, along 3 random directions and along one of each argument alone
+    (``check_central_differences``)."""
     rng = np.random.default_rng(21)
     kw = {"causal": case.get("causal", False)}
     if "scale" in case:
@@ -163,28 +124,17 @@ def test_directional_derivatives_match_central_differences(case):
     if case.get("mask") == "random":
         kw["mask"] = rng.random((3, 13, 17)) < 0.6
         kw["mask"][0, 2] = False  # a fully masked row
-    dq, dk, dv = flash_grads(q, k, v, dout, block_q=4, block_k=5, **kw)
+    dq, dk, dv = grads("flash", q, k, v, dout, block_q=4, block_k=5, **kw)
 
     def f(q, k, v):
         return float((dout * flash_attention(q, k, v, block_q=4, block_k=5, **kw)).sum())
 
-    eps = 1e-5
-    for _ in range(3):
-        dirs = [rng.standard_normal(x.shape) for x in (q, k, v)]
-        plus = f(*(x + eps * d for x, d in zip((q, k, v), dirs)))
-        minus = f(*(x - eps * d for x, d in zip((q, k, v), dirs)))
-        numeric = (plus - minus) / (2 * eps)
-        analytic = sum(float((g * d).sum()) for g, d in zip((dq, dk, dv), dirs))
-        assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), (numeric, analytic)
+    check_central_differences(f, (q, k, v), (dq, dk, dv), rng)
 
 
 # ---------------------------------------------------------------------------------------------
 # Against the dense oracle: random shapes, broadcasting, masks, causal, blocks, dtypes
 # ---------------------------------------------------------------------------------------------
-
-TOLERANCE = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 2e-5,
-             np.dtype(np.float16): 4e-3, BFLOAT16: 3e-2}
-
 
 @given(
     n_q=st.integers(1, 20),
@@ -194,15 +144,13 @@ TOLERANCE = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 2e-5,
     causal=st.booleans(),
     masking=st.sampled_from(["none", "random", "empty rows"]),
     broadcast=st.sampled_from(["none", "shared kv", "shared q", "mask per head"]),
-    dtype=st.sampled_from(sorted(TOLERANCE, key=str)),
+    dtype=st.sampled_from(sorted(GRADIENTS_VS_NAIVE, key=str)),
     scale=st.sampled_from([None, 0.05, 3.0]),  # 0.05 = 0.8·2^-4: k carries 2^-2 of it
 )
 def test_flash_backward_matches_the_dense_oracle(n_q, n_k, block_q, block_k, causal, masking,
                                                  broadcast, dtype, scale):
-    """Gradients of flash equal naive's within TOLERANCE times the size of their terms
-    (``term_sizes``), in the inputs' shapes and dtypes. float64: 1e-12 (~4500 eps); float32:
-    2e-5 (~170 eps); float16 and bfloat16 (computed in float32): about 4 eps of the dtype,
-    because flash's D = rowsum(dO ∘ O) uses the forward's out, rounded to the input dtype."""
+    """Gradients of flash equal naive's within GRADIENTS_VS_NAIVE (its comment says why) times
+    the size of their terms (``term_sizes``), in the inputs' shapes and dtypes."""
     rng = np.random.default_rng(n_q * 97 + n_k)
     q, k, v, dout = inputs(rng, n_q, n_k, d=4, dv=3, batch=(2, 3))
     if broadcast == "shared kv":
@@ -220,14 +168,14 @@ def test_flash_backward_matches_the_dense_oracle(n_q, n_k, block_q, block_k, cau
     q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        flash = flash_grads(q, k, v, dout, mask=mask, causal=causal, scale=scale,
+        flash = grads("flash", q, k, v, dout, mask=mask, causal=causal, scale=scale,
                             block_q=block_q, block_k=block_k)
         naive = naive_attention_backward(q, k, v, dout, mask=mask, causal=causal, scale=scale)
     for name, f, n, x, size in zip(("dq", "dk", "dv"), flash, naive, (q, k, v),
                                    term_sizes(q, k, v, dout, scale)):
         assert f.shape == x.shape and f.dtype == x.dtype, name
         f, n = f.astype(np.float64), n.astype(np.float64)
-        assert np.abs(f - n).max(initial=0.0) <= TOLERANCE[np.dtype(dtype)] * size, name
+        assert np.abs(f - n).max(initial=0.0) <= GRADIENTS_VS_NAIVE[np.dtype(dtype)] * size, name
 
 
 def term_sizes(q, k, v, dout, scale=None):
@@ -248,8 +196,8 @@ def test_broadcast_gradients_are_summed_as_autograd_sums_them():
     rng = np.random.default_rng(2)
     q, k, v, dout = inputs(rng, 9, 11, batch=(4,))
     k1, v1 = k[:1], v[:1]
-    shared = flash_grads(q, k1, v1, dout, block_q=4, block_k=4)
-    repeated = flash_grads(q, np.repeat(k1, 4, axis=0), np.repeat(v1, 4, axis=0), dout,
+    shared = grads("flash", q, k1, v1, dout, block_q=4, block_k=4)
+    repeated = grads("flash", q, np.repeat(k1, 4, axis=0), np.repeat(v1, 4, axis=0), dout,
                            block_q=4, block_k=4)
     assert shared[1].shape == k1.shape and shared[2].shape == v1.shape
     np.testing.assert_allclose(shared[0], repeated[0], rtol=1e-13)
@@ -272,16 +220,15 @@ def test_empty_rows_and_unseen_keys_have_exactly_zero_gradients(kernel):
     mask = rng.random((10, 12)) < 0.7
     mask[3] = False  # an empty row
     mask[:, 5] = False  # a key nobody attends
-    grads = naive_attention_backward if kernel == "naive" else (
-        lambda *a, **kw: flash_grads(*a, block_q=4, block_k=4, **kw))
+    kw = dict(mask=mask, block_q=4, block_k=4)  # blocks: flash's only
     with warnings.catch_warnings(), np.errstate(all="raise"):
         warnings.simplefilter("error")
-        dq, dk, dv = grads(q, k, v, dout, mask=mask)
+        dq, dk, dv = grads(kernel, q, k, v, dout, **kw)
     assert np.all(dq[:, 3] == 0)
     assert np.all(dk[:, 5] == 0) and np.all(dv[:, 5] == 0)
     quiet = dout.copy()
     quiet[:, 3] = 0
-    _, dk0, dv0 = grads(q, k, v, quiet, mask=mask)
+    _, dk0, dv0 = grads(kernel, q, k, v, quiet, **kw)
     np.testing.assert_allclose(dk, dk0, rtol=1e-14, atol=1e-300)
     np.testing.assert_allclose(dv, dv0, rtol=1e-14, atol=1e-300)
 
@@ -291,7 +238,7 @@ def test_a_fully_masked_matrix_has_zero_gradients():
     rng = np.random.default_rng(5)
     q, k, v, dout = inputs(rng, 6, 7)
     mask = np.zeros((6, 7), bool)
-    for g in flash_grads(q, k, v, dout, mask=mask, block_q=2, block_k=3):
+    for g in grads("flash", q, k, v, dout, mask=mask, block_q=2, block_k=3):
         assert np.all(g == 0)
 
 
@@ -303,26 +250,14 @@ def test_nan_in_a_query_row_reaches_its_dq_row_and_the_keys_it_attends():
     mask = rng.random((10, 12)) < 0.5
     mask[4, :6] = False
     mask[4, 6:] = True
-    clean = flash_grads(q, k, v, dout, mask=mask, block_q=4, block_k=4)
+    clean = grads("flash", q, k, v, dout, mask=mask, block_q=4, block_k=4)
     q[4, 0] = np.nan
-    dq, dk, dv = flash_grads(q, k, v, dout, mask=mask, block_q=4, block_k=4)
+    dq, dk, dv = grads("flash", q, k, v, dout, mask=mask, block_q=4, block_k=4)
     assert np.isnan(dq[4]).all()
     np.testing.assert_array_equal(np.delete(dq, 4, 0), np.delete(clean[0], 4, 0))
     for g, c in ((dk, clean[1]), (dv, clean[2])):
         assert np.isnan(g[6:]).all()
         np.testing.assert_array_equal(g[:6], c[:6])
-
-
-#: Garbage planted where only masked pairs meet it (tests/test_hardening.py extends them).
-GARBAGE = dict(
-    n_q=st.integers(1, 12),
-    n_k=st.integers(1, 12),
-    block=st.integers(1, 14),
-    causal=st.booleans(),
-    where=st.sampled_from(["k", "v", "q", "dout"]),
-    poison=st.sampled_from([np.nan, np.inf]),
-    data=st.data(),
-)
 
 
 @given(**GARBAGE)
@@ -347,8 +282,8 @@ def test_garbage_at_masked_pairs_stays_out_of_the_gradients(n_q, n_k, block, cau
     kw = dict(mask=mask, causal=causal, block_q=block, block_k=block)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        got = flash_grads(dirty["q"], dirty["k"], dirty["v"], dirty["dout"], **kw)
-    want = flash_grads(clean["q"], clean["k"], clean["v"], clean["dout"], **kw)
+        got = grads("flash", dirty["q"], dirty["k"], dirty["v"], dirty["dout"], **kw)
+    want = grads("flash", clean["q"], clean["k"], clean["v"], clean["dout"], **kw)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
 

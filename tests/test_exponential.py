@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import TOLERANCE, assert_close_to_naive, random_qkv, rowwise_rel_error
+from helpers import assert_close_to_naive, gradient_bounds, random_qkv, rowwise_rel_error
 
 import flash_lib
 from flash_lib import (flash_attention, flash_attention_backward, naive_attention,
@@ -184,11 +184,9 @@ def test_base_2_is_really_base_2_and_as_close_to_the_truth(dtype, monkeypatch):
 
 
 def test_base_2_gradients_within_the_derived_bound_of_the_truth():
-    """float64, forced exp2: dq, dk, dv against the longdouble truth, within
-    test_backward's derived per-entry bound (built for base e: base 2 adds two roundings of the
-    scores, inside its (d + dv + N + 4)·u allowance)."""
-    from test_backward import gradient_bounds
-
+    """float64, forced exp2: dq, dk, dv against the longdouble truth, within the derived
+    per-entry bound (``helpers.gradient_bounds``, built for base e: base 2 adds two roundings of
+    the scores, inside its (d + dv + N + 4)·u allowance)."""
     rng = np.random.default_rng(5)
     q, k, v = random_qkv(rng, 70, 90, 16, dv=8)
     dout = rng.standard_normal((70, 8))

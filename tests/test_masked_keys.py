@@ -16,7 +16,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import random_qkv
+from helpers import random_qkv
 from hypothesis import given, note
 from hypothesis import strategies as st
 

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from conftest import FLOAT_DTYPES, random_qkv, rowwise_rel_error
+from helpers import FLOAT_DTYPES, random_qkv, rowwise_rel_error
 from hypothesis import given, note
 from hypothesis import strategies as st
 

@@ -1,5 +1,6 @@
 """The project's own files agree with each other: one source of truth for each fact."""
 
+import ast
 import pathlib
 import re
 import tomllib
@@ -89,3 +90,33 @@ def test_readme_usage_example_runs():
     assert blocks, "README has no python example"
     for block in blocks:
         exec(compile(block, "README.md", "exec"), {})
+
+
+def _imports(path):
+    """The top-level modules a Python file imports anywhere in it (``import a.b`` and
+    ``from a.b import c`` both count as ``a``; relative imports are left out)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_chapters_import_no_bench_module_and_bench_imports_nothing_private():
+    """A chapter imports what a reader can import (flash_bench for its timings), never a script
+    of bench/; and the benchmarks use flash_lib's public API, never its private modules."""
+    bench = {"bench"} | {p.stem for p in (ROOT / "bench").glob("*.py")}
+    for chapter in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py")):
+        assert not _imports(chapter) & bench, chapter.name
+    for script in sorted((ROOT / "bench").glob("*.py")):
+        assert not {m for m in _imports(script) if m.startswith("_flash")}, script.name
+
+
+def test_no_test_module_imports_another():
+    """What test modules share is in tests/helpers.py; none imports another test module (or
+    conftest.py), so that changing one test cannot change another unseen."""
+    others = {p.stem for p in (ROOT / "tests").glob("*.py")} - {"helpers"}
+    for module in sorted((ROOT / "tests").glob("*.py")):
+        assert not _imports(module) & others, module.name

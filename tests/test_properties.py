@@ -1,5 +1,5 @@
 """Property-based: over random shapes, broadcasting, block sizes, masks, causal and dtypes, the
-tiled kernel agrees with the textbook one (tolerances: ``TOLERANCE`` in conftest.py).
+tiled kernel agrees with the textbook one (tolerances: ``FLASH_VS_NAIVE`` in helpers.py).
 
 Hypothesis draws only small integers and a seed; the arrays come from
 ``np.random.default_rng(seed)``, which keeps generation and shrinking fast.
@@ -8,7 +8,7 @@ Hypothesis draws only small integers and a seed; the arrays come from
 import warnings
 
 import numpy as np
-from conftest import FLOAT_DTYPES, assert_close_to_naive
+from helpers import FLOAT_DTYPES, assert_close_to_naive
 from hypothesis import given, note
 from hypothesis import strategies as st
 

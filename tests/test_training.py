@@ -1,22 +1,32 @@
 """Training features (issue 24): attention sinks and dropout, forward and backward.
 
-The oracle is :func:`dense`, written here from the definitions and sharing no code with
-flash_lib: the whole score matrix with the variants applied as explicit arrays (a boolean
-matrix of allowed pairs, softcap's tanh, ALiBi's bias matrix), the sink appended as one more
-column of the softmax and removed after, the keep mask applied as ``P ∘ Z / (1 - p)``, and the
-textbook chain rule for the gradients. The tiled kernel is checked against it and against
-``naive_attention`` with the same keywords over every combination of the variants; the
-gradients against central differences.
+The oracle is the tests' dense one, ``helpers.dense_attention``, written from the definitions
+and sharing no code with flash_lib: the whole score matrix with the variants applied as
+explicit arrays (a boolean matrix of allowed pairs, softcap's tanh, ALiBi's bias matrix), the
+sink appended as one more column of the softmax and removed after, the keep mask applied as
+``P ∘ Z / (1 - p)``, and the textbook chain rule for the gradients. The tiled kernel is checked
+against it and against ``naive_attention`` with the same keywords over every combination of
+the variants; the gradients against central differences.
 """
 
 import re
 
 import numpy as np
 import pytest
-from conftest import random_qkv
+from helpers import (
+    VARIANTS,
+    VS_DENSE,
+    alibi_bias,
+    assert_close_to_naive,
+    check_central_differences,
+    check_flash_equals_naive,
+    close,
+    dense_attention,
+    grads,
+    random_qkv,
+)
 from hypothesis import given
 from hypothesis import strategies as st
-from test_variants import VARIANTS, check_flash_equals_naive, grads
 
 import flash_lib
 from flash_lib import (
@@ -29,54 +39,6 @@ from flash_lib import (
     precise_attention,
     precise_attention_backward,
 )
-
-
-def dense(q, k, v, dout, *, scale, allowed=None, softcap=None, slopes=None, sinks=None,
-          keep=None, p=0.0):
-    """Forward and backward of attention with a sink and a dropout mask, dense, float64.
-
-    q (..., Nq, d), k, v (..., Nk, ·) broadcast together; allowed (..., Nq, Nk) bool; slopes
-    and sinks broadcast to the batch (one per head); keep (..., Nq, Nk) bool: Z.
-    Returns out, lse, dq, dk, dv, dsinks (dsinks over the full batch, not summed).
-
-        S = τ q kᵀ, S_c = c·tanh(S / c), S_b = S_c - slope·|i + Nk - Nq - j|, -inf where not allowed
-        [P | P_sink] = softmax([S_b | sink]) row by row; lse = log(Σ_j e^S_b + e^sink)
-        out = (P ∘ Z / (1 - p)) V
-        dV = (P ∘ Z / (1 - p))ᵀ dO,  dP = (dO Vᵀ) ∘ Z / (1 - p),  D = rowsum(P ∘ dP)
-        dS_b = P ∘ (dP - D),  dS = dS_b ∘ (1 - tanh²(S / c)),  dq = τ dS k,  dk = τ dSᵀ q
-        dsink = -Σ_i P_sink,i · D_i
-    """
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    s = scale * (q @ np.swapaxes(k, -1, -2))
-    s_c = s if softcap is None else softcap * np.tanh(s / softcap)
-    if slopes is not None:
-        i, j = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
-        s_c = s_c - np.asarray(slopes)[..., None, None] * np.abs(i + (n_k - n_q) - j)
-    if allowed is not None:
-        s_c = np.where(allowed, s_c, -np.inf)
-    batch = s_c.shape[:-2]
-    sink = np.full(batch + (n_q, 1), -np.inf) if sinks is None else np.broadcast_to(
-        np.asarray(sinks, np.float64)[..., None, None], batch + (n_q, 1))
-    full = np.concatenate([s_c, sink], axis=-1)
-    m = full.max(axis=-1, keepdims=True)
-    m = np.where(m == -np.inf, 0, m)
-    e = np.exp(full - m)
-    total = e.sum(axis=-1, keepdims=True)
-    lse = np.where(total[..., 0] == 0, -np.inf, np.log(total[..., 0]) + m[..., 0])
-    prob = e / np.where(total == 0, 1, total)
-    P, p_sink = prob[..., :n_k], prob[..., n_k]
-    z = np.ones(P.shape) if keep is None else keep / (1 - p)
-    out = (P * z) @ v
-    dv = np.swapaxes(P * z, -1, -2) @ dout
-    dP = (dout @ np.swapaxes(v, -1, -2)) * z
-    D = (P * dP).sum(axis=-1, keepdims=True)
-    ds = P * (dP - D)
-    if softcap is not None:
-        ds = ds * (1 - np.tanh(s / softcap) ** 2)
-    dq = scale * ds @ k
-    dk = scale * np.swapaxes(ds, -1, -2) @ q
-    dsinks = -(p_sink * D[..., 0]).sum(axis=-1)
-    return out, lse, dq, dk, dv, dsinks
 
 
 def sum_to(x, shape):
@@ -97,13 +59,6 @@ def forward_backward(kernel, q, k, v, dout, block_q, block_k, **kw):
     return forward(q, k, v, return_lse=True, **kw) + (backward(q, k, v, dout, **kw),)
 
 
-def close(a, b, tol=1e-12):
-    """Entrywise within ``tol`` of the larger of the two arrays' scales."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    scale = max(np.abs(b).max(initial=0.0), np.abs(a).max(initial=0.0), 1e-300)
-    return np.abs(a - b).max(initial=0.0) <= tol * scale
-
-
 # ---------------------------------------------------------------------------------------------
 # Sinks
 # ---------------------------------------------------------------------------------------------
@@ -112,8 +67,9 @@ def close(a, b, tol=1e-12):
 @pytest.mark.parametrize("kernel", ["flash", "naive", "precise"])
 @pytest.mark.parametrize("case", ["plain", "causal+softcap+alibi", "mask", "broadcast"])
 def test_sinks_against_the_dense_oracle(kernel, case):
-    """out, lse, dq, dk, dv, dsinks of each kernel against :func:`dense` with the sink as an
-    extra column: within 1e-13 of the larger scale (float64 against float64 and longdouble).
+    """out, lse, dq, dk, dv, dsinks of each kernel against the dense oracle with the sink as an
+    extra column: within VS_DENSE (1e-13) of the larger scale (float64 against float64 and
+    longdouble).
     ``broadcast``: sinks (H,) over a batch (2, H), k and v shared by the batch (their gradients
     and dsinks summed over it)."""
     rng = np.random.default_rng(20)
@@ -125,7 +81,8 @@ def test_sinks_against_the_dense_oracle(kernel, case):
     if case == "causal+softcap+alibi":
         slopes = np.array([0.5, 0.25, 0.125])
         kw = dict(causal=True, softcap=1.5, alibi_slopes=slopes)
-        ref_kw = dict(allowed=causal_mask(n_q, n_k), softcap=1.5, slopes=slopes)
+        ref_kw = dict(allowed=causal_mask(n_q, n_k), softcap=1.5,
+                      bias=alibi_bias(slopes, n_q, n_k))
     elif case == "mask":
         mask = rng.random((2, h, n_q, n_k)) < 0.4
         mask[0, 1, 2] = False  # an empty row: out 0, lse = sink
@@ -134,16 +91,16 @@ def test_sinks_against_the_dense_oracle(kernel, case):
         k, v = k[:1], v[:1]
         sinks = sinks.reshape(1, h)
     dout = rng.standard_normal((2, h, n_q, 4))
-    ref = dense(q, k, v, dout, scale=1 / np.sqrt(5), sinks=sinks, **ref_kw)
+    ref = dense_attention(q, k, v, dout, scale=1 / np.sqrt(5), sinks=sinks, **ref_kw)
     kw["sinks"] = sinks
     out, lse, got = forward_backward(kernel, q, k, v, dout, block_q=3, block_k=4, **kw)
     assert len(got) == 4
-    expected = ref[:2] + (sum_to(ref[2], q.shape), sum_to(ref[3], k.shape),
-                          sum_to(ref[4], v.shape), sum_to(ref[5], sinks.shape))
+    expected = (ref.out, ref.lse, sum_to(ref.dq, q.shape), sum_to(ref.dk, k.shape),
+                sum_to(ref.dv, v.shape), sum_to(ref.dsinks, sinks.shape))
     for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "dsinks"], (out, lse) + tuple(got),
                           expected):
         assert a.shape == b.shape, name
-        assert close(a, b, 1e-13), (name, np.abs(np.asarray(a, float) - b).max())
+        assert close(a, b, VS_DENSE), (name, np.abs(np.asarray(a, float) - b).max())
     if case == "mask":
         assert np.all(out[0, 1, 2] == 0) and lse[0, 1, 2] == sinks[1]
 
@@ -189,22 +146,6 @@ def test_sinks_gradient_matches_central_differences():
         return float((dout * flash_attention(q, k, v, sinks=sinks, **kw)).sum())
 
     check_central_differences(f, (q, k, v, sinks), analytic, rng)
-
-
-def check_central_differences(f, xs, analytic, rng, eps=1e-5, tol=1e-7):
-    """Directional derivatives of ``f`` along random directions against the analytic ones."""
-    for _ in range(3):
-        dirs = [rng.standard_normal(np.shape(x)) for x in xs]
-        numeric = (f(*(x + eps * d for x, d in zip(xs, dirs)))
-                   - f(*(x - eps * d for x, d in zip(xs, dirs)))) / (2 * eps)
-        exact = sum(float((g * d).sum()) for g, d in zip(analytic, dirs))
-        assert abs(numeric - exact) <= tol * max(1.0, abs(exact)), (numeric, exact)
-    for x, g in zip(xs, analytic):  # each argument's own gradient, not just their sum
-        d = rng.standard_normal(np.shape(x))
-        moved = [x_ + (eps * d if x_ is x else 0) for x_ in xs]
-        back = [x_ - (eps * d if x_ is x else 0) for x_ in xs]
-        numeric = (f(*moved) - f(*back)) / (2 * eps)
-        assert abs(numeric - float((g * d).sum())) <= tol * max(1.0, abs(numeric))
 
 
 def test_sinks_backward_without_sinks_returns_three():
@@ -435,8 +376,9 @@ SEED = 0x5EED_0F_D20
 @pytest.mark.parametrize("p", [0.1, 0.6])
 @pytest.mark.parametrize("case", ["plain", "causal+softcap+alibi+sinks", "mask+sinks", "broadcast"])
 def test_dropout_against_the_dense_oracle(kernel, p, case):
-    """out, lse (undropped), dq, dk, dv (and dsinks) of each kernel against :func:`dense` with
-    Z = dropout_keep(seed, p, (B, H, Nq, Nk)): within 1e-13 of the larger scale, float64."""
+    """out, lse (undropped), dq, dk, dv (and dsinks) of each kernel against the dense oracle
+    with Z = dropout_keep(seed, p, (B, H, Nq, Nk)): within VS_DENSE (1e-13) of the larger
+    scale, float64."""
     rng = np.random.default_rng(30)
     n_q, n_k, h = 9, 13, 3
     q = 2 * rng.standard_normal((2, h, n_q, 5))
@@ -447,7 +389,8 @@ def test_dropout_against_the_dense_oracle(kernel, p, case):
     if "causal" in case:
         slopes = np.array([0.5, 0.25, 0.125])
         kw.update(causal=True, softcap=1.5, alibi_slopes=slopes)
-        ref_kw.update(allowed=causal_mask(n_q, n_k), softcap=1.5, slopes=slopes)
+        ref_kw.update(allowed=causal_mask(n_q, n_k), softcap=1.5,
+                      bias=alibi_bias(slopes, n_q, n_k))
     elif "mask" in case:
         mask = rng.random((2, h, n_q, n_k)) < 0.6
         kw["mask"] = ref_kw["allowed"] = mask
@@ -455,16 +398,17 @@ def test_dropout_against_the_dense_oracle(kernel, p, case):
         k, v = k[:1], v[:1]  # shared by the batch: the mask still differs per batch entry
     dout = rng.standard_normal((2, h, n_q, 4))
     keep = flash_lib.dropout_keep(SEED, p, (2, h, n_q, n_k))
-    ref = dense(q, k, v, dout, scale=1 / np.sqrt(5), keep=keep, p=p, **ref_kw)
+    ref = dense_attention(q, k, v, dout, scale=1 / np.sqrt(5), keep=keep, p=p, **ref_kw)
     out, lse, got = forward_backward(kernel, q, k, v, dout, block_q=4, block_k=5, **kw)
-    expected = ref[:2] + (sum_to(ref[2], q.shape), sum_to(ref[3], k.shape), sum_to(ref[4], v.shape))
+    expected = (ref.out, ref.lse, sum_to(ref.dq, q.shape), sum_to(ref.dk, k.shape),
+                sum_to(ref.dv, v.shape))
     if "sinks" in case:
-        expected += (sum_to(ref[5], (h,)),)
+        expected += (sum_to(ref.dsinks, (h,)),)
     assert len(got) == len(expected) - 2
     for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "dsinks"], (out, lse) + tuple(got),
                           expected):
         assert a.shape == b.shape, name
-        assert close(a, b, 1e-13), (name, np.abs(np.asarray(a, float) - b).max())
+        assert close(a, b, VS_DENSE), (name, np.abs(np.asarray(a, float) - b).max())
 
 
 def test_the_dense_oracle_is_not_blind_to_the_mask():
@@ -472,20 +416,23 @@ def test_the_dense_oracle_is_not_blind_to_the_mask():
     rng = np.random.default_rng(31)
     q, k, v = random_qkv(rng, 6, 8, 4, dv=3)
     dout = rng.standard_normal((6, 3))
-    a = dense(q, k, v, dout, scale=0.5, keep=flash_lib.dropout_keep(1, 0.5, (6, 8)), p=0.5)
-    b = dense(q, k, v, dout, scale=0.5, keep=flash_lib.dropout_keep(2, 0.5, (6, 8)), p=0.5)
-    c = dense(q, k, v, dout, scale=0.5)
+    a = dense_attention(q, k, v, dout, scale=0.5, keep=flash_lib.dropout_keep(1, 0.5, (6, 8)),
+                        p=0.5)
+    b = dense_attention(q, k, v, dout, scale=0.5, keep=flash_lib.dropout_keep(2, 0.5, (6, 8)),
+                        p=0.5)
+    c = dense_attention(q, k, v, dout, scale=0.5)
     for x, y in ((a, b), (a, c)):
-        assert not close(x[0], y[0], 1e-3) and not close(x[2], y[2], 1e-3)
+        assert not close(x.out, y.out, 1e-3) and not close(x.dq, y.dq, 1e-3)
 
 
 @given(**VARIANTS, sinks=st.sampled_from([None, "per head", "per batch and head", "one"]),
        dropout_p=st.sampled_from([0.0, 0.2, 0.7]),
        offset=st.sampled_from([(0, 0), (3, 5), (2**20, 2**33)]))
 def test_flash_equals_naive_for_every_combination(sinks, dropout_p, offset, **variants):
-    """tests/test_variants.py's combinations (mask, mask_mod, causal, window, softcap, ALiBi,
-    GQA, blocks) with sinks and dropout on top: forward (out, lse) and backward (dq, dk, dv,
-    dsinks) of flash against naive, float64, within 1e-12 of the larger scale; empty rows exact."""
+    """test_variants.py's combinations (``helpers.VARIANTS``: mask, mask_mod, causal, window,
+    softcap, ALiBi, GQA, blocks) with sinks and dropout on top: forward (out, lse) and backward
+    (dq, dk, dv, dsinks) of flash against naive, float64, within VARIANTS_VS_NAIVE (1e-12) of
+    the larger scale; empty rows exact."""
     extra = dict(dropout_p=dropout_p, dropout_seed=SEED + variants["n_q"], dropout_offset=offset)
     if sinks is not None:
         extra["sinks"] = {"per head": np.array([0.3, -1.2, 2.0, 0.0]),
@@ -615,8 +562,6 @@ def test_dropout_p_zero_is_bit_identical_to_no_dropout(dtype):
 def test_dropout_in_low_precision_against_naive(dtype):
     """float32 and float16 inputs with dropout and a sink: flash against naive within the
     suite's tolerances (both compute in float32 and apply the same mask)."""
-    from conftest import assert_close_to_naive
-
     rng = np.random.default_rng(36)
     q, k, v = random_qkv(rng, 37, 41, 8, dtype=dtype, batch=(2,))
     kw = dict(dropout_p=0.25, dropout_seed=SEED, sinks=np.array([0.5, -1.0]), causal=True)

@@ -1,20 +1,28 @@
 """The variants: sliding window, softcap, ALiBi, grouped-query attention, mask_mod.
 
-Each is checked three ways. The oracle itself (naive) against an explicit dense construction
-written here: a boolean mask for window and mask_mod, a bias matrix for ALiBi, tanh for
-softcap, k and v repeated per query head for GQA (and PyTorch SDPA's enable_gqa when torch is
-installed). The tiled kernel, forward and backward, against naive with the same keywords,
-alone and combined, over random shapes and blocks. And the tiles: what the band and mask_mod
-rule out is never computed.
+Each is checked three ways. The oracle itself (naive) against an explicit dense construction:
+a boolean mask for window and mask_mod, the tests' dense oracle (``helpers.dense_attention``)
+with a bias matrix for ALiBi and its tanh for softcap, k and v repeated per query head for GQA
+(and PyTorch SDPA's enable_gqa when torch is installed). The tiled kernel, forward and
+backward, against naive with the same keywords, alone and combined, over random shapes and
+blocks. And the tiles: what the band and mask_mod rule out is never computed.
 """
-
-import warnings
 
 import numpy as np
 import pytest
-from conftest import dense_softmax, random_qkv
+from helpers import (
+    NAIVE_VS_DENSE,
+    VARIANTS,
+    alibi_bias,
+    check_central_differences,
+    check_flash_equals_naive,
+    close,
+    dense_attention,
+    grads,
+    random_qkv,
+    window_mask,
+)
 from hypothesis import given
-from hypothesis import strategies as st
 
 import flash_lib
 from flash_lib import (
@@ -26,32 +34,6 @@ from flash_lib import (
     naive_attention_backward,
     tile_schedule,
 )
-
-
-def window_mask(n_q, n_k, left, right):
-    """FlashAttention's window_size, written out: key j for query i iff
-    i + (Nk - Nq) - left <= j <= i + (Nk - Nq) + right (None: unbounded)."""
-    rel = np.arange(n_k)[None, :] - np.arange(n_q)[:, None] - (n_k - n_q)
-    ok = np.ones((n_q, n_k), bool)
-    if left is not None:
-        ok &= rel >= -left
-    if right is not None:
-        ok &= rel <= right
-    return ok
-
-
-def grads(kernel, q, k, v, dout, **kw):
-    if kernel == "naive":
-        return naive_attention_backward(q, k, v, dout, **kw)
-    out, lse = flash_attention(q, k, v, return_lse=True, **kw)
-    return flash_attention_backward(q, k, v, out, lse, dout, **kw)
-
-
-def close(a, b, tol=1e-12):
-    """Entrywise within ``tol`` of the larger of the two arrays' scales."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    scale = max(np.abs(b).max(initial=0.0), np.abs(a).max(initial=0.0), 1e-300)
-    return np.abs(a - b).max(initial=0.0) <= tol * scale
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,17 +78,16 @@ def test_naive_mask_mod_is_the_mask_it_describes():
 @pytest.mark.parametrize("causal", [False, True])
 def test_naive_alibi_is_the_explicit_bias_matrix(causal):
     """naive(alibi_slopes) against softmax(τ·q kᵀ + B) with B_hij = -slope_h·|i + (Nk - Nq) - j|
-    built here, per head, for Nq < Nk (the offset matters)."""
+    written out (``alibi_bias``), per head, for Nq < Nk (the offset matters)."""
     rng = np.random.default_rng(3)
     n_q, n_k, heads = 7, 12, 3
     q, k, v = random_qkv(rng, n_q, n_k, 4, dv=3, batch=(2, heads))
     slopes = np.array([0.5, 0.25, 0.125])
-    i, j = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
-    bias = -slopes[:, None, None] * np.abs(i + (n_k - n_q) - j)  # (heads, Nq, Nk)
-    s = 0.5 * (q @ np.swapaxes(k, -1, -2)) + bias
+    bias = alibi_bias(slopes, n_q, n_k)  # (heads, Nq, Nk)
     allowed = causal_mask(n_q, n_k) if causal else None
     got = naive_attention(q, k, v, alibi_slopes=slopes, causal=causal)
-    assert close(got, dense_softmax(s, v, allowed), 1e-14)
+    want = dense_attention(q, k, v, scale=0.5, bias=bias, allowed=allowed).out
+    assert close(got, want, NAIVE_VS_DENSE)
 
 
 def test_alibi_written_as_attention_gyms_per_row_shift_is_the_same_under_causal():
@@ -119,26 +100,27 @@ def test_alibi_written_as_attention_gyms_per_row_shift_is_the_same_under_causal(
     q, k, v = random_qkv(rng, n_q, n_k, 4, dv=3)
     slope = 0.3
     i, j = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
-    gym = 0.5 * (q @ k.T) + slope * (j - i)
+    gym = slope * (j - i)
     causal = causal_mask(n_q, n_k)
     ours = naive_attention(q, k, v, alibi_slopes=np.array(slope), causal=True)
-    assert close(ours, dense_softmax(gym, v, causal), 1e-14)
+    assert close(ours, dense_attention(q, k, v, scale=0.5, bias=gym, allowed=causal).out,
+                 NAIVE_VS_DENSE)
     assert not close(naive_attention(q, k, v, alibi_slopes=np.array(slope)),
-                     dense_softmax(gym, v), 1e-3)
+                     dense_attention(q, k, v, scale=0.5, bias=gym).out, 1e-3)
 
 
 @pytest.mark.parametrize("cap", [0.5, 3.0, 50.0])
 def test_naive_softcap_is_tanh_of_the_scaled_scores_before_bias_and_masks(cap):
-    """s ← c·tanh(s/c) on τ·q kᵀ, then ALiBi's bias, then the mask: written out here."""
+    """s ← c·tanh(s/c) on τ·q kᵀ, then ALiBi's bias, then the mask: the oracle's order."""
     rng = np.random.default_rng(5)
     q, k, v = random_qkv(rng, 8, 9, 4, dv=3)
     q, k = 3 * q, 3 * k  # scores of several units, where the cap bites
     slopes = np.array(0.2)
     mask = rng.random((8, 9)) < 0.7
-    i, j = np.arange(8)[:, None], np.arange(9)[None, :]
-    s = cap * np.tanh(0.5 * (q @ k.T) / cap) - 0.2 * np.abs(i + 1 - j)
     got = naive_attention(q, k, v, softcap=cap, alibi_slopes=slopes, mask=mask)
-    assert close(got, dense_softmax(s, v, mask), 1e-14)
+    want = dense_attention(q, k, v, scale=0.5, softcap=cap, bias=alibi_bias(0.2, 8, 9),
+                           allowed=mask).out
+    assert close(got, want, NAIVE_VS_DENSE)
 
 
 @pytest.mark.parametrize("groups", [1, 2, 4])
@@ -201,77 +183,21 @@ def test_gqa_never_copies_k_and_v_per_query_head():
 # ---------------------------------------------------------------------------------------------
 
 
-#: The variant combinations (tests/test_hardening.py's fuzz extends them).
-VARIANTS = dict(
-    n_q=st.integers(1, 18),
-    n_k=st.integers(1, 18),
-    block_q=st.integers(1, 20),
-    block_k=st.integers(1, 20),
-    causal=st.booleans(),
-    window=st.one_of(st.none(), st.tuples(st.one_of(st.none(), st.integers(0, 6)),
-                                          st.one_of(st.none(), st.integers(0, 6)))),
-    softcap=st.sampled_from([None, 0.7, 5.0]),
-    alibi=st.booleans(),
-    gqa=st.booleans(),
-    masking=st.sampled_from(["none", "mask", "mask_mod", "both"]),
-)
-
-
 @given(**VARIANTS)
 def test_flash_equals_naive_for_every_combination(n_q, n_k, block_q, block_k, causal, window,
                                                  softcap, alibi, gqa, masking):
     """Forward (out, lse) and backward (dq, dk, dv) of flash against naive with the same
-    keywords, float64: within 1e-12 of the larger scale (the plain kernel's bound)."""
+    keywords, float64: within VARIANTS_VS_NAIVE (1e-12) of the larger scale, the plain kernel's
+    bound (``helpers.check_flash_equals_naive``)."""
     check_flash_equals_naive(n_q, n_k, block_q, block_k, causal, window, softcap, alibi, gqa,
                              masking)
-
-
-def check_flash_equals_naive(n_q, n_k, block_q, block_k, causal, window, softcap, alibi, gqa,
-                             masking, **extra):
-    """The test above, with ``extra`` keywords on top (tests/test_training.py adds sinks and
-    dropout: the units of the gradients' errors grow by 1/(1 - p), and dsinks' is a sum over
-    the rows of |D| <= |dO|·|O|)."""
-    rng = np.random.default_rng(n_q * 31 + n_k)
-    q = 2 * rng.standard_normal((2, 4, n_q, 4))
-    h_kv = 2 if gqa else 4
-    k, v = 2 * rng.standard_normal((2, h_kv, n_k, 4)), rng.standard_normal((2, h_kv, n_k, 3))
-    dout = rng.standard_normal((2, 4, n_q, 3))
-    kw = dict(causal=causal, window=window, softcap=softcap, enable_gqa=gqa)
-    if alibi:
-        kw["alibi_slopes"] = np.array([0.5, 0.25, 0.125, 0.0625])
-    if masking in ("mask", "both"):
-        kw["mask"] = rng.random((4, n_q, n_k)) < 0.8
-    if masking in ("mask_mod", "both"):
-        kw["mask_mod"] = lambda i, j: (i + j) % 3 != 1
-    kw.update(extra)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        out, lse = flash_attention(q, k, v, return_lse=True, block_q=block_q, block_k=block_k,
-                                   **kw)
-        ref, ref_lse = naive_attention(q, k, v, return_lse=True, **kw)
-        flash_g = flash_attention_backward(q, k, v, out, lse, dout, block_q=block_q,
-                                           block_k=block_k, **kw)
-        naive_g = naive_attention_backward(q, k, v, dout, **kw)
-    np.testing.assert_array_equal(lse == -np.inf, ref_lse == -np.inf)
-    assert np.all(out[ref_lse == -np.inf] == 0)
-    finite = ref_lse > -np.inf
-    assert close(out, ref) and close(lse[finite], ref_lse[finite])
-    # a gradient can cancel to 0 (one key: dS = dP - D = 0) while its terms do not: the unit
-    # of its error is the size of those terms, τ·|dO|·|V|·|K or Q| for dq, dk and |dO| for dv
-    tau, big = 0.5, np.abs(np.concatenate([q.ravel(), k.ravel()])).max()
-    units = (tau * np.abs(dout).max() * np.abs(v).max() * big,) * 2 + (np.abs(dout).max(),)
-    units = tuple(u / (1 - extra.get("dropout_p", 0)) for u in units)
-    units += (units[2] * np.abs(v).max() * dout[..., 0].size,)  # dsinks, when there are sinks
-    assert len(flash_g) == len(naive_g) == 3 + ("sinks" in extra)
-    for a, b, unit in zip(flash_g, naive_g, units):
-        assert a.shape == b.shape
-        assert np.abs(a - b).max(initial=0.0) <= 1e-12 * max(unit, np.abs(b).max(initial=0.0))
 
 
 @pytest.mark.parametrize("cap", [0.3, 2.0])
 def test_softcaps_backward_matches_central_differences(cap):
     """The chain rule through softcap (×(1 - tanh²)) against central differences of the
-    forward along random directions (ε = 1e-5), with ALiBi and a window on top."""
+    forward along random directions (ε = 1e-5, ``check_central_differences``), with ALiBi and a
+    window on top."""
     rng = np.random.default_rng(9)
     q, k, v = random_qkv(rng, 11, 13, 6, dv=4, batch=(2,))
     q, k = 2 * q, 2 * k
@@ -283,13 +209,7 @@ def test_softcaps_backward_matches_central_differences(cap):
     def f(q, k, v):
         return float((dout * flash_attention(q, k, v, **kw)).sum())
 
-    eps = 1e-5
-    for _ in range(3):
-        dirs = [rng.standard_normal(x.shape) for x in (q, k, v)]
-        numeric = (f(*(x + eps * d for x, d in zip((q, k, v), dirs)))
-                   - f(*(x - eps * d for x, d in zip((q, k, v), dirs)))) / (2 * eps)
-        analytic = sum(float((g * d).sum()) for g, d in zip((dq, dk, dv), dirs))
-        assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), (numeric, analytic)
+    check_central_differences(f, (q, k, v), (dq, dk, dv), rng)
 
 
 @pytest.mark.parametrize("case", ["window", "mask_mod"])
