@@ -394,6 +394,11 @@ def int_at_least(name, value, low):
     return int(value)
 
 
+def block_sizes(block_q, block_k):
+    """A kernel's tile size, checked: ``block_q`` and ``block_k`` positive integers."""
+    return int_at_least("block_q", block_q, 1), int_at_least("block_k", block_k, 1)
+
+
 def check_bool(name, value):
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {value!r}")

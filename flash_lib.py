@@ -261,8 +261,7 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
                               softcap=softcap, alibi_slopes=alibi_slopes, enable_gqa=enable_gqa,
                               mask_mod=mask_mod, sinks=sinks, dropout_p=dropout_p,
                               dropout_seed=dropout_seed, dropout_offset=dropout_offset)
-    block_q = _inputs.int_at_least("block_q", block_q, 1)
-    block_k = _inputs.int_at_least("block_k", block_k, 1)
+    block_q, block_k = _inputs.block_sizes(block_q, block_k)
     out = np.zeros(problem.batch + (problem.n_q, problem.dv), dtype=problem.out_dtype)
     # Not allocated unless asked for: it would be O(Nq) scratch.
     lse = np.full(problem.batch + (problem.n_q,), -np.inf, problem.dtype) if return_lse else None
@@ -495,8 +494,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
                               softcap=softcap, alibi_slopes=alibi_slopes, enable_gqa=enable_gqa,
                               mask_mod=mask_mod, sinks=sinks, dropout_p=dropout_p,
                               dropout_seed=dropout_seed, dropout_offset=dropout_offset)
-    block_q = _inputs.int_at_least("block_q", block_q, 1)
-    block_k = _inputs.int_at_least("block_k", block_k, 1)
+    block_q, block_k = _inputs.block_sizes(block_q, block_k)
     out, lse, dout = _inputs.check_saved(problem, out, lse, dout)
     dtype, batch, n_q, n_k = problem.dtype, problem.batch, problem.n_q, problem.n_k
     # D_i = rowsum(dO_i ∘ O_i) = Σ_j P_ij dP_ij, once per row: P is never needed whole.

@@ -491,17 +491,26 @@ class _StrikeAt(SchedulerPlugin):
         self.struck = (victim, held[victim])
 
 
-def _strike(client, prefix, done, pids):
-    """Arm :class:`_StrikeAt` on the cluster's scheduler (before the graph is submitted)."""
-    client.register_plugin(_StrikeAt(prefix, done, pids))
-
-
-def _struck(client):
-    """What :class:`_StrikeAt` did, read from the scheduler once the graph has run; unarms it."""
-    def read(dask_scheduler):
+def _compute_with_a_strike(client, collections, prefix, pids, done=6):
+    """Compute ``collections`` with :class:`_StrikeAt` armed on the scheduler, so that a worker is
+    killed when ``done`` of the 36 pair tasks have finished; return the results (gathered: this
+    raises if one was lost for good) and the victim's address, once the test's premise is
+    checked: the kill came with the rest of the graph still to run, and the victim held some of
+    its results."""
+    def read(dask_scheduler):  # what the plugin did; it is removed, unarmed
         plugin = dask_scheduler.plugins.pop(_StrikeAt.name)
         return plugin.struck, len(plugin.finished)
-    return client.run_on_scheduler(read)
+
+    client.register_plugin(_StrikeAt(prefix, done, pids))
+    futures = client.compute(collections)
+    try:
+        results = client.gather(futures)
+    finally:
+        client.cancel(futures)
+        (victim, held), finished = client.run_on_scheduler(read)
+    assert finished == done, finished  # struck with 36 - done pair tasks still to run
+    assert held >= 1, "no partial result in memory to lose"
+    return results, victim
 
 
 def _computed_twice(dask_scheduler, prefix):
@@ -529,15 +538,7 @@ def test_a_worker_killed_mid_computation_loses_nothing(own_client):
     pids = client.run(os.getpid)
     # when 6 of the 36 pair tasks are done, the worker holding most of them (running states of
     # the chains) is killed, from inside the scheduler
-    _strike(client, prefix + "pair-", 6, pids)
-    futures = client.compute([out, lse])
-    try:
-        got_out, got_lse = client.gather(futures)  # raises if a result was lost for good
-    finally:
-        client.cancel(futures)
-        (victim, held), finished = _struck(client)
-    assert finished == 6, finished  # struck with 30 of the 36 pair tasks still to run
-    assert held >= 1, "no partial result in memory to lose"
+    (got_out, got_lse), victim = _compute_with_a_strike(client, [out, lse], prefix + "pair-", pids)
     assert pids[victim] not in client.run(os.getpid).values(), "the victim still runs"
     recomputed = client.run_on_scheduler(_computed_twice, prefix=prefix)
     assert recomputed, "nothing was recomputed: the kill did not hit the computation"
@@ -894,15 +895,7 @@ def test_a_worker_killed_mid_backward_loses_nothing(own_client):
     pids = client.run(os.getpid)
     # when 6 of the 36 pair tasks are done, the worker holding most of their results (running
     # dq, shares of dk and dv) is killed, from inside the scheduler
-    _strike(client, prefix + "pair-", 6, pids)
-    futures = client.compute(list(grads))
-    try:
-        got = client.gather(futures)  # raises if a result was lost for good
-    finally:
-        client.cancel(futures)
-        (victim, held), finished = _struck(client)
-    assert finished == 6, finished  # struck with 30 of the 36 pair tasks still to run
-    assert held >= 1, "no partial result in memory to lose"
+    got, victim = _compute_with_a_strike(client, list(grads), prefix + "pair-", pids)
     assert pids[victim] not in client.run(os.getpid).values(), "the victim still runs"
     recomputed = client.run_on_scheduler(_computed_twice, prefix=prefix)
     assert recomputed, "nothing was recomputed: the kill did not hit the backward"

@@ -180,14 +180,11 @@ def test_ctrl_c_stops_a_threaded_call_before_each_workers_next_tile(monkeypatch)
     caller, and once the call is cancelled no worker begins more than the one tile it was already
     in (the kernel checks between tiles); no kernel thread is left, BLAS is as it was, and the
     next call gives the serial bits."""
-    import ctypes
-    libc = ctypes.CDLL(None)
-    act = (ctypes.c_char * 256)()
-    libc.sigaction(signal.SIGINT, None, act)
-    DIAG = (f"handler {signal.getsignal(signal.SIGINT)}, C sigaction handler "
-            f"{bytes(act[:8]).hex()}, mask {signal.pthread_sigmask(signal.SIG_BLOCK, [])}, "
-            f"main {threading.current_thread() is threading.main_thread()}, "
-            f"threads {[t.name for t in threading.enumerate()]}")
+    # Python's own Ctrl-C handler, whatever an earlier test in this process left installed (an
+    # asyncio runner's, say, turns the first SIGINT into a task cancellation, not an exception)
+    handler = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    monkeypatch_handler = f"SIGINT handler found: {handler}"
     q, k, v = inputs(np.float32, 1024, 2048, seed=2)  # 16 x 32 tiles of 64 x 64
     blocks = dict(block_q=64, block_k=64)
     small = inputs(np.float32, 64, 64)
@@ -209,13 +206,16 @@ def test_ctrl_c_stops_a_threaded_call_before_each_workers_next_tile(monkeypatch)
         begun.append((threading.current_thread().name, event.is_set()))
         if first_tile.acquire(blocking=False):  # the first tile of the call, in whichever worker
             signal.pthread_kill(main, signal.SIGINT)
-            assert event.wait(HANG), "the caller was not interrupted " + DIAG
+            assert event.wait(HANG), f"the caller was not interrupted ({monkeypatch_handler})"
         return update(*args)
 
     monkeypatch.setattr(_flash_runtime, "run_blocks", watching_run_blocks)
     monkeypatch.setattr(flash_lib, "online_softmax_update", interrupting_update)
-    with flash_lib.threads(2), pytest.raises(KeyboardInterrupt):
-        flash_attention(q, k, v, **blocks)
+    try:
+        with flash_lib.threads(2), pytest.raises(KeyboardInterrupt):
+            flash_attention(q, k, v, **blocks)
+    finally:
+        signal.signal(signal.SIGINT, handler)
     monkeypatch.undo()
     workers = {name for name, _ in begun}
     assert len(workers) <= 2 and all(name.startswith("flash_lib") for name in workers), workers
