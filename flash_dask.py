@@ -62,22 +62,26 @@ one thread per worker, for shards to run side by side.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
 import numbers
 import operator
+import os
+import signal
 
 import dask
 import dask.array as da
 import numpy as np
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
+from distributed.diagnostics.plugin import SchedulerPlugin
 
 import flash_lib
 
 __all__ = ["DEFAULT_SHARD", "QUIET_CLUSTER", "dask_attention", "dask_attention_backward",
-           "attention_task_count", "backward_task_count"]
+           "attention_task_count", "backward_task_count", "KillWorkerAt"]
 
 #: Dask settings for a compute-bound graph on a machine with no core to spare: the workers'
 #: statistical profiler off (it samples every thread's stack every 10 ms, for the dashboard's
@@ -407,6 +411,53 @@ def backward_task_count(array):
     """
     return sum(1 for key in array.__dask_graph__()
                if isinstance(key, tuple) and str(key[0]).startswith(_BPAIR))
+
+
+class KillWorkerAt(SchedulerPlugin):
+    """Fault injection, for demonstrations and tests: a scheduler plugin that, when the
+    ``after``-th task whose key starts with ``prefix`` (e.g. ``"flash-attention-pair-"``) reaches
+    memory, SIGKILLs the worker process holding the most such results, there and then, inside the
+    scheduler's own transition. The kill comes at a known point of the graph (``after`` of those
+    tasks done, the rest to run), whatever the machine's speed or load: nothing polls a clock.
+
+    For a cluster whose workers run on the scheduler's machine (a ``LocalCluster`` of processes):
+    ``client.register_plugin(KillWorkerAt(prefix, after))`` before computing, and
+    ``client.run_on_scheduler(KillWorkerAt.report)`` after, which returns ``(victim address,
+    results it held, tasks finished when it struck)`` (the address None if it never struck) and
+    removes the plugin. Chapter 19 kills a worker with it; ``tests/test_dask.py`` too.
+    """
+
+    name = "flash-dask-kill-worker-at"
+
+    def __init__(self, prefix, after):
+        self.prefix, self.after = prefix, after
+        self.finished, self.struck = set(), None
+
+    async def start(self, scheduler):
+        self.scheduler = scheduler
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        if (self.struck is not None or finish != "memory" or not isinstance(key, tuple)
+                or not str(key[0]).startswith(self.prefix)):
+            return
+        self.finished.add(key)
+        if len(self.finished) < self.after:
+            return
+        held = collections.Counter()
+        for done in self.finished:
+            ts = self.scheduler.tasks.get(done)
+            if ts is not None and ts.state == "memory":
+                held.update(ws.address for ws in ts.who_has)
+        victim = max(held, key=held.get)
+        os.kill(self.scheduler.workers[victim].pid, signal.SIGKILL)
+        self.struck = (victim, held[victim], len(self.finished))
+
+    @staticmethod
+    def report(dask_scheduler):
+        """Scheduler side (``client.run_on_scheduler(KillWorkerAt.report)``): what the plugin
+        did, ``(victim, results it held, tasks finished)``; removes it."""
+        plugin = dask_scheduler.plugins.pop(KillWorkerAt.name)
+        return plugin.struck or (None, 0, len(plugin.finished))
 
 
 # --------------------------------------------------------------------------------------------

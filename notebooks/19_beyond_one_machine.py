@@ -41,7 +41,6 @@
 import collections
 import logging
 import os
-import signal
 import time
 
 import dask
@@ -651,11 +650,13 @@ print("MALLOC_TRIM_THRESHOLD_ unset in each worker:",
 #
 # A cluster of many machines loses one now and then. Every result of the graph is a pure
 # function of its inputs, so when a worker dies, the scheduler recomputes whatever died with it.
-# We run the causal graph of the first section again (36 pair tasks), wait until 6 of them are
-# done, and kill, with `SIGKILL`, the worker process that holds the most of their results (the
-# running states of its chains): no warning, no clean-up. The nanny that watches each worker
-# process starts a new one. The scheduler's warning that computed results were lost is caught,
-# not printed.
+# We run the causal graph of the first section again (36 pair tasks), and when 6 of them are
+# done the worker process that holds the most of their results (the running states of its
+# chains) is killed with `SIGKILL`: no warning, no clean-up. `flash_dask.KillWorkerAt` does it,
+# a scheduler plugin that strikes from inside the scheduler's own bookkeeping the moment the
+# 6th result arrives, so the kill lands at the same point of the graph on any machine. The
+# nanny that watches each worker process starts a new one. The scheduler's warning that
+# computed results were lost is caught, not printed.
 
 # %%
 class Records(logging.Handler):
@@ -665,23 +666,6 @@ class Records(logging.Handler):
 
     def emit(self, record):
         self.messages.append(record.getMessage())
-
-
-def keys_in_memory(dask_scheduler, prefix):
-    """Scheduler side: {worker: how many keys starting with `prefix` it holds}."""
-    held = collections.Counter()
-    for key, ts in dask_scheduler.tasks.items():
-        if ts.state == "memory" and isinstance(key, tuple) and str(key[0]).startswith(prefix):
-            held.update(ws.address for ws in ts.who_has)
-    return dict(held)
-
-
-def computed(dask_scheduler, prefix):
-    """Scheduler side: how many keys starting with `prefix` have reached memory so far (a
-    chain's step is released once the next one has read it)."""
-    return len({entry[0] for entry in dask_scheduler.transition_log
-                if entry[2] == "memory" and isinstance(entry[0], tuple)
-                and str(entry[0][0]).startswith(prefix)})
 
 
 def computed_twice(dask_scheduler, prefix):
@@ -699,17 +683,9 @@ scheduler_log.setLevel(logging.WARNING)
 scheduler_log.propagate = False  # into the list, not onto this page
 
 pids = client.run(os.getpid)
-future = client.compute(causal_out)
-deadline = time.monotonic() + 60
-while time.monotonic() < deadline:
-    held = client.run_on_scheduler(keys_in_memory, prefix="flash-attention-pair-")
-    if held and client.run_on_scheduler(computed, prefix="flash-attention-pair-") >= 6:
-        break
-    time.sleep(0.01)
-victim = max(held, key=held.get)
-killed_mid_run = not future.done()
-os.kill(pids[victim], signal.SIGKILL)
-kill_result = future.result(timeout=60)  # raises if anything was lost for good
+client.register_plugin(flash_dask.KillWorkerAt("flash-attention-pair-", after=6))
+kill_result = client.compute(causal_out).result(timeout=60)  # raises if anything was lost for good
+victim, held, finished = client.run_on_scheduler(flash_dask.KillWorkerAt.report)
 client.wait_for_workers(2, timeout=60)
 scheduler_log.removeHandler(records_handler)
 scheduler_log.setLevel(logging.NOTSET)
@@ -719,8 +695,8 @@ recomputed = client.run_on_scheduler(computed_twice, prefix="flash-attention-")
 lost_warning = any("lose already computed task" in m for m in records_handler.messages)
 replaced = pids[victim] not in client.run(os.getpid).values()
 kill_err = float(flash_lib.rowwise_relative_error(kill_result, ref_out).max())
-print("killed while the graph was running, holding partial results:",
-      killed_mid_run and held[victim] >= 1)
+print(f"killed when {finished} of the 36 pair tasks were done, holding partial results:",
+      victim is not None and held >= 1)
 print("the scheduler warned that computed results were lost:", lost_warning)
 print("some of this graph's results were computed twice:", recomputed > 0)
 print("the killed process was replaced, 2 workers again:", replaced,
@@ -754,6 +730,6 @@ print(f"on the machine that built this page, causal N = {n}: 2 workers {t_cluste
 client.close()
 cluster.close()
 assert all(value is None for value in worker_trim.values())
-assert killed_mid_run and held[victim] >= 1
+assert victim is not None and finished == 6 and held >= 1
 assert lost_warning and recomputed > 0 and replaced
 assert kill_err <= 1e-12

@@ -10,7 +10,6 @@ import collections
 import contextlib
 import logging
 import os
-import signal
 import time
 
 import dask
@@ -19,7 +18,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster
-from distributed.diagnostics.plugin import SchedulerPlugin
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -459,56 +457,20 @@ def test_a_causal_query_shard_starts_its_chains_at_the_diagonal():
 # --------------------------------------------------------------------------------------------
 
 
-class _StrikeAt(SchedulerPlugin):
-    """Scheduler side: when the ``done``-th task whose key starts with ``prefix`` reaches memory,
-    SIGKILL the worker that holds the most such results, there and then, inside the scheduler's
-    own transition. The kill comes at a known point of the graph (``done`` of its tasks finished,
-    the rest not), whatever the machine's speed or load; nothing polls a clock."""
-
-    name = "strike-at"
-
-    def __init__(self, prefix, done, pids):
-        self.prefix, self.done, self.pids = prefix, done, pids
-        self.finished, self.struck = set(), None  # struck: (victim, results it held)
-
-    def start(self, scheduler):
-        self.scheduler = scheduler
-
-    def transition(self, key, start, finish, *args, **kwargs):
-        if (self.struck is not None or finish != "memory" or not isinstance(key, tuple)
-                or not str(key[0]).startswith(self.prefix)):
-            return
-        self.finished.add(key)
-        if len(self.finished) < self.done:
-            return
-        held = collections.Counter()
-        for k in self.finished:
-            ts = self.scheduler.tasks.get(k)
-            if ts is not None and ts.state == "memory":
-                held.update(ws.address for ws in ts.who_has)
-        victim = max(held, key=held.get)
-        os.kill(self.pids[victim], signal.SIGKILL)
-        self.struck = (victim, held[victim])
-
-
-def _compute_with_a_strike(client, collections, prefix, pids, done=6):
-    """Compute ``collections`` with :class:`_StrikeAt` armed on the scheduler, so that a worker is
-    killed when ``done`` of the 36 pair tasks have finished; return the results (gathered: this
-    raises if one was lost for good) and the victim's address, once the test's premise is
-    checked: the kill came with the rest of the graph still to run, and the victim held some of
-    its results."""
-    def read(dask_scheduler):  # what the plugin did; it is removed, unarmed
-        plugin = dask_scheduler.plugins.pop(_StrikeAt.name)
-        return plugin.struck, len(plugin.finished)
-
-    client.register_plugin(_StrikeAt(prefix, done, pids))
+def _compute_with_a_strike(client, collections, prefix, done=6):
+    """Compute ``collections`` with ``flash_dask.KillWorkerAt`` armed on the scheduler, so that a
+    worker is killed when ``done`` of the 36 pair tasks have finished; return the results
+    (gathered: this raises if one was lost for good) and the victim's address, once the test's
+    premise is checked: the kill came with the rest of the graph still to run, and the victim
+    held some of its results."""
+    client.register_plugin(flash_dask.KillWorkerAt(prefix, done))
     futures = client.compute(collections)
     try:
         results = client.gather(futures)
     finally:
         client.cancel(futures)
-        (victim, held), finished = client.run_on_scheduler(read)
-    assert finished == done, finished  # struck with 36 - done pair tasks still to run
+        victim, held, finished = client.run_on_scheduler(flash_dask.KillWorkerAt.report)
+    assert victim is not None and finished == done, finished  # 36 - done pair tasks to run
     assert held >= 1, "no partial result in memory to lose"
     return results, victim
 
@@ -538,7 +500,7 @@ def test_a_worker_killed_mid_computation_loses_nothing(own_client):
     pids = client.run(os.getpid)
     # when 6 of the 36 pair tasks are done, the worker holding most of them (running states of
     # the chains) is killed, from inside the scheduler
-    (got_out, got_lse), victim = _compute_with_a_strike(client, [out, lse], prefix + "pair-", pids)
+    (got_out, got_lse), victim = _compute_with_a_strike(client, [out, lse], prefix + "pair-")
     assert pids[victim] not in client.run(os.getpid).values(), "the victim still runs"
     recomputed = client.run_on_scheduler(_computed_twice, prefix=prefix)
     assert recomputed, "nothing was recomputed: the kill did not hit the computation"
@@ -895,7 +857,7 @@ def test_a_worker_killed_mid_backward_loses_nothing(own_client):
     pids = client.run(os.getpid)
     # when 6 of the 36 pair tasks are done, the worker holding most of their results (running
     # dq, shares of dk and dv) is killed, from inside the scheduler
-    got, victim = _compute_with_a_strike(client, list(grads), prefix + "pair-", pids)
+    got, victim = _compute_with_a_strike(client, list(grads), prefix + "pair-")
     assert pids[victim] not in client.run(os.getpid).values(), "the victim still runs"
     recomputed = client.run_on_scheduler(_computed_twice, prefix=prefix)
     assert recomputed, "nothing was recomputed: the kill did not hit the backward"
