@@ -33,6 +33,11 @@ FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 # (Never compare a dtype with BFLOAT16 when it may be None: NumPy reads None as float64.)
 HALF_DTYPES = (np.dtype(np.float16),) + (() if BFLOAT16 is None else (BFLOAT16,))
 FLOAT_NAMES = "float16, bfloat16, float32 or float64"
+#: The largest ``dropout_p`` the kernels accept. The keep mask keeps a weight with probability
+#: ``1 - round(p·2¹⁶)/2¹⁶``, within ``2⁻¹⁷`` of ``1 - p``, so ``E[P∘Z/(1 - p)]`` is ``P`` within a
+#: relative ``2⁻¹⁷/(1 - p)``: at most ``2⁻⁸`` (bfloat16's unit roundoff) for ``p <= 1 - 2⁻⁹``.
+#: Beyond it the error grows without bound (at ``p >= 1 - 2⁻¹⁷`` nothing is kept at all).
+MAX_DROPOUT_P = 1 - 2**-9
 #: log2(e) and ln(2): e^x = 2^(x·log2 e), and log x = log2(x) · ln 2
 LOG2E, LN2 = 1 / math.log(2), math.log(2)
 
@@ -134,14 +139,17 @@ class Problem:
         most ``max|slope| · (max(Nq, Nk) - 1)``. Over the finite entries only: an inf or NaN
         gives the same inf or NaN scores in base e and in base 2, so it must not change the base
         of the other rows (a NaN in row ``i`` leaves every other row's bits as they were)."""
-        if self.softcap is not None:
-            bound = self.softcap
-        else:
-            bound = (self.q.shape[-1] * (largest_finite(self.q) * self.scale_q)
-                     * (largest_finite(self.k) * self.scale_k))
+        bound = self.softcap if self.softcap is not None else self.product_bound
         if self.alibi is not None:
             bound += largest_finite(self.alibi) * max(self.n_q - 1, self.n_k - 1, 0)
         return bound if math.isfinite(bound) else math.inf
+
+    @functools.cached_property
+    def product_bound(self):
+        """An upper bound on every ``|τ q·k|``, the scores before the variants: ``d · max|τ_q q| ·
+        max|τ_k k|`` over the finite entries (a Python float; inf beyond float64)."""
+        return (self.q.shape[-1] * (largest_finite(self.q) * self.scale_q)
+                * (largest_finite(self.k) * self.scale_k))
 
     def base(self, exp):
         """The call's exponential and the unit of its scores, ``(exp, unit)``: ``exp`` is the
@@ -235,7 +243,9 @@ class Problem:
         return tiles.sum_to(self.merge_heads(-(p_sink * D).sum(axis=-1)), self.sinks_shape)
 
     def dropout_scale(self, dtype):
-        """``1 / (1 - p)`` in ``dtype``: the kept weights' factor, so that E[P ∘ Z / (1 - p)] = P."""
+        """``1 / (1 - p)`` in ``dtype``: the kept weights' factor (FlashAttention's), so that
+        ``E[P ∘ Z / (1 - p)] = P`` within a relative ``2⁻¹⁷/(1 - p) <= 2⁻⁸`` (``MAX_DROPOUT_P``),
+        exactly when ``p·2¹⁶`` is an integer."""
         return dtype.type(1) / (dtype.type(1) - dtype.type(self.dropout_p))
 
     def merge_heads(self, x):
@@ -479,8 +489,25 @@ def problem(q, k, v, *, mask, causal, scale, window, softcap, alibi_slopes, enab
                        softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, sinks=sinks,
                        dropout_p=dropout_p, dropout_seed=dropout_seed,
                        dropout_offset=dropout_offset)
-    return Problem(q=q, k=k, v=v, mask=mask, batch=batch, groups=groups, shapes=shapes,
-                   user_batch=user_batch, **fields)
+    checked = Problem(q=q, k=k, v=v, mask=mask, batch=batch, groups=groups, shapes=shapes,
+                      user_batch=user_batch, **fields)
+    _check_scores_fit(checked)
+    return checked
+
+
+def _check_scores_fit(problem):
+    """Without softcap, the scores ``τ q·k`` must fit the compute dtype: one beyond it is ±inf,
+    and a row holding +inf gets NaN (inf - inf) where the extended-precision truth is finite.
+    Checked on the bound ``d · max|τ_q q| · max|τ_k k|`` (finite entries), before any tile.
+    With softcap an overflowing product is harmless: ``tanh(±inf) = ±1`` caps it, as the truth."""
+    largest = float(np.finfo(problem.dtype).max)
+    if problem.softcap is None and not problem.product_bound <= largest:
+        raise ValueError(
+            f"scale = {problem.scale!r} with these q and k gives scores up to "
+            f"{problem.product_bound:.4g} (d · max|q| · max|k| · scale, over their finite "
+            f"entries), beyond the compute dtype {problem.dtype}'s largest {largest:.4g}: they "
+            f"would overflow to inf and turn rows NaN. Use a smaller scale, smaller inputs, a "
+            f"wider dtype, or softcap")
 
 
 def _variants(q, k, v, user_batch, groups, *, causal, scale, window, softcap, alibi_slopes,
@@ -727,6 +754,12 @@ def checked_dropout(p, seed, offset, n_q, n_k):
         raise TypeError(f"dropout_p must be a real number in [0, 1), got {p!r}")
     if not 0 <= p < 1:
         raise ValueError(f"dropout_p must be in [0, 1) (the probability of dropping), got {p!r}")
+    if p > MAX_DROPOUT_P:
+        t = dropout.threshold(p)
+        raise ValueError(
+            f"dropout_p = {p!r} is above the largest accepted, 1 - 2**-9 = {MAX_DROPOUT_P}: the "
+            f"mask's 16-bit threshold round(p·2**16) = {t} keeps {1 - t / 2**16:.4g} of the "
+            f"weights, not 1 - p = {1 - p:.4g}, so (P∘Z/(1 - p))·V would not average to P·V")
     if p > 0 or seed is not None:
         if (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
                 or not 0 <= seed < 2**64):

@@ -113,7 +113,10 @@ def tile_scores(problem, q, k, q_start, q_stop, k_start, k_stop, out=None, grad=
     """
     if out is None:  # the whole batch, as the forward's buffer: v, mask may add batch dims
         out = np.empty(problem.batch + (q_stop - q_start, k_stop - k_start), np.result_type(q, k))
-    s = np.matmul(q, np.swapaxes(k, -1, -2), out=out)
+    # with softcap a product beyond the dtype is ±inf, then capped to ±softcap below (without it
+    # the problem's check refused such q, k and scale before any tile)
+    with np.errstate(over="ignore" if problem.softcap is not None else None):
+        s = np.matmul(q, np.swapaxes(k, -1, -2), out=out)
     slope = None
     if problem.softcap is not None:
         cap = s.dtype.type(problem.softcap * unit)

@@ -654,16 +654,15 @@ def _shards(q, k, v, mask, *, causal, scale, split_every, dropout_p, dropout_see
     checked = flash_lib.check_inputs(q, k, v, mask=mask, causal=causal, scale=scale, sinks=sinks,
                                      dropout_p=dropout_p, dropout_seed=dropout_seed, **saved)
     n_q, n_k = checked.n_q, checked.n_k
-    q_chunks = _sequence_chunks([("q", q, -2)] + [(name, x, -1 if name == "lse" else -2)
-                                                  for name, x in saved.items()]
-                                + [("mask", mask, -2)], n_q)
-    k_chunks = _sequence_chunks([("k", k, -2), ("v", v, -2), ("mask", mask, -1)], n_k)
-    partner = "q" if saved else "k"  # whose chunks a query-side array must have
-    q = _as_dask("q", q, q_chunks, -2, partner=partner)
-    saved = {name: _as_dask(name, x, q_chunks, -1 if name == "lse" else -2, partner="q")
+    q_chunks, q_source = _sequence_chunks([("q", q, -2)] + [(name, x, -1 if name == "lse" else -2)
+                                                            for name, x in saved.items()]
+                                          + [("mask", mask, -2)], n_q)
+    k_chunks, k_source = _sequence_chunks([("k", k, -2), ("v", v, -2), ("mask", mask, -1)], n_k)
+    q = _as_dask("q", q, q_chunks, -2, partner=q_source)
+    saved = {name: _as_dask(name, x, q_chunks, -1 if name == "lse" else -2, partner=q_source)
              for name, x in saved.items()}
-    k = _as_dask("k", k, k_chunks, -2)
-    v = _as_dask("v", v, k_chunks, -2)
+    k = _as_dask("k", k, k_chunks, -2, partner=k_source)
+    v = _as_dask("v", v, k_chunks, -2, partner=k_source)
     # A NumPy mask is known now: shard pairs it forbids get no task. A Dask mask is not.
     numpy_mask = None
     if mask is not None:
@@ -696,27 +695,32 @@ def _check_split_every(split_every):
 def _as_array(name, x):
     """A Dask array as it is (with known chunk sizes), anything else as a NumPy array."""
     if not isinstance(x, da.Array):
-        x = np.asarray(x)
-    elif any(math.isnan(c) for axis in x.chunks for c in axis):
+        return np.asarray(x)
+    if any(math.isnan(c) for axis in x.chunks for c in axis):
         raise ValueError(f"{name} has unknown chunk sizes {x.chunks}: call "
                          f"{name}.compute_chunk_sizes() first, or rechunk it")
-    return x
+    # An axis of length 1 is one chunk whatever empty chunks surround it, e.g. (0, 1, 0): the
+    # element is where it is, and rechunking it moves nothing.
+    single = {axis: -1 for axis, (n, chunks) in enumerate(zip(x.shape, x.chunks))
+              if n == 1 and len(chunks) > 1}
+    return x.rechunk(single) if single else x
 
 
 def _sequence_chunks(candidates, n):
-    """Chunks of a sequence axis of length ``n``: the first Dask array's, else DEFAULT_SHARD.
+    """Chunks of a sequence axis of length ``n``, and the name of the array they come from: the
+    first Dask array's, else DEFAULT_SHARD rows (from no array: None).
 
     A mask axis of length 1 (broadcast) says nothing about the shards and is passed over.
     """
     for name, x, axis in candidates:
-        if isinstance(x, da.Array) and x.shape[axis] == n and n != 1:
-            return x.chunks[axis]
+        if isinstance(x, da.Array) and x.shape[axis] == n and (n != 1 or name != "mask"):
+            return x.chunks[axis], name
     if n == 0:
-        return (0,)
-    return tuple(min(DEFAULT_SHARD, n - s) for s in range(0, n, DEFAULT_SHARD))
+        return (0,), None
+    return tuple(min(DEFAULT_SHARD, n - s) for s in range(0, n, DEFAULT_SHARD)), None
 
 
-def _as_dask(name, x, seq_chunks, seq_axis, partner="k"):
+def _as_dask(name, x, seq_chunks, seq_axis, partner=None):
     """Wrap a NumPy input with the given sequence chunks, or check a Dask input has them.
 
     For q, k, v (out, dout) ``seq_axis`` is -2 and ``seq_chunks`` its chunks, those of

@@ -229,10 +229,13 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
         broadcastable to the leading dims as ``alibi_slopes``. Each row's softmax gets one more
         key, of score ``sink`` (not scaled, not capped) and value 0: ``P_ij = exp(s_ij - lse_i)``,
         ``lse_i = log(exp(sink) + Σ_j exp(s_ij))``. The backward then also returns ``dsinks``.
-    dropout_p : real number in [0, 1)
+    dropout_p : real number in [0, 1 - 2**-9]
         Dropout on the weights, FlashAttention's: ``out = (P ∘ Z / (1 - p)) V``, ``Z`` the keep
-        mask of :func:`dropout_keep` (Bernoulli(1 - p) per element); ``lse`` stays undropped.
-        0 (the default) draws nothing: the same bits as no dropout.
+        mask of :func:`dropout_keep`, Bernoulli(``1 - round(p·2¹⁶)/2¹⁶``) per element, within
+        ``2⁻¹⁷`` of ``1 - p``: so ``E[P ∘ Z / (1 - p)] = P`` within a relative ``2⁻¹⁷/(1 - p)``,
+        at most ``2⁻⁸`` for the ``p`` accepted (a larger ``p`` is refused: its 16-bit threshold
+        cannot keep ``1 - p`` of the weights). ``lse`` stays undropped. 0 (the default) draws
+        nothing: the same bits as no dropout.
     dropout_seed : int in [0, 2**64)
         Keys the mask; needed when ``dropout_p > 0``. The backward given it draws the same mask.
     dropout_offset : (row, key)
@@ -529,7 +532,10 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
                             n_blocks=-(-n_k // block_k), n_scores=problem.n_scores)
     dq *= dtype.type(problem.scale_q)
     grads = problem.input_shapes(dq.astype(problem.q.dtype, copy=False), dk, dv)
-    return grads if problem.sinks is None else grads + (problem.dsinks(lse, D),)
+    if problem.sinks is None:
+        return grads
+    with _runtime.ieee_quiet():  # a NaN row's D is NaN: its dsinks term is, without a warning
+        return grads + (problem.dsinks(lse, D),)
 
 
 def attention_backward_block(problem, key_block, cancelled, *, block_q, block_k, exp, unit, dout,

@@ -1048,3 +1048,21 @@ def test_dropout_and_sinks_in_float16():
         g, r = g.astype(np.float64), r.astype(np.float64)
         tol = 1e-5 if name == "dsinks" else eps  # float32 sums, then one float16 rounding
         assert np.abs(g - r).max() <= tol * np.abs(r).max(), name
+
+
+def test_a_length_one_sequence_axis_with_empty_chunks_is_one_shard():
+    """Chunks (0, 1, 0) along a sequence axis of length 1 (Dask allows empty chunks) are that one
+    element: accepted for q, k and v alike, and computed exactly as flash_attention (it was
+    refused as "q must be chunked like k … got (0, 1, 0) and k's (1,)", and even "k must be
+    chunked like k"). A real mismatch still names the array the shards were taken from."""
+    x = np.random.default_rng(15).standard_normal((1, 8))
+    padded, plain = (da.from_array(x, chunks=(chunks, (8,))) for chunks in ((0, 1, 0), (1,)))
+    ref = flash_lib.flash_attention(x, x, x)
+    for q, k, v in ((padded, plain, plain), (plain, padded, padded), (padded, padded, padded)):
+        np.testing.assert_array_equal(flash_dask.dask_attention(q, k, v).compute(scheduler="sync"),
+                                      ref)
+    y = np.random.default_rng(16).standard_normal((8, 4))
+    k, v = da.from_array(y, chunks=((4, 4), (4,))), da.from_array(y, chunks=((2, 6), (4,)))
+    with pytest.raises(ValueError, match=r"v must be chunked like k .* got \(2, 6\) and k's "
+                                         r"\(4, 4\)"):
+        flash_dask.dask_attention(y, k, v)

@@ -457,3 +457,39 @@ def test_fuzz_flash_agrees_with_naive_and_with_itself_in_every_layout(
         finite = np.isfinite(b)
         unit = max(1.0, np.abs(b[finite]).max(initial=0.0))
         assert np.abs(a[finite] - b[finite]).max(initial=0.0) <= tol * unit * 16
+
+
+def test_dsinks_of_rows_with_opposite_infinities_warns_nothing():
+    """``dsinks`` sums ``exp(sink - lse_i)·D_i`` over rows: with an inf in ``v`` and ``dout`` rows
+    of opposite signs, ``D`` holds +inf and -inf and the sum is NaN (what IEEE arithmetic gives,
+    as every other gradient of such rows), with no RuntimeWarning escaping the call (it used to
+    be computed outside the kernel's errstate)."""
+    rng = np.random.default_rng(12)
+    q, k, v = (rng.standard_normal((1, 6, 4)) for _ in range(3))
+    v[0, 2, 0] = np.inf
+    dout = np.ones((1, 6, 4))
+    dout[0, 1, 0] = -1
+    sinks = np.array(0.5)
+    out, lse = fl.flash_attention(q, k, v, sinks=sinks, return_lse=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dsinks = fl.flash_attention_backward(q, k, v, out, lse, dout, sinks=sinks)[3]
+    assert np.isnan(dsinks)
+
+
+def test_scores_beyond_the_compute_dtype_are_refused_or_capped_without_a_warning():
+    """float32 q = k = 1 with scale = 3e38: the scores 8·3e38 overflow float32 (they were inf,
+    then NaN rows, with "overflow encountered in matmul"). Without softcap the kernels refuse
+    them, naming scale and the bound; with softcap the product's ±inf is capped to ±softcap, as
+    the extended-precision truth is, with no warning."""
+    x = np.ones((1, 4, 8), np.float32)
+    for kernel in (fl.flash_attention, fl.naive_attention, fl.precise_attention):
+        with pytest.raises(ValueError, match=r"scale = 3e\+38 with these q and k gives scores up "
+                                             r"to 2\.4e\+39 .* beyond the compute dtype float32"):
+            kernel(x, x, x, scale=3e38)
+    big = x * np.float32(1e20)  # q·k = 8e40, beyond float32 for any scale of 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = fl.flash_attention(big, big, x, softcap=5.0, block_q=2, block_k=2)
+    truth = fl.precise_attention(*(a.astype(np.float64) for a in (big, big, x)), softcap=5.0)
+    np.testing.assert_array_equal(out, truth.astype(np.float32))

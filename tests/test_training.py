@@ -9,6 +9,7 @@ against it and against ``naive_attention`` with the same keywords over every com
 the variants; the gradients against central differences.
 """
 
+import math
 import re
 
 import numpy as np
@@ -363,6 +364,41 @@ def test_dropout_keep_is_checked():
             flash_lib.dropout_keep(*args)
     with pytest.raises(TypeError, match=re.escape("dropout_offset must be a pair (row, key)")):
         flash_lib.dropout_keep(1, 0.1, (3, 3), offset=(1,))
+
+
+@pytest.mark.parametrize("p", [0.5, 0.9, 0.99, 0.997, 1 - 2**-9])
+def test_dropout_averages_to_p_v_up_to_its_stated_bound(p):
+    """E[P∘Z/(1 - p)] = P within a relative 2⁻⁸ for every p accepted (flash_lib.flash_attention's
+    docstring): the keep probability 1 - round(p·2¹⁶)/2¹⁶ is within 2⁻¹⁷ of 1 - p, which is
+    2⁻¹⁷/(1 - p) <= 2⁻⁸ of it while p <= 1 - 2⁻⁹; and a 2²² mask keeps that fraction, within 6
+    binomial standard deviations, so the kernels' mean weight is the softmax's."""
+    keep_probability = 1 - round(p * 2**16) / 2**16
+    assert abs(keep_probability / (1 - p) - 1) <= 2**-8
+    mask = flash_lib.dropout_keep(SEED, p, (4, 1024, 1024))
+    sigma = math.sqrt(keep_probability * (1 - keep_probability) / mask.size)
+    assert abs(mask.mean() - keep_probability) <= 6 * sigma
+    # the whole call: with q = 0 every weight is 1/Nk, so each row of out = (P∘Z/(1-p))·1 averages to 1
+    n = 4096
+    out = flash_lib.flash_attention(np.zeros((64, 1, 8)), np.zeros((64, n, 8)), np.ones((64, n, 1)),
+                                    dropout_p=p, dropout_seed=SEED)
+    mean, spread = float(out.mean()), math.sqrt(keep_probability * (1 - keep_probability)
+                                                / (64 * n)) / (1 - p)
+    assert abs(mean - keep_probability / (1 - p)) <= 6 * spread
+    assert abs(mean - 1) <= 2**-8 + 6 * spread
+
+
+@pytest.mark.parametrize("p", [0.999, 0.99999, 1 - 2**-17, 0.9999999])
+def test_dropout_p_the_16_bit_threshold_cannot_keep_is_refused(p):
+    """Above 1 - 2⁻⁹ the threshold misstates 1 - p by more than 2⁻⁸ of it (at p = 0.99999 the
+    mask keeps 1.53e-5, not 1e-5; from 1 - 2⁻¹⁷ on, nothing): refused, naming dropout_p and the
+    largest value accepted, by every kernel and by dropout_keep."""
+    q = np.ones((1, 4, 8))
+    for call in (lambda: flash_lib.flash_attention(q, q, q, dropout_p=p, dropout_seed=1),
+                 lambda: flash_lib.naive_attention(q, q, q, dropout_p=p, dropout_seed=1),
+                 lambda: flash_lib.dropout_keep(1, p, (4, 4))):
+        with pytest.raises(ValueError, match=r"dropout_p = .* above the largest accepted, "
+                                             r"1 - 2\*\*-9 = 0.998046875"):
+            call()
 
 
 # ---------------------------------------------------------------------------------------------
