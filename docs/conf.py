@@ -167,7 +167,8 @@ def _stored_outputs_where_not_run(app, docname, source):
             skipped += 1
     reasons = " ".join(_platform.reason(tag) + "." for tag in tags)
     note = nbformat.v4.new_markdown_cell(
-        f":::{{warning}} Not all of this chapter was executed\n{reasons} The {skipped} cells marked "
+        f":::{{admonition}} Not all of this chapter was executed\n:class: warning\n\n"
+        f"{reasons} The {skipped} cells marked "
         f"\"stored output\" show the outputs stored in `notebooks/{stem}.ipynb`, from a run on "
         "Linux; every other cell ran when this site was built.\n:::")
     nb.cells.insert(1, note)

@@ -140,7 +140,8 @@ def test_without_triton_the_site_shows_stored_outputs_under_a_note(monkeypatch):
     shown = _platform.read_chapter(source[0])
     stored = nbformat.read(chapter.with_suffix(".ipynb"), as_version=4)
     note = shown.cells[1]
-    assert note.cell_type == "markdown" and note.source.startswith(":::{warning}")
+    assert note.cell_type == "markdown" and note.source.startswith(
+        ":::{admonition} Not all of this chapter was executed\n:class: warning")
     assert "triton is not installed on this platform" in note.source
     rest = shown.cells[:1] + shown.cells[2:]
     assert len(rest) == len(stored.cells) == len(jupytext.reads(text, fmt="py:percent").cells)
