@@ -18,37 +18,25 @@
 # Fifteen chapters derived FlashAttention and wrote it in NumPy. This one shows it as a GPU
 # kernel, in [Triton](https://triton-lang.org), a Python dialect in which one writes the program
 # of one *thread block* and the compiler maps it onto the GPU's threads. The kernel lives in
-# `flash_triton.py`, beside `flash_lib.py`. There is no GPU on the machine that runs this
-# notebook, and there need not be one on yours: Triton's **interpreter** (`TRITON_INTERPRET=1`)
-# runs the same `@triton.jit` functions on the CPU, one thread block after another, with NumPy
-# doing the arithmetic. It is slow, but it is the kernel, line for line, and so
-# chapter 20's conformance suite can check it. In this chapter:
-#
-# - the GPU's execution model (grid, thread blocks on streaming multiprocessors, warps,
-#   registers, shared memory, HBM, tensor cores) and where each piece of flash_lib's tile loop
-#   goes;
-# - the forward kernel shown whole and read line by line against chapter 5's algorithm box, and
-#   the backward against chapter 12's loop;
-# - `exp2`, and why the scale is folded into the change of base;
-# - causal tiles skipped and the diagonal masked, counted;
-# - FlashAttention-2's work partitioning: why cutting non-matmul flops mattered when an A100
-#   does 312 TFLOP/s of matmul and 19.5 TFLOP/s of everything else;
-# - the bytes and flops of one tile on an A100 and an H100, against chapter 9's roofline;
-# - FlashAttention-3 on Hopper: warp specialisation, TMA, ping-pong, intra-warpgroup overlap,
-#   FP8, with the figures its paper reports;
-# - a planted bug (a missing rescale) in the Triton kernel, caught by `flash_check` with its
-#   diagnosis.
-#
-# Every GPU figure below is quoted from a datasheet or a paper, named beside it. **Nothing about
-# GPU speed is measured here**: the only times in this chapter are the interpreter's, on a CPU.
+# `flash_triton.py`, beside `flash_lib.py`. No GPU is needed: Triton's **interpreter**
+# (`TRITON_INTERPRET=1`) runs the same `@triton.jit` functions on the CPU, one thread block after
+# another, with NumPy doing the arithmetic; slow, but the kernel, line for line, which chapter
+# 20's conformance suite can check. In this chapter: the GPU's execution model, drawn; the
+# forward kernel read against chapter 5's algorithm box, the backward against chapter 12's;
+# `exp2`; causal tiles counted; what the softmax costs beside the matmuls (its exponential runs
+# on a unit far slower than the tensor cores, the fact behind FlashAttention-2's, -3's and -4's
+# designs); FlashAttention-2's tiles, chosen by the 255 registers a thread can hold; one tile
+# against chapter 9's roofline; a planted bug caught by `flash_check`. Every GPU figure is
+# computed from one table of datasheet and paper figures that names its sources. **Nothing
+# about GPU speed is measured here.**
 
 # %%
 import inspect
 import math
-import time
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.patches import Rectangle
 
 import flash_check
 import flash_lib
@@ -57,7 +45,7 @@ rng = np.random.default_rng(16)
 
 # %% tags=["needs-triton"]
 # flash_triton before triton: on a machine without CUDA it sets TRITON_INTERPRET=1, which Triton
-# reads when it is first imported (its own helpers, tl.zeros, tl.max, ..., are @triton.jit functions).
+# reads when it is first imported (its helpers tl.zeros, tl.max, ... are @triton.jit functions).
 import flash_triton
 import triton
 
@@ -67,26 +55,99 @@ print(f"triton {triton.__version__}; interpreted: {flash_triton.INTERPRETED}; "
 # %% [markdown]
 # ## The execution model
 #
-# A GPU kernel is launched over a **grid** of **programs** (CUDA calls them thread blocks, or
-# CTAs). The hardware hands each program to one **streaming multiprocessor** (SM); an A100 has 108
-# of them, an H100 SXM5 132. A program runs as a few **warps**, groups of 32 threads that execute
-# one instruction together; Triton's `num_warps` (4 by default) says how many, and the compiler
-# decides which thread holds which element of a tile. Three memories matter:
-#
-# | where | size (A100 / H100 SXM5) | what lives there in FlashAttention |
-# |---|---|---|
-# | **registers**, private to each thread | 256 KB per SM on both | $S$, $P$, the accumulator `acc`, $m$, $\ell$: fp32 |
-# | **shared memory** (SRAM), per SM, shared by one program's warps | up to 164 KB / 228 KB per SM, 163 KB / 227 KB per program | the $K_j$, $V_j$ tiles being multiplied |
-# | **HBM**, the GPU's main memory | 40–80 GB at 1.6–2.0 TB/s / 80 GB at 3.35 TB/s | $Q, K, V$, the output, the lse |
-#
-# (NVIDIA A100 Tensor Core GPU datasheet and Ampere architecture whitepaper; NVIDIA H100 Tensor
-# Core GPU datasheet and Hopper architecture whitepaper; the shared memory per program from the
-# CUDA C++ Programming Guide, compute capabilities 8.0 and 9.0, and NVIDIA's Ampere and Hopper
-# tuning guides: "CUDA reserves 1 KB of shared memory per thread block".) The **tensor cores** multiply small
-# matrix tiles in a few instructions; they are where nearly all of an A100's 312 TFLOP/s of
-# float16 arithmetic comes from. Everything else, the max, the exponentials, the sums, runs on
-# the ordinary fp32 units, and the exponential on the **special function units** (MUFU), which
-# compute $2^x$ and not $e^x$.
+# The two GPUs this chapter reasons about, in one table that names its sources:
+
+# %%
+# A100 SXM4 80GB: NVIDIA A100 datasheet (tensor-core and FP32 peaks, HBM) and Ampere whitepaper
+# (108 SMs, 1410 MHz boost clock, 1024 dense FP16 FMA = 2048 flops per clock per SM, 40 MB L2).
+# H100 SXM5: NVIDIA H100 datasheet and Hopper whitepaper (132 SMs, twice the A100's tensor-core
+# flops per SM per clock, 50 MB L2); 1830 MHz is the clock of FlashAttention-3's footnote 5
+# (arXiv 2407.08608), at which 132 SMs x 4096 flops per clock is 989 TFLOP/s. CUDA C++
+# Programming Guide: 64K 32-bit registers per SM, at most 255 per thread, shared memory per SM
+# and per program (compute capabilities 8.0, 9.0); 32 banks of 32 bits per clock (2.3.4.2); 16
+# exp2 per clock per SM (its instruction-throughput table, as FlashAttention-3's footnote quotes).
+GPUS = {
+    "A100": dict(name="A100 SXM4 80GB", sms=108, clock=1.41e9, tensor_per_clk=2048,
+                 matmul=312e12, fp32=19.5e12, hbm=2.039e12, hbm_gb=80, l2_mb=40,
+                 smem=164 * 1024, smem_program=163 * 1024),
+    "H100": dict(name="H100 SXM5", sms=132, clock=1.83e9, tensor_per_clk=4096,
+                 matmul=989e12, fp32=67e12, hbm=3.35e12, hbm_gb=80, l2_mb=50,
+                 smem=228 * 1024, smem_program=227 * 1024),
+}
+REGS_PER_SM, MAX_REGS_PER_THREAD, EXP2_PER_CLK, SMEM_BYTES_PER_CLK = 65536, 255, 16, 32 * 4
+A100, H100 = GPUS["A100"], GPUS["H100"]
+for gpu in GPUS.values():
+    # the datasheet's float16 tensor-core peak is SMs x flops per clock per SM x clock
+    assert math.isclose(gpu["matmul"], gpu["sms"] * gpu["tensor_per_clk"] * gpu["clock"],
+                        rel_tol=1e-3)
+    gpu["sfu"] = gpu["sms"] * EXP2_PER_CLK * gpu["clock"]  # exp2 per second
+    gpu["smem_bw"] = gpu["sms"] * SMEM_BYTES_PER_CLK * gpu["clock"]  # bytes per second
+    print(f"{gpu['name']}: {gpu['sms']} SMs at {gpu['clock'] / 1e9:.2f} GHz; tensor cores "
+          f"{gpu['matmul'] / 1e12:.0f} TFLOP/s, FP32 units {gpu['fp32'] / 1e12:.1f} TFLOP/s, "
+          f"exp2 {gpu['sfu'] / 1e12:.2f} T/s; shared memory {gpu['smem_bw'] / 1e12:.1f} TB/s")
+# FlashAttention-3, footnote 5: 16 x 132 SMs x 1830 MHz, "3.9 TFLOPS of special functions"
+assert round(H100["sfu"] / 1e12, 1) == 3.9
+
+# %% tags=["hide-input"]
+def both(key, unit, fmt):  # one table entry for both GPUs, "A100 / H100"
+    return " / ".join(format(gpu[key] / unit, fmt) for gpu in (A100, H100))
+
+
+def box(x, y, w, h, text="", color="#e3dcf2", size=7.5):
+    ax.add_patch(Rectangle((x, y), w, h, facecolor=color, edgecolor="0.3"))
+    ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=size)
+
+
+fig, ax = plt.subplots(figsize=(12, 5.4))
+ax.set(xlim=(0, 12.2), ylim=(0.3, 6.3), aspect="equal")
+ax.axis("off")
+ax.set_title(f"The execution model, figures for {A100['name']} / {H100['name']}", fontsize=10)
+for i, bh in np.ndindex(8, 4):  # the grid: program_id(0) = query block, (1) = batch * head
+    box(0.3 + 0.42 * i, 2.4 + 0.42 * bh, 0.38, 0.38, color="C1" if (i, bh) == (5, 2) else "w")
+box(4.3, 0.5, 4.3, 5.5, color="0.96")  # the SM
+for x, y, text, size in [
+        (2.0, 4.45, "the grid: one program per\n(query block, batch · head)", 10),
+        (2.0, 2.1, "program_id(0): query block $i$ →", 8),
+        (2.0, 1.25, f"the SMs ({both('sms', 1, '.0f')}) take the\nprograms a wave at a time", 8),
+        (6.45, 5.65, "one SM running one program\n(FlashAttention-2, d = 128: 4 warps × 32)", 9),
+        (6.45, 2.3, f"registers: {REGS_PER_SM * 4 // 1024} KiB per SM, at most "
+                    f"{MAX_REGS_PER_THREAD} per thread", 8)]:
+    ax.text(x, y, text, ha="center", va="center", fontsize=size)
+ax.text(0.1, 3.2, "program_id(1): batch · head →", rotation=90, ha="center", va="center",
+        fontsize=8)
+for w in range(4):  # FlashAttention-2: each warp owns a quarter of the query block's rows
+    box(4.45, 4.75 - 0.62 * w, 2.15, 0.52, f"warp {w}: 32 of the 128 rows of $Q_i$\n"
+        "$S$, $P$, acc, $m$, $\\ell$ in fp32", "#fde9c9")
+box(6.75, 4.6, 1.7, 0.75, f"tensor cores\n$QK^\\top$, $PV$\n{both('matmul', 1e12, '.0f')} TFLOP/s",
+    "#d5ecd4")
+box(6.75, 3.7, 1.7, 0.75, f"FP32 units\nmax, sum, scale\n{both('fp32', 1e12, '.1f')} TFLOP/s",
+    "#d5ecd4")
+box(6.75, 2.8, 1.7, 0.75, f"MUFU\nexp2\n{both('sfu', 1e12, '.2f')} T/s", "#f6cfcf")
+box(4.45, 0.7, 4.0, 1.15, f"shared memory: $K_j$, $V_j$ tiles\n{both('smem', 1024, '.0f')} KiB "
+    f"per SM ({both('smem_program', 1024, '.0f')} per program)\n{SMEM_BYTES_PER_CLK} B per clock "
+    f"per SM: {both('smem_bw', 1e12, '.1f')} TB/s in all")
+box(9.3, 3.3, 2.7, 1.0, f"L2 cache, all SMs\n{both('l2_mb', 1, '.0f')} MB", size=8)
+box(9.3, 0.9, 2.7, 1.2, f"HBM: $Q, K, V$, out, lse\n{both('hbm_gb', 1, '.0f')} GB\n"
+    f"{both('hbm', 1e12, '.2f')} TB/s", size=8)
+for start, end in [((2.8, 3.43), (4.3, 4.0)), ((10.65, 2.1), (10.65, 3.3)),
+                   ((9.3, 3.8), (8.45, 1.5))]:
+    ax.annotate("", end, start, arrowprops=dict(arrowstyle="-|>", color="0.3"))
+ax.text(8.95, 2.6, "$K_j$, $V_j$", fontsize=7.5)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# From the left. A kernel is launched over a **grid** of **programs** (CUDA: thread blocks, or
+# CTAs), here one per (query block, batch · head), so chapter 5's outer loop and the batch and
+# head loops run in parallel. Each program goes to a **streaming multiprocessor** (SM), as many
+# at once as its registers and shared memory hold, the rest in later waves. A program runs as a
+# few **warps**, 32 threads that issue one instruction together; Triton's `num_warps` (4 by
+# default) says how many, and the compiler decides which thread holds which element of a tile.
+# $S$, $P$, `acc`, $m$ and $\ell$ sit in fp32 in the **registers** of the threads that own them;
+# $K_j$, $V_j$ are staged in **shared memory**; $Q, K, V$, the output and the lse live in
+# **HBM**, behind the **L2** cache (the datasheets give no L2 bandwidth). The **tensor cores**
+# multiply tiles, the **FP32 units** do the maxima, sums and scaling, and the **special function
+# unit** (MUFU) computes the exponential, as $2^x$, not $e^x$.
 #
 # flash_lib's tile loop (chapter 5's algorithm box), and where each piece runs on the GPU:
 #
@@ -97,21 +158,20 @@ print(f"triton {triton.__version__}; interpreted: {flash_triton.INTERPRETED}; "
 # | `q = Q[rows]` once per query block | `q = tl.load(...)` before the key loop | HBM → registers |
 # | `for k_start, k_stop in ...:` (the inner loop) | `for start_n in range(0, hi, BLOCK_N):` | sequential, inside one program |
 # | `s = scale * q @ k.T` | `tl.dot(q, tl.trans(k)) * qk_scale` | tensor cores, fp32 accumulate |
-# | `online_softmax_update(m, l, acc, s, v)` | `m_new`, `p = exp2(...)`, `alpha`, `l`, `acc` | fp32 units and MUFU, registers |
+# | `online_softmax_update(m, l, acc, s, v)` | `m_new`, `p = exp2(...)`, `alpha`, `l`, `acc` | FP32 units, `exp2` on the MUFU; registers |
 # | `acc += p @ v` | `tl.dot(p.to(v.dtype), v, acc)` | tensor cores |
 # | `out = acc / l`, `lse = m + log(l)` | the epilogue, once per row | registers → HBM |
 #
 # On the CPU, flash_lib runs the outer loop on a few threads and the inner one in NumPy; the
 # GPU runs thousands of programs at once, each an inner loop of its own.
-
-# %% [markdown]
+#
 # ## The forward kernel, whole
 #
-# Here it is, as `flash_triton.py` holds it (`.fn` is the Python function under `@triton.jit`). `Q + offsets` is pointer arithmetic: `tl.load` reads
-# a whole tile at once, `mask=` guards the rows and columns past the array's end (loaded as
-# `other=0.0`), and the `tl.constexpr` arguments are compile-time constants: each combination of
-# `CAUSAL`, `HAS_MASK`, the block sizes and `RESCALE` compiles to its own specialised kernel on a
-# GPU, so an `if CAUSAL:` costs nothing at run time.
+# Here it is, as `flash_triton.py` holds it (`.fn` is the Python function under `@triton.jit`).
+# `Q + offsets` is pointer arithmetic: `tl.load` reads a whole tile at once, `mask=` guards the
+# rows and columns past the array's end (loaded as `other=0.0`), and the `tl.constexpr`
+# arguments are compile-time constants: each combination of `CAUSAL`, `HAS_MASK`, the block
+# sizes and `RESCALE` compiles to its own kernel on a GPU, so `if CAUSAL:` costs nothing.
 
 # %% tags=["needs-triton"]
 print(inspect.getsource(flash_triton.where_allowed.fn))
@@ -123,21 +183,14 @@ print(inspect.getsource(flash_triton.forward_kernel.fn))
 # Chapter 5's algorithm box, for one query block $Q_i$ and key blocks $K_j, V_j$, is
 # $S = \tau Q_i K_j^\top$; $m' = \max(m, \operatorname{rowmax} S)$; $P = e^{S - m'}$;
 # $\alpha = e^{m - m'}$; $\ell \leftarrow \alpha \ell + \operatorname{rowsum} P$;
-# $\mathrm{acc} \leftarrow \alpha\, \mathrm{acc} + P V_j$; at the end $O_i = \mathrm{acc} / \ell$ and
-# $\mathrm{lse} = m + \log \ell$. flash_lib's step is `online_softmax_update`:
-
-# %%
-print(inspect.getsource(flash_lib.online_softmax_update))
-
-# %% [markdown]
-# The Triton kernel, in order:
+# $\mathrm{acc} \leftarrow \alpha\, \mathrm{acc} + P V_j$; at the end $O_i = \mathrm{acc} / \ell$
+# and $\mathrm{lse} = m + \log \ell$ (flash_lib's `online_softmax_update`). The Triton kernel:
 #
 # 1. `start_m = tl.program_id(0) * BLOCK_M`, `bh = tl.program_id(1)`: this program's query block
 #    and (batch, head). There is no loop over query blocks: the grid *is* that loop.
 # 2. `q = tl.load(...)`; `m = -inf`, `l = 0`, `acc = 0`: chapter 5's initial state, in fp32,
 #    held in registers for the whole key loop. Only $K_j$ and $V_j$ travel from HBM.
-# 3. `hi` and `full`: the causal tile skipping (below). flash_lib computes the same set of tiles
-#    with `tile_schedule`.
+# 3. `hi` and `full`: the causal tile skipping (below), the tiles of flash_lib's `tile_schedule`.
 # 4. `s = tl.dot(q, tl.trans(k)) * qk_scale`: $S$, but in **base 2**: `qk_scale` is
 #    $\tau \log_2 e$, so `s` holds $\tau\, q k^\top \log_2 e$ and every exponential after it is an
 #    `exp2`.
@@ -146,35 +199,29 @@ print(inspect.getsource(flash_lib.online_softmax_update))
 # 6. `m_new`, `m_use`, `p`, `alpha`: the online softmax of chapter 2, with chapter 6's guard for a
 #    row that has seen no allowed key yet (`m_use = 0` where `m_new = -inf`, so that
 #    $2^{-\infty - 0} = 0$ rather than $2^{-\infty + \infty} = $ NaN).
-# 7. `if RESCALE: l = l * alpha; acc = acc * alpha[:, None]`: the rescale. It is always on in
-#    `flash_triton.attention`; the flag exists so that the last section can plant the classic bug
-#    without a second copy of the kernel.
-# 8. `acc = tl.dot(p.to(v.dtype), v, acc)`: $P V_j$ added into the accumulator by the tensor
-#    cores. With float16 inputs `p` is rounded to float16 first, as FlashAttention does: the
-#    tensor cores take float16 operands and accumulate in fp32.
+# 7. `if RESCALE: l = l * alpha; acc = acc * alpha[:, None]`: the rescale, always on in
+#    `flash_triton.attention`; the flag lets the last section plant the classic bug.
+# 8. `acc = tl.dot(p.to(v.dtype), v, acc)`: $P V_j$ on the tensor cores, which take float16
+#    operands (so `p` is rounded to float16, as in FlashAttention) and accumulate in fp32.
 # 9. The epilogue: `out = acc / l` (an empty row has $\ell = 0$ and `acc` $= 0$, so it divides by 1
-#    and stays 0), and `m + log2(l)`, the lse in base 2, stored for the backward. The wrapper
-#    multiplies it by $\ln 2$ once to return flash_lib's natural lse.
+#    and stays 0), and `m + log2(l)`, the lse in base 2, stored for the backward.
 #
-# An empty row gets `out = 0` and `lse = -inf`, flash_lib's contract (the true $\log 0$, what
-# `merge_attention` and chapter 20's checks expect). FlashAttention-2 stores $+\infty$ instead,
-# so that its backward's $e^{S - \mathrm{lse}}$ is 0 on such a row with no test; `flash_triton`
-# makes that substitution inside the backward kernels, where it serves (`load_row_stats` below).
+# An empty row gets `out = 0` and `lse = -inf`, flash_lib's contract (the true $\log 0$).
+# FlashAttention-2 stores $+\infty$ instead, so that its backward's $e^{S - \mathrm{lse}}$ is 0
+# with no test; `flash_triton` makes that substitution inside the backward (`load_row_stats`).
 #
 # It computes what flash_lib computes. Against flash_lib's extended-precision reference on the
 # same inputs, causal with $N_q \ne N_k$ and a key-padding mask:
 
 # %% tags=["needs-triton"]
-EPS32, EPS16 = float(np.finfo(np.float32).eps), float(np.finfo(np.float16).eps)
-# Bounds in eps of the input dtype, each about 4x (float32) or 2x (float16) the largest error
-# measured at NumPy's native, AVX2 and baseline levels over tests/test_triton.py's shapes.
-FWD_BOUND = {"float32": 20, "float16": 2}
+# Bounds in eps of the input dtype, about 4x (float32) or 2x (float16) the largest error
+# measured (how: the appendix on testing); the lse, fp32 for both, in float32 eps, about 4x
+FWD_BOUND, LSE_BOUND, EPS32 = {"float32": 20, "float16": 2}, 25, float(np.finfo(np.float32).eps)
 
 # Nq > Nk: under causal, bottom-right, the first Nq - Nk = 100 rows of each sequence see no key
 n_q, n_k, d = 300, 200, 64
 padding = np.ones((2, 1, n_k), dtype=bool)  # one row per sequence: read with a query stride of 0
 padding[1, :, 150:] = False
-measured = {}
 for dtype in (np.float32, np.float16):
     q, k, v = (rng.standard_normal((2, n, d)).astype(dtype) for n in (n_q, n_k, n_k))
     out, lse = flash_triton.attention(q, k, v, causal=True, mask=padding, return_lse=True)
@@ -183,11 +230,12 @@ for dtype in (np.float32, np.float16):
     name = np.dtype(dtype).name
     error = np.max(flash_lib.rowwise_relative_error(out, ref)) / np.finfo(dtype).eps
     empty = np.isneginf(ref_lse)
-    measured[f"forward {name}"] = error
+    lse_error = np.max(np.abs(lse[~empty] - ref_lse[~empty])) / EPS32
     print(f"{name}: out {out.dtype}, lse {lse.dtype}; error within {FWD_BOUND[name]} eps: "
-          f"{error <= FWD_BOUND[name]}; {int(empty.sum())} empty rows, out exactly 0 on them: "
+          f"{error <= FWD_BOUND[name]}, lse within {LSE_BOUND}: {lse_error <= LSE_BOUND}; "
+          f"{int(empty.sum())} empty rows, out exactly 0 on them: "
           f"{bool(np.all(out[empty] == 0))}, lse -inf: {bool(np.all(np.isneginf(lse[empty])))}")
-    assert error <= FWD_BOUND[name]
+    assert error <= FWD_BOUND[name] and lse_error <= LSE_BOUND
     assert np.all(out[empty] == 0) and np.array_equal(np.isneginf(lse), empty)
 
 # %% [markdown]
@@ -195,41 +243,27 @@ for dtype in (np.float32, np.float16):
 #
 # The special function unit computes $2^x$ (the PTX instruction `ex2.approx`); $e^x$ costs a
 # multiply by $\log_2 e$ first. The scores are multiplied by the softmax scale $\tau$ anyway, so
-# the kernel multiplies once by $\tau \log_2 e$ and works in base 2 from there: $m$, $\alpha$, the
-# lse are all in base 2, and the identity $e^{\tau x - \tau m} = 2^{\tau x \log_2 e - \tau m \log_2 e}$
-# makes it exact mathematics, not an approximation. Per tile that removes one multiply per
-# score, and the lse costs one multiply by $\ln 2$ per *row* at the very end. Chapter 20's
-# `lse_base2` bug is what happens when that last multiply is forgotten.
+# the kernel multiplies once by $\tau \log_2 e$ and works in base 2 from there ($m$, $\alpha$,
+# the lse), and $e^{\tau x - \tau m} = 2^{\tau x \log_2 e - \tau m \log_2 e}$ makes it exact
+# mathematics, not an approximation. Per tile that removes one multiply per score, and the lse
+# costs one multiply by $\ln 2$ per *row* at the very end. Forgetting it (chapter 20's
+# `lse_base2` bug) returns every lse times $1 / \ln 2$, which the lse check above fails by far
+# more than its bound. flash_lib does the same on a CPU where NumPy's `exp2` is faster than its
+# `exp` ({doc}`chapter 5 <05_tiling>`).
 #
-# flash_lib does the same on a CPU where it pays ({doc}`chapter 5 <05_tiling>`): NumPy's float32
-# `exp2` runs in less than half the time of its `exp` where it has AVX-512 loops, so there
-# `flash_lib.exponential(np.float32)` is `np.exp2`, $\log_2 e$ rides on the keys' factor
-# $\tau_k$ (a multiply flash_lib does anyway, where this kernel puts it on `qk_scale`), and the lse
-# is converted back with the same one multiply per row. It is the same `online_softmax_update`
-# printed above, given `exp=np.exp2`.
-#
-# The counts per tile, and per forward pass at $N = 4096$, $d = 64$, one head:
-
-# %% tags=["needs-triton"]
-BM, BN = flash_triton.BLOCK_M, flash_triton.BLOCK_N
-n = 4096
-scores = n * n
-print(f"tile {BM} x {BN}: {BM * BN} scores, so {BM * BN} multiplies by log2(e) saved per tile")
-print(f"one head, N = {n}: {scores:,} multiplies saved; the lse conversion costs {n:,} "
-      "(one per row)")
-assert math.isclose(flash_triton.LOG2E * math.log(2), 1.0, rel_tol=1e-15)
-
-# %% [markdown]
 # ## Causal: tiles skipped, the diagonal masked
 #
 # Causal attention aligned bottom-right (chapter 6) lets query $i$ see key $j$ iff
-# $j \le i + N_k - N_q$. For a query block starting at row `start_m`, the kernel computes two
-# bounds: `hi`, past which every key is above the diagonal for every row of the block (those tiles
-# are never loaded), and `full`, before which every key is allowed for every row (those tiles need
-# no mask). Only the tiles between, on the diagonal, pay for `where_allowed`. Counting them with
-# the kernel's own formulas, against flash_lib's `tile_schedule`:
+# $j \le i + N_k - N_q$. For a query block starting at row `start_m` the kernel computes `hi`,
+# past which every key is above the diagonal for every row of the block (those tiles are never
+# loaded), and `full`, before which every key is allowed for every row (no mask). Only the tiles
+# between pay for `where_allowed`. Counted with the kernel's own formulas, against flash_lib's
+# `tile_schedule` and chapter 6's count:
 
 # %% tags=["needs-triton"]
+BM, BN = flash_triton.BLOCK_M, flash_triton.BLOCK_N
+
+
 def triton_tiles(n_q, n_k, causal):
     """(visited, masked) tiles of forward_kernel's grid, by the kernel's own hi and full."""
     visited = masked = 0
@@ -251,120 +285,144 @@ for n_q, n_k in ((1024, 1024), (512, 1024), (1000, 1000)):
           f"{total - visited} skipped; flash_lib's tile_schedule visits the same "
           f"{len(schedule)}: {len(schedule) == visited}")
     assert len(schedule) == visited
+# chapter 6: with n = N / b square tiles per side, causal visits n(n + 1) / 2 and masks the n on
+# the diagonal; N = 1000 has as many tiles per side as N = 1024, its last one partial
+n = 1024 // BM
+assert BM == BN and triton_tiles(1024, 1024, True) == (n * (n + 1) // 2, n)
+assert triton_tiles(1000, 1000, True) == triton_tiles(1024, 1024, True)
 
 # %% [markdown]
-# At $N = 1024$, 528 of the 1024 tiles are computed and only the 32 on the diagonal are masked:
-# causal attention costs about half the flops, and the mask costs almost nothing. At
-# $N = 1000$ the last, partial key tile (keys 992 to 999) is visited only by the last query
-# block, where it is the diagonal tile anyway: the same counts.
+# Chapter 6's count, $n(n+1)/2$ of $n^2$ tiles with only the $n$ on the diagonal masked, is the
+# kernel's: causal attention costs about half the flops, and the mask almost nothing.
 #
-# ## FlashAttention-2's work partitioning
+# ## What the softmax costs beside the matmuls
 #
 # FlashAttention (arXiv 2205.14135) reached 25–40% of an A100's peak and FlashAttention-2
-# (Dao 2023, arXiv 2307.08691) 50–73% of it, with the same algorithm, by changing where the
-# work goes: both ranges are FlashAttention-2's abstract. Its Section 4.1 measures them on an
-# A100 80GB SXM4 (Fig. 4 forward and backward, Fig. 5 forward, Fig. 6 backward): "up to 230
-# TFLOPs/s, 73% of the theoretical maximum", and up to 63% in the backward pass (Section 1).
-# Three changes, each visible in the kernel above.
+# (Dao 2023, arXiv 2307.08691) 50–73% of it (its abstract), with the same algorithm, by changing
+# where the work goes. Three changes, each visible in the kernel above.
 #
-# **Fewer non-matmul flops.** An A100 does 312 TFLOP/s of float16 matmul on its tensor cores but
-# 19.5 TFLOP/s of fp32 arithmetic elsewhere: FlashAttention-2, Section 3.1 ("the A100 GPU has a
-# max theoretical throughput of 312 TFLOPs/s of FP16/BF16 matmul, but only 19.5 TFLOPs/s of
-# non-matmul FP32"), from the NVIDIA A100 datasheet (FP16 Tensor Core 312 TFLOPS dense, 624
-# with sparsity; FP32 19.5 TFLOPS): a non-matmul flop costs 16 matmul flops. FlashAttention-2 keeps `acc` *unnormalised* through the
-# loop and divides by $\ell$ once at the end (the epilogue above), where FlashAttention-1
-# rescaled the output by $\ell_{\text{old}}/\ell_{\text{new}}$ at every tile; and it stores only
-# the lse for the backward, not both $m$ and $\ell$. What the exp and the rest weigh, per score,
-# against the two matmuls' $4d$ flops per score:
+# **Fewer non-matmul flops.** "The A100 GPU has a max theoretical throughput of 312 TFLOPs/s of
+# FP16/BF16 matmul, but only 19.5 TFLOPs/s of non-matmul FP32" (FlashAttention-2, Section 3.1).
+# So FlashAttention-2 keeps `acc` *unnormalised* and divides by $\ell$ once, in the epilogue,
+# where FlashAttention-1 rescaled the output by $\ell_{\text{old}}/\ell_{\text{new}}$ at every
+# tile. The exponential, though, is not an FP32 flop: it runs on the MUFU, 16 per clock per SM,
+# while the tensor cores do thousands of flops per clock per SM (the table above). Per score
+# the matmuls do $4d$ flops and the softmax one `exp2` and four other flops (scale, max,
+# subtract, sum). Each at its unit's peak rate, the exponential takes
+#
+# $$\frac{t_{\exp}}{t_{\text{matmul}}} = \frac{\text{tensor-core flops per clock per SM}}{16 \cdot 4d}$$
+#
+# of the matmuls' time, whatever the clock: half as much when $d$ doubles, twice as much when the
+# tensor cores' rate does. The other four are counted at the FP32 peak, as FlashAttention-2 does:
 
 # %%
-A100 = dict(name="A100 SXM4 80GB", matmul=312e12, other=19.5e12, hbm=2.039e12, sms=108,
-            smem=164 * 1024, regs=256 * 1024,
-            source="NVIDIA A100 Tensor Core GPU datasheet; Ampere architecture whitepaper")
-H100 = dict(name="H100 SXM5", matmul=989e12, other=67e12, hbm=3.35e12, sms=132,
-            smem=228 * 1024, regs=256 * 1024,
-            source="NVIDIA H100 Tensor Core GPU datasheet; Hopper architecture whitepaper")
-d = 64
-matmul_per_score = 4 * d  # q·k (2d) and p·v (2d) flops per score
-# per score, outside the matmuls: the scale multiply, the max, the subtraction, the exp2, the sum
-other_per_score = 5
-for gpu in (A100, H100):
-    t_matmul = matmul_per_score / gpu["matmul"]
-    t_other = other_per_score / gpu["other"]
-    print(f"{gpu['name']}: {gpu['matmul'] / gpu['other']:.0f}x; per score, d = {d}: "
-          f"{matmul_per_score} matmul flops and {other_per_score} others, which take "
-          f"{t_other / t_matmul:.0%} of the matmuls' time at peak rates ({gpu['source']})")
-# FlashAttention-1's per-tile rescale of the output by l_old / l_new: bq·d extra multiplies
-# (and bq divisions) per tile, against the bq·bk·other_per_score of the softmax itself.
-bq = bk = 128  # FlashAttention-2's usual tile
-extra = bq * d + bq
-print(f"FlashAttention-1's per-tile output rescale, tile {bq} x {bk}, d = {d}: {extra:,} more "
-      f"non-matmul flops per tile, {extra / (bq * bk * other_per_score):.0%} more than the "
-      "softmax's")
+FA2_FWD = {  # d -> (b_q, b_k, warps): FlashAttention-2's forward on an A100 (sm80), no dropout,
+    # csrc/flash_attn/src/flash_fwd_launch_template.h at commit 01afd16 (Dao-AILab/flash-attention)
+    32: (128, 128, 4), 64: (128, 128, 4), 96: (128, 64, 4), 128: (128, 64, 4),
+    192: (128, 64, 8), 256: (128, 64, 8)}
+
+
+def softmax_over_matmul(gpu, d, other_flops=4):
+    """The times at peak rates of one score's exp2 (MUFU) and other softmax flops (FP32 units),
+    each over the time of its 4d matmul flops (tensor cores)."""
+    t_matmul = 4 * d / gpu["matmul"]
+    return 1 / gpu["sfu"] / t_matmul, other_flops / gpu["fp32"] / t_matmul
+
+
+for gpu, d in ((A100, 64), (A100, 128), (H100, 64), (H100, 128)):
+    exp, other = softmax_over_matmul(gpu, d)
+    print(f"{gpu['name']}, d = {d}: exp2 {exp:.2f} and other flops {other:.2f} of the matmuls' "
+          f"time, {exp + other:.2f} in all; run one after the other, the tensor cores are busy "
+          f"{1 / (1 + exp + other):.0%} of the time at most")
+# FlashAttention-3, Section 3.1, H100 SXM5, d = 128: the exponential has "256x lower
+# throughput" than the matmuls, "so exponential can take 50% of the cycle compared to matmul"
+assert math.isclose(H100["matmul"] / H100["sfu"], 256, rel_tol=0.01)
+assert math.isclose(softmax_over_matmul(H100, 128)[0], 0.50, abs_tol=0.01)
+# Hopper doubled the tensor cores' flops per clock per SM and kept 16 exp2 per clock per SM
+assert math.isclose(softmax_over_matmul(H100, 64)[0] / softmax_over_matmul(A100, 64)[0], 2,
+                    rel_tol=0.01)
 
 # %% [markdown]
-# Two percent of the flops, a third of the time: on a GPU the softmax is not free, and every
-# non-matmul flop removed from the inner loop counts sixteen times.
+# The softmax is a sliver of the flops and, at peak rates, a large part of the matmuls' time;
+# the exponential's share doubled from Ampere to Hopper, and FlashAttention-3's "50%" is this
+# model. Counting the other four as flops at the FP32 peak is generous: FlashAttention-3's
+# listing of its compiled loop (Appendix B.2) shows an `FFMA` (scale and subtract), an `FMNMX`
+# and an `FADD` per score and a conversion of $P$ to 16 bits per pair, and a max or an add is an
+# instruction for one flop where an FMA is one for two. The exponential's share does not depend
+# on that accounting, and no rewrite removes it, one `exp2` per score being the minimum: it can
+# only be hidden behind the matmuls (FlashAttention-3) or computed faster (FlashAttention-4).
 #
 # **Parallel over query blocks.** FlashAttention-1 launched one program per (batch, head) and
-# looped over the query blocks inside it; with a small batch and long sequences that leaves SMs
-# idle. FlashAttention-2 adds the query blocks as a grid axis, which is `tl.program_id(0)` above.
-# Counting programs against the A100's 108 SMs, for one sequence of 16 heads, $b_q = 128$:
+# looped over the query blocks inside it, which leaves SMs idle with a small batch of long
+# sequences; FlashAttention-2 adds the query blocks as a grid axis, `tl.program_id(0)` above.
+# Programs against the A100's SMs, for one sequence of 16 heads, $b_q = 128$:
 
 # %%
 heads, block = 16, 128
 for n in (1024, 8192):
     fa1, fa2 = heads, heads * math.ceil(n / block)
     print(f"N = {n}: FlashAttention-1 launches {fa1} programs ({fa1 / A100['sms']:.0%} of the "
-          f"SMs busy); FlashAttention-2 {fa2} ({fa2 / A100['sms']:.1f} waves of 108)")
+          f"SMs busy); FlashAttention-2 {fa2} ({fa2 / A100['sms']:.1f} waves of {A100['sms']})")
 
 # %% [markdown]
-# **Split the queries across warps, not the keys.** Inside one program, FlashAttention-1 gave each
-# warp a slice of the keys ("split-K"): every warp then held a partial $m$, $\ell$ and `acc` for
-# the *same* rows, which had to be merged through shared memory (chapter 3's merge) at each step.
-# FlashAttention-2 gives each warp a slice of the query rows: a warp owns its rows' whole softmax
-# and no warp ever waits for another's partial state. In Triton this choice is the compiler's
-# (`num_warps` says how many); the kernel's row statistics `m`, `l` being per-row vectors is
-# what lets it split by rows.
-
-# %% [markdown]
-# ## One tile on an A100 and an H100
-#
-# One step of the inner loop, with FlashAttention-2's typical tile $b_q = b_k = 128$ and
-# $d = 128$ in float16: it loads $K_j$ and $V_j$ ($2 b_k d$ elements) and does $4 b_q b_k d$
-# flops. Its arithmetic intensity from HBM is therefore $b_q$ flop/byte, chapter 9's result for
-# the whole kernel. Against each GPU's ridge point (peak / bandwidth), and what the tile holds
-# on chip:
+# **Split the queries across warps, not the keys.** FlashAttention-1 gave each warp of a program
+# a slice of the keys: every warp then held a partial $m$, $\ell$ and `acc` for the *same* rows,
+# merged through shared memory (chapter 3's merge) at each step. FlashAttention-2 gives each warp
+# a slice of the query rows, whose whole softmax it owns; in Triton the compiler makes this
+# choice, which per-row `m`, `l` allow. A warp then holds its rows of $S$ and `acc` in fp32
+# registers: $b_q (b_k + d) / (32 w)$ per thread with $w$ warps, of the 255 a thread can
+# address. That per-thread limit, not the register file per SM, decides FlashAttention-2's tiles:
 
 # %%
-bq = bk = 128
+def regs_per_thread(b_q, b_k, d, warps):
+    """fp32 registers per thread for S (b_q x b_k) and acc (b_q x d), shared by the warps."""
+    return b_q * (b_k + d) // (32 * warps)
+
+
+for d, (b_q, b_k, warps) in FA2_FWD.items():
+    print(f"d = {d:3}: tile {b_q} x {b_k}, {warps} warps: S and acc take "
+          f"{regs_per_thread(b_q, b_k, d, warps)} registers per thread")
+assert max(regs_per_thread(b_q, b_k, d, w) for d, (b_q, b_k, w) in FA2_FWD.items()) <= 192
+# not used: 128 x 128 at d = 128, and 256 x 64 at d = 64 ("85% slower for seqlen=2k, because
+# of register spilling", the launch template's comment), both on 4 warps
+for b_q, b_k, d in ((128, 128, 128), (256, 64, 64)):
+    need = regs_per_thread(b_q, b_k, d, 4)
+    print(f"d = {d:3}: tile {b_q} x {b_k}, 4 warps would need {need} > {MAX_REGS_PER_THREAD}")
+    assert need > MAX_REGS_PER_THREAD
+
+# %% [markdown]
+# Each tile it picks leaves at least 63 registers per thread for the rest (addresses, $P$ in 16
+# bits, fragments of $K_j$ and $V_j$). At $d = 128$ a $128 \times 128$ tile would not fit, so
+# $b_k$ is halved; on 8 warps it would, but ran 28% slower, its comment says. (At $d = 256$ an
+# H100 runs $64 \times 64$ on 4 warps, so that two programs fit in one SM's shared memory.)
+#
+# ## One tile on an A100 and an H100
+#
+# One step of the inner loop, with FlashAttention-2's tile at $d = 128$ in float16: it loads
+# $K_j$ and $V_j$ ($2 b_k d$ elements) and does $4 b_q b_k d$ flops, $b_q$ flop/byte, chapter 9's
+# intensity for the whole kernel. Against each GPU's ridge point (peak / bandwidth):
+
+# %%
 d, itemsize = 128, 2  # float16
-tile_bytes = 2 * bk * d * itemsize  # K_j and V_j
-tile_flops = 4 * bq * bk * d
-q_bytes = bq * d * itemsize
-s_bytes = bq * bk * 4  # S (then P) in fp32 registers
-acc_bytes = bq * d * 4
+bq, bk, warps = FA2_FWD[d]
+tile_bytes, tile_flops, q_bytes = 2 * bk * d * itemsize, 4 * bq * bk * d, bq * d * itemsize
 print(f"tile {bq} x {bk}, d = {d}, float16: loads {tile_bytes // 1024} KiB (K_j, V_j), "
-      f"does {tile_flops / 1e6:.1f} MFLOP: {tile_flops / tile_bytes:.0f} flop/byte")
-for gpu in (A100, H100):
+      f"does {tile_flops / 1e6:.1f} MFLOP: {tile_flops / tile_bytes:.0f} flop/byte; on chip, "
+      f"q, K_j, V_j take {(q_bytes + tile_bytes) // 1024} KiB of shared memory and S, acc "
+      f"{regs_per_thread(bq, bk, d, warps)} registers per thread")
+for gpu in (A100, H100):  # each SM gets 1 / sms of the HBM bandwidth and of the peak
     ridge = gpu["matmul"] / gpu["hbm"]
-    per_sm_load = tile_bytes / (gpu["hbm"] / gpu["sms"])
-    per_sm_math = tile_flops / (gpu["matmul"] / gpu["sms"])
     print(f"{gpu['name']}: ridge {ridge:.0f} flop/byte -> the tile is "
           f"{'memory' if tile_flops / tile_bytes < ridge else 'compute'}-bound if every load "
           f"came from HBM; with all {gpu['sms']} SMs busy, loading it takes "
-          f"{per_sm_load * 1e6:.2f} us and its matmuls {per_sm_math * 1e6:.2f} us at peak")
-    print(f"  on chip: q, K_j, V_j {(q_bytes + tile_bytes) // 1024} KiB of "
-          f"{gpu['smem'] // 1024} KiB shared memory; S and acc in fp32 "
-          f"{(s_bytes + acc_bytes) // 1024} KiB of the {gpu['regs'] // 1024} KiB register file")
+          f"{tile_bytes * gpu['sms'] / gpu['hbm'] * 1e6:.2f} us and its matmuls "
+          f"{tile_flops * gpu['sms'] / gpu['matmul'] * 1e6:.2f} us at peak")
 
 # %% [markdown]
-# On both GPUs one tile sits below the ridge if its $K_j, V_j$ come from HBM each time; in
-# practice the programs of one head read the same $K_j, V_j$ at about the same time and most of
-# those reads are served by the L2 cache (40 MB on an A100, 50 MB on an H100, same datasheets),
-# which this count does not model. The H100's ridge is twice the A100's: its tensor cores grew
-# faster than its memory, and a kernel that only waits for loads leaves them idle. That is the
-# problem FlashAttention-3 attacks.
+# The tile is below both ridges if $K_j, V_j$ come from HBM each time; in practice the programs of
+# one head read them at about the same time and the L2 cache serves most of those reads, which
+# this count does not model. The H100's ridge is the higher: its tensor cores grew faster than
+# its memory, and a kernel that waits for its loads leaves them idle. FlashAttention-3 attacks that.
 #
 # ## FlashAttention-3 on Hopper
 #
@@ -372,48 +430,77 @@ for gpu in (A100, H100):
 # arXiv 2407.08608, abstract). FlashAttention-3 rewrites the kernel for what Hopper added, in
 # CUDA (CUTLASS), not Triton:
 #
-# - **WGMMA**: the tensor-core instruction of Hopper is issued by a *warpgroup* (4 warps) and is
-#   **asynchronous**: a warpgroup starts a matmul and may do other work until it waits for it.
-# - **TMA** (the Tensor Memory Accelerator): a copy engine that moves a whole tile between HBM and
-#   shared memory on one instruction, without the threads computing addresses.
-# - **Warp specialisation**: the warps of one program are split into a *producer* warpgroup that
-#   only issues TMA loads of $K_j, V_j$ into a circular buffer of shared memory, and *consumer*
-#   warpgroups that only compute; registers are moved from the producers to the consumers
-#   (Hopper's `setmaxnreg`). Loads and compute overlap by construction.
-# - **Ping-pong scheduling**: two consumer warpgroups are synchronised so that one does its
-#   softmax (the exp, on the slow units) while the other does its matmuls (on the tensor cores),
-#   and then they swap: the exponentials hide behind the other group's GEMMs.
-# - **Intra-warpgroup overlap**: within one warpgroup, the $S = Q K_{j+1}^\top$ of the next tile
-#   is issued before the softmax of the current tile, so the tensor cores and the exp units work
-#   at once even inside one warpgroup, at the cost of more registers.
-# - **FP8**: Hopper's tensor cores run float8 at twice the float16 rate (1,979 vs 989 dense
-#   TFLOP/s, NVIDIA H100 datasheet). The paper quantises per block, with one descale factor per
-#   block of $Q$, $K$, $V$ (Section 3.3; the released kernel takes one per batch entry and head),
-#   rounds $P$ to e4m3 before $PV$, and uses **incoherent processing**: multiplying $Q$ and $K$
-#   by the same random orthogonal matrix (a Hadamard transform with random signs) leaves
-#   $Q K^\top$ unchanged but spreads outlier features across all of them, so the float8 rounding
-#   error shrinks.
+# - **WGMMA, TMA, warp specialisation**: Hopper's matmul is issued by a *warpgroup* (4 warps),
+#   asynchronously; the TMA copies a tile from HBM to shared memory in one instruction; a
+#   *producer* warpgroup only issues those loads, *consumer* warpgroups only compute.
+# - **Ping-pong scheduling** (Section 3.1), the answer to the cost above: the MUFU is a unit of
+#   its own, so while one consumer warpgroup does its softmax, barriers make the other do its
+#   GEMMs, then they swap, and the exponentials ("50% of the cycle" at $d = 128$) run under the
+#   other group's matmuls (reported: 570 to 620–640 TFLOP/s, float16, $d = 128$, $N = 8192$).
+# - **Intra-warpgroup overlap** (Section 3.2): within one warpgroup, $S = Q K_{j+1}^\top$ is
+#   issued before the softmax of tile $j$, so the tensor cores and the MUFU work at once, at the
+#   cost of a second $S$ in registers. Its ablation (Table 2, $d = 128$, $N = 8448$): 570 TFLOP/s
+#   without warp specialisation, 582 without this overlap, 661 with both.
+# - **FP8**: twice the float16 matmul rate (H100 datasheet), the same exponential rate, so the
+#   exponential's share doubles again; per-block scales and a random orthogonal rotation of $Q$
+#   and $K$ (**incoherent processing**) keep its error small, as chapter 11 computes.
 #
-# Its reported results (arXiv 2407.08608, abstract; none measured here): 1.5–2.0× faster than
-# FlashAttention-2 on an H100 in float16, up to 740 TFLOP/s (75% of peak); close to 1.2 PFLOP/s
-# in FP8; and FP8 FlashAttention-3 with 2.6× lower numerical error than a baseline FP8 attention.
-# None of the three tricks changes the mathematics: they change when each tile's loads, matmuls
-# and exponentials happen, which is why flash_lib, a NumPy program, computes the same thing.
-# Chapter 11 computes the FP8 numerics: this forward in NumPy, its error, and the rotation's effect.
+# Reported (abstract): 1.5–2.0× FlashAttention-2's speed on an H100 in float16, up to 740
+# TFLOP/s; close to 1.2 PFLOP/s in FP8. None of this changes the mathematics, only when each
+# tile's loads, matmuls and exponentials happen: flash_lib, a NumPy program, computes the same.
+#
+# ### FlashAttention-4: part of the exponentials in software
+#
+# On Blackwell "tensor core throughput doubles while other functional units (shared memory
+# bandwidth, exponential units) scale more slowly or remain unchanged" (FlashAttention-4, Zadouri
+# et al. 2026, arXiv 2603.05451, abstract): doubled per SM and clock, the law above puts the
+# exponentials alone at the matmuls' time for $d = 128$. But the FP32 units are not the MUFU,
+# and the softmax keeps them far from busy, so FlashAttention-4 computes some exponentials there,
+# interleaved with the MUFU's (`ex2_emu_freq` in `flash_attn/cute/softmax.py`). `ex2_emulation`
+# (`utils.py`, commit 009739f) splits $x = \lfloor x \rfloor + f$ with an add of $2^{23} + 2^{22}$
+# rounding down, computes $2^f$ on $[0, 1)$ with a degree-3 polynomial (three FMAs) and adds
+# $\lfloor x \rfloor$ into the exponent bits: nine arithmetic instructions, none on the MUFU:
+
+# %%
+# FlashAttention-4's POLY_EX2[3] (flash_attn/cute/utils.py): 2**f on [0, 1), fitted by Sollya
+POLY_EX2 = (1.0, 0.695146143436431884765625, 0.227564394474029541015625,
+            0.077119089663028717041015625)
+
+
+def ex2_emulation(x, poly=POLY_EX2):
+    """FlashAttention-4's software exp2, in float32: 2**floor(x) * poly(x - floor(x))."""
+    x = np.maximum(x, np.float32(-127.0))
+    whole = np.floor(x)  # on the GPU: x + (2**23 + 2**22) rounded down holds floor(x)
+    frac = x - whole  # in [0, 1)
+    p = np.float32(poly[-1])
+    for c in poly[-2::-1]:  # Horner's rule: one FMA per coefficient on the GPU
+        p = p * frac + np.float32(c)
+    return np.ldexp(p, whole.astype(np.int32))  # on the GPU: floor(x) << 23, an integer add
+
+
+x = np.linspace(-100, 0, 1 << 20, dtype=np.float32)  # the arguments s - m of exp2 are <= 0
+error = np.max(np.abs(ex2_emulation(x) / np.exp2(x.astype(np.float64)) - 1))
+print(f"largest relative error on [-100, 0]: {error:.1e}; P is rounded to bfloat16 before "
+      f"the PV matmul anyway, by up to {2.0**-9:.1e}")
+assert error < 2.0**-9
+print(f"tensor cores twice an H100's per clock, 16 exp2 per clock, d = 128: the exponentials "
+      f"take {2 * softmax_over_matmul(H100, 128)[0]:.2f} of the matmuls' time")
 
 # %% [markdown]
+# The polynomial is over ten times more accurate than the bfloat16 rounding $P$ then receives:
+# the software exponentials change nothing a bfloat16 kernel can see.
+#
 # ## The backward kernels
 #
 # Chapter 12's backward loop: $D = \operatorname{rowsum}(dO \circ O)$ once; then for each key
 # block $j$ (outside), each query block $i$ (inside): $P = e^{S - \mathrm{lse}}$,
 # $dV_j \mathrel{+}= P^\top dO_i$, $dP = dO_i V_j^\top$, $dS = P \circ (dP - D_i)$,
-# $dK_j \mathrel{+}= \tau\, dS^\top Q_i$, $dQ_i \mathrel{+}= \tau\, dS K_j$. In Triton, three
-# kernels: `backward_preprocess_kernel` for $D$, `backward_dkdv_kernel` with the key blocks on the
-# grid (each program owns one $dK_j$, $dV_j$ in registers and walks the query blocks, so no two
-# programs write the same row), and `backward_dq_kernel` with the query blocks on the grid for
-# $dQ$. FlashAttention-2 adds the $dQ$ shares with atomic adds from the key-block programs; a
-# second pass recomputes $P$ once more but needs no atomics and gives the same bits on every run.
-# `load_row_stats` is where an empty row's $-\infty$ lse becomes FlashAttention's $+\infty$:
+# $dK_j \mathrel{+}= \tau\, dS^\top Q_i$, $dQ_i \mathrel{+}= \tau\, dS K_j$. In Triton:
+# `backward_preprocess_kernel` for $D$; `backward_dkdv_kernel`, one program per key block, owning
+# its $dK_j$, $dV_j$ in registers and walking the query blocks; `backward_dq_kernel`, one per
+# query block. FlashAttention-2 adds the $dQ$ shares with atomic adds from the key-block
+# programs; a second pass recomputes $P$ but gives the same bits on every run. `load_row_stats`
+# is where an empty row's $-\infty$ lse becomes FlashAttention's $+\infty$:
 
 # %% tags=["needs-triton"]
 print(inspect.getsource(flash_triton.load_row_stats.fn))
@@ -428,8 +515,7 @@ print(inspect.getsource(flash_triton.backward_dkdv_kernel.fn))
 # inputs; itself checked against `precise_attention_backward`), causal with $N_q \ne N_k$:
 
 # %% tags=["needs-triton"]
-# float32: <= 6.5e-7 of each gradient's largest entry, float16 <= 5.1e-4, measured at the three
-# NumPy levels over tests/test_triton.py's cases; bounds ~15x and ~10x that.
+# of each gradient's largest entry; about 15x (float32) and 10x (float16) the largest measured
 BWD_BOUND = {"float32": 1e-5, "float16": 5e-3}
 n_q, n_k, d = 96, 160, 64
 for dtype in (np.float32, np.float16):
@@ -440,14 +526,12 @@ for dtype in (np.float32, np.float16):
     q64, k64, v64, dout64 = (x.astype(np.float64) for x in (q, k, v, dout))
     out64, lse64 = flash_lib.flash_attention(q64, k64, v64, causal=True, return_lse=True)
     refs = flash_lib.flash_attention_backward(q64, k64, v64, out64, lse64, dout64, causal=True)
-    # the reference itself: flash_lib's float64 backward against the extended-precision truth,
-    # <= 11 float64 eps of the largest entry measured at the three NumPy levels; bound 100 eps
+    # the reference itself against the extended-precision truth: <= 11 float64 eps measured
     truth = flash_lib.precise_attention_backward(q64, k64, v64, dout64, causal=True)
     ref_error = max(np.max(np.abs(r - t)) / np.max(np.abs(t)) for r, t in zip(refs, truth))
     assert ref_error <= 100 * np.finfo(np.float64).eps
     name = np.dtype(dtype).name
     errors = [np.max(np.abs(g - r)) / np.max(np.abs(r)) for g, r in zip(grads, refs)]
-    measured[f"backward {name}"] = max(errors) / np.finfo(dtype).eps
     print(f"{name}: dq, dk, dv within {BWD_BOUND[name]:.0e} of their largest entry: "
           f"{all(e <= BWD_BOUND[name] for e in errors)} (flash_lib's float64 reference within "
           f"100 float64 eps of the truth: {ref_error <= 100 * np.finfo(np.float64).eps})")
@@ -459,28 +543,20 @@ for dtype in (np.float32, np.float16):
 # Chapter 20's conformance suite runs a kernel through cases built to expose the classic bugs
 # (a late-rising maximum, empty rows, $N_q \ne N_k$ under causal, float16 overflow, scales far
 # from $1/\sqrt d$) and bounds its error by twice the textbook computation's in the same dtype.
-# Its `lse` feature calls the kernel without `return_lse` and wants `(out, lse)` back, so it is
-# given `flash_triton.attention_with_lse`; from a shell this is
-# `python -m flash_check flash_triton:attention --features causal lse --dtypes float32 float16`
-# (the command line passes `return_lse=True` to a kernel that takes it).
-
-# %% tags=["needs-triton"]
-report = flash_check.check_kernel(flash_triton.attention_with_lse, features=("causal", "lse"),
-                                  dtypes=("float32", "float16"))
-print(str(report).splitlines()[-1])  # the table above it holds rounding-level errors
-assert report.ok, report.failures
-
-# %% [markdown]
-# And its mask cases (key padding, empty rows, a fully masked matrix, causal with a mask, NaN
-# and inf in padded keys) and $d_v \ne d$, in float32:
+# Its `lse` feature wants `(out, lse)` back, so it gets `flash_triton.attention_with_lse` (from a
+# shell, `python -m flash_check flash_triton:attention --features causal lse`); then its mask
+# cases (key padding, empty rows, all masked, causal with a mask, NaN and inf in padded keys)
+# and $d_v \ne d$, in float32:
 
 # %% tags=["needs-triton"]
 masked_cases = ["key_padding", "empty_rows", "all_masked", "causal_and_mask", "masked_nonfinite",
                 "dv"]
-report = flash_check.check_kernel(flash_triton.attention_with_lse, cases=masked_cases,
-                                  features=("mask", "causal", "lse", "dv"), dtypes=("float32",))
-print(str(report).splitlines()[-1])
-assert report.ok, report.failures
+for options in (dict(features=("causal", "lse"), dtypes=("float32", "float16")),
+                dict(features=("mask", "causal", "lse", "dv"), dtypes=("float32",),
+                     cases=masked_cases)):
+    report = flash_check.check_kernel(flash_triton.attention_with_lse, **options)
+    print(str(report).splitlines()[-1])  # the table above it holds rounding-level errors
+    assert report.ok, report.failures
 
 # %% [markdown]
 # ## A planted bug: the missing rescale
@@ -511,59 +587,14 @@ assert all("not rescaled by exp(m - m')" in f.diagnosis for f in buggy.failures)
 # %% [markdown]
 # ## What the interpreter is, and is not
 #
-# The measured errors of the checks above, and the interpreter's run time for the forward pass
-# at growing $N$ ($d = 64$, float32, one head, on this CPU, shared with other jobs):
-
-# %% tags=["needs-triton"]
-sizes, seconds = (64, 128, 256), []
-flash_triton.attention(*(rng.standard_normal((1, 64, 64)).astype(np.float32) for _ in range(3)))
-for n in sizes:  # after one warm-up call, which pays the interpreter's first-use costs
-    q, k, v = (rng.standard_normal((1, n, 64)).astype(np.float32) for _ in range(3))
-    start = time.perf_counter()
-    flash_triton.attention(q, k, v)
-    seconds.append(time.perf_counter() - start)
-
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-names = list(measured)
-bounds = [FWD_BOUND[n.split()[1]] if n.startswith("forward")
-          else BWD_BOUND[n.split()[1]] / np.finfo(n.split()[1]).eps for n in names]
-x = np.arange(len(names))
-ax1.bar(x - 0.2, [measured[n] for n in names], 0.4, label="measured")
-ax1.bar(x + 0.2, bounds, 0.4, label="bound asserted", color="0.75")
-ax1.set_xticks(x, names, rotation=15)
-ax1.set_yscale("log")
-ax1.set_ylabel("error, in eps of the input dtype")
-ax1.set_title("flash_triton against flash_lib")
-ax1.legend()
-ax2.plot(sizes, seconds, "o-")
-ax2.set_xscale("log", base=2)
-ax2.set_xticks(sizes, [str(s) for s in sizes])
-ax2.set_ylim(bottom=0)
-ax2.set_xlabel("N (= Nq = Nk), d = 64")
-ax2.set_ylabel("seconds (interpreter, CPU)")
-ax2.set_title("forward under TRITON_INTERPRET=1")
-fig.tight_layout()
-plt.show()
-
-# %% [markdown]
-# The interpreter runs the programs of the grid one after another, in Python, and each `tl`
-# operation as a NumPy call on the whole tile, so its time grows with the number of tiles,
-# $N^2 / (b_q b_k)$, and says nothing about a GPU's. What it does and does not reproduce:
-#
-# - **dtypes**: float32 and float16 loads, stores and casts are exact NumPy conversions; `tl.dot`
-#   is `np.matmul` at the accumulator's dtype (fp32 here), so float16 operands are multiplied
-#   exactly and summed in fp32, in NumPy's order, not the tensor cores'. float8 operands are
-#   converted to float16 before `tl.dot`.
-# - **`tl.dot` precision**: on an NVIDIA GPU Triton rounds fp32 operands to TF32 (10-bit
-#   mantissa) unless told otherwise; the kernel asks for `input_precision="ieee"` so that its
-#   float32 results mean the same compiled as interpreted. The interpreter ignores the setting.
-# - **exp2** is NumPy's `np.exp2`, correctly rounded to about an ulp, not the GPU's `ex2.approx`.
-# - **Not modelled**: `num_warps`, `num_stages`, shared memory and registers (nothing is
-#   allocated on chip; a tile too large for a real SM still runs), timing, and the order in which
-#   a GPU runs its programs (the kernels here do not depend on it: no atomics).
-#
-# So a pass under the interpreter says the kernel's *logic* is right (indexing, masks, the
-# online softmax, the skipped tiles, the lse, the backward's algebra) in float32 and float16;
-# compiled on a GPU the same code adds the hardware's own rounding (TF32 if allowed, `ex2.approx`,
-# the tensor cores' summation order), which chapter 20's bound, twice the textbook error, leaves
-# room for. `tests/test_triton.py` runs all of this in CI.
+# The interpreter runs the grid's programs one after another, each `tl` operation a NumPy call
+# on the whole tile. `tl.dot` is `np.matmul` in fp32: float16 operands are multiplied exactly and
+# summed in NumPy's order, not the tensor cores'. On a GPU Triton rounds fp32 operands of
+# `tl.dot` to TF32 unless told otherwise; the kernel asks for `input_precision="ieee"`, so its
+# float32 results mean the same compiled as interpreted. `exp2` is NumPy's, not `ex2.approx`.
+# Not modelled: `num_warps`, shared memory and registers (a tile too large for an SM still
+# runs), timing, and the order of the programs (the kernels use no atomics). So a pass under the
+# interpreter says the kernel's *logic* is right (indexing, masks, the online softmax, the
+# skipped tiles, the lse, the backward's algebra) in float32 and float16; compiled, the same code
+# adds the hardware's rounding (`ex2.approx`, the tensor cores' order), which chapter 20's bound,
+# twice the textbook error, leaves room for.
