@@ -94,6 +94,7 @@ built-in cases, which register themselves. Each module imports only modules list
 - ``diagnose.py``: the known mistakes of the accuracy check, a table of condition and message per
   check;
 - ``_runner.py``: the accuracy check and :func:`check_kernel`;
+- ``_gradients.py``: the gradient check (a backward's gradients against the output's rule);
 - ``cases.py``: the built-in cases (the classic ones, the variants', memory);
 - ``training.py``: the sinks and dropout cases, the gradient checks, and their own tables of
   known mistakes;
