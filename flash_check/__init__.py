@@ -84,6 +84,17 @@ is read off its output (``q = 0`` makes ``P`` uniform, ``v`` = the identity make
 P_ij·Z_ij/(1 - p)``), so the checks hold any generator to what dropout must be, not to flash_lib's
 Philox.
 
+Garbage
+-------
+Three cases put inf and NaN in ``k`` and ``v`` at keys some rows may not attend: padded keys no
+row may attend (``masked_nonfinite``), keys past the causal diagonal of the rows before them
+(``causal_nonfinite``) and keys the mask allows for one or two rows of a tile and hides from the
+others (``partial_nonfinite``). The garbage must reach exactly the rows allowed to attend it; a
+leak is reported with the rows it reached and the key it came from (and, where the rows are those
+sharing a query block with a row that attends the key, the block size: a kernel that zeroes the
+v of keys no row of a tile may attend). Given ``backward=``, the gradients too: the garbage must
+reach no gradient it cannot reach in exact arithmetic.
+
 The package
 -----------
 This module is the API: it re-exports the public names of the modules below and imports the
@@ -94,10 +105,11 @@ built-in cases, which register themselves. Each module imports only modules list
 - ``diagnose.py``: the known mistakes of the accuracy check, a table of condition and message per
   check;
 - ``_runner.py``: the accuracy check and :func:`check_kernel`;
-- ``_gradients.py``: the gradient check (a backward's gradients against the output's rule);
-- ``cases.py``: the built-in cases (the classic ones, the variants', memory);
-- ``training.py``: the sinks and dropout cases, the gradient checks, and their own tables of
-  known mistakes;
+- ``_gradients.py``: the gradient check (a backward's gradients against the output's rule, and
+  the non-finite cases' gradients where the garbage cannot reach them);
+- ``cases.py``: the built-in cases (the classic ones, the non-finite ones, the variants',
+  memory);
+- ``training.py``: the sinks and dropout cases and their own tables of known mistakes;
 - ``serving.py``: the packed-batch and KV-cache cases;
 - ``adapters.py``: PyTorch and JAX as kernels, and FlashAttention's layouts;
 - ``_cli.py``: the command line, :func:`main` (``__main__.py`` runs it);
