@@ -78,11 +78,15 @@ constant); GQA grouped as ``h mod Hkv``; a mask_mod inverted, called with its ar
 tile-local positions, with its batch dims dropped, or whose tiles are skipped by their corners; a
 sink counted twice (split-KV), scaled, softcapped or with its sign flipped, an empty row's lse that
 is not the sink, dsinks' sign; a dropout mask drawn per tile from a stateful generator (it changes
-with the block sizes), rows whose streams overlap, the keep probability p for 1 - p, a missing
-1/(1 - p), a backward that regenerates another mask; and each variant ignored. A kernel's dropout mask
-is read off its output (``q = 0`` makes ``P`` uniform, ``v`` = the identity makes ``out[i, j] =
-P_ij·Z_ij/(1 - p)``), so the checks hold any generator to what dropout must be, not to flash_lib's
-Philox.
+with the block sizes), rows whose streams overlap, a mask that ignores the batch or head index or
+repeats along rows or keys with a tile's period (a tile-local index), the keep probability p for
+1 - p, a missing 1/(1 - p), a backward that regenerates another mask; and each variant ignored. A
+kernel's dropout mask is read off its output (``q = 0`` makes ``P`` uniform, ``v`` = the identity
+makes ``out[i, j] = P_ij·Z_ij/(1 - p)``). By default the checks hold any generator to what dropout
+must be (a keep rate of 1 - p, rows and keys independent at every lag up to 128, batch elements
+and seeds independent), not to flash_lib's Philox; a kernel that claims a generator
+(``dropout_generator="flash_lib"``, ``--dropout-generator flash_lib``) is held to its mask at
+every pair.
 
 Garbage
 -------

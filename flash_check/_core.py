@@ -331,6 +331,8 @@ class _Context:
     seed: int
     done: dict  # (case name, dtype) -> Result, for the runs so far
     backward: Callable | None = None  # the kernel's backward, if given
+    #: the dropout generator the kernel claims, (seed, p, shape) -> keep mask, or None
+    dropout_generator: Callable | None = None
 
     def fail(self, result, check, measured, bound, diagnosis):
         result.failures.append(Failure(self.case.name, self.dtype, check, measured, bound,

@@ -13,6 +13,7 @@ import functools
 
 import numpy as np
 
+import flash_lib
 from flash_check import diagnose
 from flash_check._core import (CASES, DEFAULT_FEATURES, DTYPES, FACTOR, FEATURES, LSE_FLOOR,
                                OUT_FLOOR, Report, Result, Skip, _call, _Context,
@@ -183,7 +184,7 @@ def _kernel_name(fn):
 
 
 def check_kernel(fn, *, features=DEFAULT_FEATURES, dtypes=DTYPES, lse_empty=-np.inf, seed=0,
-                 cases=None, backward=None):
+                 cases=None, backward=None, dropout_generator=None):
     """Run the attention kernel ``fn`` through every registered case; return a :class:`Report`.
 
     Parameters
@@ -215,6 +216,15 @@ def check_kernel(fn, *, features=DEFAULT_FEATURES, dtypes=DTYPES, lse_empty=-np.
         the backward's keep mask and the gradients under the forward's seed; the non-finite
         cases (``masked_nonfinite``, ``causal_nonfinite``, ``partial_nonfinite``) check that
         garbage in k and v reaches no gradient it cannot reach.
+    dropout_generator : None, "flash_lib" or callable, optional
+        The generator whose keep mask the kernel claims to draw, ``generator(seed, p, shape)``
+        returning the bool mask of ``shape = (..., Nq, Nk)`` at the global positions ``(b, i,
+        j)`` (``"flash_lib"``: :func:`flash_lib.dropout_keep`, Philox4x32-7 keyed by ``b`` the
+        flat batch index). Given, the dropout case holds the kernel's mask to it, pair for pair,
+        and names the index a differing mask ignores or repeats; by default (None) it holds the
+        mask to what any generator must give: the keep rate, and independence of rows and of
+        keys at every lag up to 128, of batch elements and of seeds (needs ``"dropout"`` among
+        the features).
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
@@ -238,6 +248,17 @@ def check_kernel(fn, *, features=DEFAULT_FEATURES, dtypes=DTYPES, lse_empty=-np.
         raise TypeError(f"lse_empty must be a float, got {lse_empty!r}") from None
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    if isinstance(dropout_generator, str):
+        if dropout_generator != "flash_lib":
+            raise ValueError(f"dropout_generator must be None, 'flash_lib' or a callable "
+                             f"(seed, p, shape) -> keep mask, got {dropout_generator!r}")
+        dropout_generator = flash_lib.dropout_keep
+    elif dropout_generator is not None and not callable(dropout_generator):
+        raise TypeError(f"dropout_generator must be None, 'flash_lib' or a callable (seed, p, "
+                        f"shape) -> keep mask, got {type(dropout_generator).__name__}")
+    if dropout_generator is not None and "dropout" not in features:
+        raise ValueError("dropout_generator is given, but 'dropout' is not among the features: "
+                         "the dropout case, which uses it, would not run")
     if cases is None:
         selected = list(CASES.values())
     else:
@@ -261,7 +282,8 @@ def check_kernel(fn, *, features=DEFAULT_FEATURES, dtypes=DTYPES, lse_empty=-np.
         if case.once:
             run_dtypes = ["float32" if "float32" in run_dtypes else run_dtypes[0]]
         for dtype in run_dtypes:
-            ctx = _Context(fn, case, dtype, features, lse_empty, int(seed), done, backward)
+            ctx = _Context(fn, case, dtype, features, lse_empty, int(seed), done, backward,
+                           dropout_generator)
             try:
                 with np.errstate(all="ignore"):  # the diagnoses handle non-finite output
                     result = (case.run or _accuracy)(ctx)

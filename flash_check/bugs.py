@@ -17,9 +17,10 @@ kernel passing the cases is evidence about the cases and not about flash_lib's c
 
 All are plain Python loops over tiles: small inputs only. The dropout mask here comes from a
 generator of its own (SplitMix64's finaliser applied to the seed, the batch index and the global
-positions), not flash_lib's Philox: flash_check holds a kernel to what dropout must be (a keep
-rate of 1 - p, the same mask whatever the tiles, a backward that regenerates it), never to one
-library's random numbers.
+positions), not flash_lib's Philox: by default flash_check holds a kernel to what dropout must be
+(a keep rate of 1 - p, independent elements, the same mask whatever the tiles, a backward that
+regenerates it), not to one library's random numbers, and this kernel passes; it fails, as it
+should, when checked with ``dropout_generator="flash_lib"``.
 """
 
 from __future__ import annotations

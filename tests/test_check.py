@@ -412,6 +412,9 @@ DEFAULT = flash_check.DEFAULT_FEATURES
     ({"cases": ["no_such_case"]}, "not registered"),
     ({"seed": -1}, "seed must be a non-negative integer"),
     ({"lse_empty": "inf?"}, "lse_empty must be a float"),
+    ({"dropout_generator": "philox"}, "dropout_generator must be None, 'flash_lib' or a callable"),
+    ({"dropout_generator": 7}, "dropout_generator must be None, 'flash_lib' or a callable"),
+    ({"dropout_generator": "flash_lib"}, "'dropout' is not among the features"),
 ])
 def test_bad_arguments_are_named(kwargs, error):
     with pytest.raises((ValueError, TypeError), match=error):
@@ -574,24 +577,44 @@ def test_the_dropout_probe_reads_flash_libs_own_mask():
     assert not probe.result.failures
 
 
-def test_the_agreement_interval_is_the_derived_one():
-    """The dropout case's σ for the agreement of neighbouring keys within one mask, whose
-    indicators share an element pairwise, is (a(1 - a) + 2|c|)/n, not the independent a(1 - a)/n:
-    measured over 2000 independent masks, the spread of the agreement is the derived σ to within
-    6% (the estimate's own error is 1.6%; the independent formula is 13% too small)."""
-    ctx = _Context(variant_attention, flash_check.CASES["dropout"], "float64", ("dropout",),
-                   -np.inf, 0, {})
-    probe = training._Dropout(ctx, flash_check.Result("dropout", "float64"))
+def test_the_lag_classes_hold_each_element_once():
+    """The derivation of training._half_width splits the pairs (x, x + L) into two classes by the
+    parity of x // L, in each of which no element appears twice (so its indicators are
+    independent for a correct generator): checked pair by pair, with the classes' sizes."""
+    for length, lag in [(160, 1), (160, 7), (160, 32), (144, 64), (160, 128), (144, 143)]:
+        classes = {0: [], 1: []}
+        for x in range(length - lag):
+            classes[x // lag % 2] += [x, x + lag]
+        for members in classes.values():
+            assert len(members) == len(set(members)), (length, lag)
+        assert training._lag_classes(length, lag) == (len(classes[0]) // 2,
+                                                      len(classes[1]) // 2)
+
+
+def test_the_dropout_bound_is_the_derived_one():
+    """The half-width is the root of the Bernstein tail Σ_c 2 exp(-n_c t² / (2σ² + 2t/3)) =
+    FALSE_ALARM / m over the case's m comparisons; on 20 masks of a correct generator no
+    comparison fails; and the interval is 7 to 10 standard deviations of the real spread of the
+    agreement of neighbouring keys, measured over 2000 masks: wide enough never to fail a
+    correct generator (a normal approximation at the same family-wise rate would take 6.5), not
+    so wide that a correlation of a few percent goes unseen."""
+    p = training.DROPOUT_P
+    batch, n_q, n_k = training.DROPOUT_SHAPE
     rng = np.random.default_rng(5)
-    shape = (probe.n_q, probe.n_k)
-    agree = np.concatenate([
-        np.mean((lambda m: m[..., 1:] == m[..., :-1])(rng.random((100,) + shape) >= probe.p),
-                axis=(1, 2)) for _ in range(20)])
-    keep = np.zeros(shape, bool)
-    sigma = probe.agreement("keys", keep[:, 1:], keep[:, :-1], shared=True)["half"] / 5
-    independent = probe.agreement("keys", keep[:, 1:], keep[:, :-1], shared=False)["half"] / 5
-    assert abs(agree.std() / sigma - 1) < 0.06, (agree.std(), sigma)
-    assert agree.std() > 1.08 * independent
+    masks = rng.random((21,) + batch + (n_q, n_k)) >= p
+    comparisons = [training._comparisons(masks[i], masks[i + 1], p) for i in range(20)]
+    assert max(c.z for found in comparisons for c in found) < 1
+    first = comparisons[0]
+    m = len(first)
+    assert m == 1 + len(training.ROW_SHIFTS) + (training.MAX_LAG - 1) + training.MAX_LAG + 6 + 1
+    for c in first:
+        tail = sum(2 * np.exp(-n * c.half ** 2 / (2 * c.variance + 2 * c.half / 3))
+                   for n in c.sizes if n)
+        assert tail == pytest.approx(training.FALSE_ALARM / m, rel=1e-6), c
+    agree = np.concatenate([np.mean((lambda x: x[..., 1:] == x[..., :-1])(
+        rng.random((100, n_q, n_k)) >= p), axis=(1, 2)) for _ in range(20)])
+    half = next(c.half for c in first if c.what == "keys" and c.lag == 1)
+    assert 7 < half / agree.std() < 10, half / agree.std()
 
 
 def _dense_dropout(keep_of, *, rescale=True, renormalise=False, kept_lse=False,
@@ -649,7 +672,8 @@ DROPOUT_MISTAKES = {
     "keeps with probability p": (_dense_dropout(lambda s, p, shape: ~_counter(s, p, shape)),
                                  "keep rate", "keeps with probability p = 0.3, not 1 - p"),
     "heads share a mask": (_dense_dropout(lambda s, p, shape: np.broadcast_to(
-        _counter(s, p, shape[-2:]), shape)), "independent batch", "the counter ignores the batch"),
+        _counter(s, p, shape[-2:]), shape)), "independent batch",
+        "the mask ignores the batch and head indices: every element draws the same mask"),
     "seed ignored": (_dense_dropout(lambda s, p, shape: _counter(7, p, shape)),
                      "independent seed", "the mask does not follow dropout_seed"),
     "renormalised": (_dense_dropout(_counter, renormalise=True), "keep values",
@@ -678,6 +702,82 @@ def test_dropout_mistakes_are_named(mistake):
         return
     failing = [f for f in report.failures if f.check == check]
     assert failing and all(words in f.diagnosis for f in failing), str(report)
+
+
+def _keep_at(index):
+    """flash_lib's keep mask drawn at the positions ``index(b, i, j)`` (of the probe's (batch,
+    head) element, row, key) returns: the four broken masks of issue 33 item 4."""
+    def keep_of(seed, p, shape):
+        b, h, i, j = np.indices(shape, sparse=True)
+        b, h, i, j = index(b, h, i, j)
+        whole = flash_lib.dropout_keep(seed, p, shape)
+        return whole[b, h, i, j]
+    return keep_of
+
+
+BROKEN_MASKS = {
+    # name: (where the mask is drawn, the generic check and its words, the claimed check's words)
+    "keyed by head only": (lambda b, h, i, j: (0 * b, h, i, j), "independent batch",
+                           "the mask ignores the batch index: batches 0 and 1 draw the same mask "
+                           "for each head",
+                           "keyed by the head alone: the mask ignores the batch index"),
+    "keys repeat every 32": (lambda b, h, i, j: (b, h, i, j % 32), "independent keys",
+                             "the keep mask repeats along keys with period 32: a tile-local key "
+                             "index, j mod 32",
+                             "at (b, i, j mod 32): it repeats along keys with period 32, a "
+                             "tile-local key index"),
+    "keys repeat every 64": (lambda b, h, i, j: (b, h, i, j % 64), "independent keys",
+                             "the keep mask repeats along keys with period 64: a tile-local key "
+                             "index, j mod 64",
+                             "at (b, i, j mod 64): it repeats along keys with period 64"),
+    "rows repeat every 64": (lambda b, h, i, j: (b, h, i % 64, j), "independent rows",
+                             "the keep mask repeats along rows with period 64: a tile-local row "
+                             "index, i mod 64",
+                             "at (b, i mod 64, j): it repeats along rows with period 64, a "
+                             "tile-local row index"),
+}
+
+
+@pytest.mark.parametrize("mistake", BROKEN_MASKS)
+@pytest.mark.parametrize("claim", [None, "flash_lib"], ids=["any generator", "flash_lib's"])
+def test_broken_dropout_masks_are_named(mistake, claim):
+    """Exact (P∘Z/(1 - p))·V kernels whose mask Z is flash_lib's drawn at the wrong positions:
+    the batch index ignored, keys or rows repeating with a tile's period. Their keep rate is
+    right and neighbours look independent; the comparisons at every lag up to 128 (any
+    generator) or against flash_lib.dropout_keep pair for pair (a kernel that claims it) fail,
+    with the index named, and nothing else does."""
+    index, check, words, claimed_words = BROKEN_MASKS[mistake]
+    kernel, _ = _dense_dropout(_keep_at(index))
+    report = flash_check.check_kernel(kernel, features=("lse", "dropout"), cases=["dropout"],
+                                      dropout_generator=claim)
+    (failure,) = report.failures
+    if claim is None:
+        assert failure.check == check and words in failure.diagnosis, str(report)
+    else:
+        assert failure.check == "generator", str(report)
+        assert failure.diagnosis.startswith(
+            f"the keep mask is flash_lib.dropout_keep's {claimed_words}"), failure.diagnosis
+
+
+def test_correct_dropout_passes_with_and_without_a_claim():
+    """flash_lib's kernel passes both ways, its mask flash_lib.dropout_keep's at every pair; the
+    bug zoo's, whose generator is its own, passes the statistics and fails the claim, told that
+    its numbers are not flash_lib's."""
+    kernel = functools.partial(flash_lib.flash_attention, return_lse=True)
+    for claim in (None, "flash_lib", flash_lib.dropout_keep):
+        report = flash_check.check_kernel(kernel, features=("lse", "dropout"), cases=["dropout"],
+                                          backward=flash_lib.flash_attention_backward,
+                                          dropout_generator=claim)
+        assert report.ok, str(report)
+        note = report.results[0].note
+        assert ("rows and keys compared at lags 1 ... 128" if claim is None else
+                "the mask is flash_lib.dropout_keep's at every pair") in note, note
+    assert flash_check.check_kernel(variant_attention, features=("lse", "dropout"),
+                                    cases=["dropout"]).ok
+    report = flash_check.check_kernel(variant_attention, features=("lse", "dropout"),
+                                      cases=["dropout"], dropout_generator="flash_lib")
+    assert [f.check for f in report.failures] == ["generator"], str(report)
+    assert "does not draw flash_lib.dropout_keep's numbers" in report.failures[0].diagnosis
 
 
 def _right_on_the_probe(mistaken):
@@ -787,6 +887,10 @@ def test_cli_passes_a_good_kernel_and_fails_a_bad_one(tmp_path):
                  "kernels_under_test:flipped")
     assert grads.returncode == 1, grads.stdout + grads.stderr
     assert "dsinks has the wrong sign" in grads.stdout
+    claimed = _cli(tmp_path, "kernels_under_test:good", "--features", "lse", "dropout",
+                   "--dtypes", "float32", "--cases", "dropout", "--dropout-generator", "flash_lib")
+    assert claimed.returncode == 0, claimed.stdout + claimed.stderr
+    assert "the mask is flash_lib.dropout_keep's at every pair" in claimed.stdout
 
 
 def test_cli_rejects_what_it_cannot_load(tmp_path):
@@ -797,6 +901,9 @@ def test_cli_rejects_what_it_cannot_load(tmp_path):
         assert run.returncode == 2 and words in run.stderr, (target, run.stderr)
     run = _cli(tmp_path, "kernels_under_test:good", "--features", "windw")
     assert run.returncode == 2 and "unknown" in run.stderr
+    run = _cli(tmp_path, "kernels_under_test:good", "--features", "dropout",
+               "--dropout-generator", "kernels_under_test:nothing")
+    assert run.returncode == 2 and "its dropout generator" in run.stderr, run.stderr
 
 
 # --- the package imports one way -----------------------------------------------------------
