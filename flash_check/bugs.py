@@ -44,8 +44,8 @@ BUGS = {
     "float16_accumulation": "float16 inputs computed in float16 throughout",
     "uniform_empty_rows": "masked scores set to -1e9 instead of -inf",
     "stale_max": "p = exp(s - m) against the previous block's max",
-    "garbage_per_tile": "P·V zeroes the v of keys no row of the tile may attend, and multiplies "
-                        "the rest (flash_triton's forward before issue 33)",
+    "garbage_per_tile": "P·V zeroes the v of keys no row of the tile may attend and multiplies "
+                        "the rest, as flash_triton's forward did",
     "garbage_past_diagonal": "P·V leaves out the pairs the mask hides, not those past the causal "
                              "diagonal",
 }
@@ -284,7 +284,7 @@ _VARIANT_ZOO = {
         dsinks=lambda share: share),
     "garbage_ds_unmasked": _bug(
         "the backward's dS = P∘(dP - D) not set to 0 at masked pairs, where dP = dO·Vᵀ is NaN at "
-        "a key whose v holds garbage (flash_triton's backward before issue 33)",
+        "a key whose v holds garbage, as flash_triton's backward did",
         dscores=lambda p, dp, D, ok: p * (dp - D)),
     "garbage_k_in_dq": _bug(
         "the backward's dQ = dS·K multiplies every key of a tile, a masked key's NaN in k "
