@@ -78,11 +78,26 @@ constant); GQA grouped as ``h mod Hkv``; a mask_mod inverted, called with its ar
 tile-local positions, with its batch dims dropped, or whose tiles are skipped by their corners; a
 sink counted twice (split-KV), scaled, softcapped or with its sign flipped, an empty row's lse that
 is not the sink, dsinks' sign; a dropout mask drawn per tile from a stateful generator (it changes
-with the block sizes), rows whose streams overlap, the keep probability p for 1 - p, a missing
-1/(1 - p), a backward that regenerates another mask; and each variant ignored. A kernel's dropout mask
-is read off its output (``q = 0`` makes ``P`` uniform, ``v`` = the identity makes ``out[i, j] =
-P_ij·Z_ij/(1 - p)``), so the checks hold any generator to what dropout must be, not to flash_lib's
-Philox.
+with the block sizes), rows whose streams overlap, a mask that ignores the batch or head index or
+repeats along rows or keys with a tile's period (a tile-local index), the keep probability p for
+1 - p, a missing 1/(1 - p), a backward that regenerates another mask; and each variant ignored. A
+kernel's dropout mask is read off its output (``q = 0`` makes ``P`` uniform, ``v`` = the identity
+makes ``out[i, j] = P_ij·Z_ij/(1 - p)``). By default the checks hold any generator to what dropout
+must be (a keep rate of 1 - p, rows and keys independent at every lag up to 128, batch elements
+and seeds independent), not to flash_lib's Philox; a kernel that claims a generator
+(``dropout_generator="flash_lib"``, ``--dropout-generator flash_lib``) is held to its mask at
+every pair.
+
+Garbage
+-------
+Three cases put inf and NaN in ``k`` and ``v`` at keys some rows may not attend: padded keys no
+row may attend (``masked_nonfinite``), keys past the causal diagonal of the rows before them
+(``causal_nonfinite``) and keys the mask allows for one or two rows of a tile and hides from the
+others (``partial_nonfinite``). The garbage must reach exactly the rows allowed to attend it; a
+leak is reported with the rows it reached and the key it came from (and, where the rows are those
+sharing a query block with a row that attends the key, the block size: a kernel that zeroes the
+v of keys no row of a tile may attend). Given ``backward=``, the gradients too: the garbage must
+reach no gradient it cannot reach in exact arithmetic.
 
 The package
 -----------
@@ -94,9 +109,11 @@ built-in cases, which register themselves. Each module imports only modules list
 - ``diagnose.py``: the known mistakes of the accuracy check, a table of condition and message per
   check;
 - ``_runner.py``: the accuracy check and :func:`check_kernel`;
-- ``cases.py``: the built-in cases (the classic ones, the variants', memory);
-- ``training.py``: the sinks and dropout cases, the gradient checks, and their own tables of
-  known mistakes;
+- ``_gradients.py``: the gradient check (a backward's gradients against the output's rule, and
+  the non-finite cases' gradients where the garbage cannot reach them);
+- ``cases.py``: the built-in cases (the classic ones, the non-finite ones, the variants',
+  memory);
+- ``training.py``: the sinks and dropout cases and their own tables of known mistakes;
 - ``serving.py``: the packed-batch and KV-cache cases;
 - ``adapters.py``: PyTorch and JAX as kernels, and FlashAttention's layouts;
 - ``_cli.py``: the command line, :func:`main` (``__main__.py`` runs it);

@@ -62,16 +62,25 @@ def main(argv=None):
                         help="package.module:function, the kernel's backward (q, k, v, out, lse, "
                              "dout, **keywords) -> (dq, dk, dv[, dsinks]): the sinks and dropout "
                              "cases then check the gradients")
+    parser.add_argument("--dropout-generator", metavar="GENERATOR",
+                        help="the generator whose keep mask the kernel claims: flash_lib "
+                             "(flash_lib.dropout_keep), or package.module:function (seed, p, "
+                             "shape) -> keep mask; the dropout case then checks the mask against "
+                             "it pair for pair (default: the generator-agnostic statistics)")
     args = parser.parse_args(argv)
     try:
         fn = _load(args.kernel)
         backward = None if args.backward is None else _load(args.backward)
+        generator = args.dropout_generator
+        if generator is not None and generator != "flash_lib":
+            generator = _load(generator)
     except (ValueError, ImportError, AttributeError) as exc:
-        parser.error(f"cannot load the kernel {args.kernel!r} or its backward: {exc}")
+        parser.error(f"cannot load the kernel {args.kernel!r}, its backward or its dropout "
+                     f"generator: {exc}")
     try:
-        report = check_kernel(_with_lse(fn, args.features), features=args.features, dtypes=args.dtypes,
-                              lse_empty=args.lse_empty, seed=args.seed, cases=args.cases,
-                              backward=backward)
+        report = check_kernel(_with_lse(fn, args.features), features=args.features,
+                              dtypes=args.dtypes, lse_empty=args.lse_empty, seed=args.seed,
+                              cases=args.cases, backward=backward, dropout_generator=generator)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     print(report)

@@ -86,8 +86,12 @@ class Inputs:
     """One case's inputs in one dtype.
 
     ``kwargs`` go to the kernel and to flash_lib's references. ``nan_rows`` (bool, shape
-    ``(..., Nq)``) marks rows that must come out NaN (NaN in q); ``clean`` holds ``(q, k, v)``
-    for the references when the kernel's inputs carry garbage the references need not see.
+    ``(..., Nq)``) marks rows whose out and lse must come out NaN (NaN in q, or in k at a key the
+    row attends); ``garbage_rows`` rows that attend an inf or NaN in v: their out must not be
+    finite (the garbage reaches exactly the rows allowed to attend it) and is not measured, their
+    lse is (it does not read v). ``clean`` holds ``(q, k, v)`` for the references when the
+    kernel's inputs carry garbage the references need not see (the entries where the two differ
+    are the garbage, which the diagnoses and the gradient check locate).
     """
 
     q: np.ndarray
@@ -96,6 +100,7 @@ class Inputs:
     kwargs: dict = dataclasses.field(default_factory=dict)
     nan_rows: np.ndarray | None = None
     clean: tuple | None = None
+    garbage_rows: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,8 +269,9 @@ class _Reference:
     lse: np.ndarray
     naive_out: np.ndarray
     naive_lse: np.ndarray
-    rows: np.ndarray  # rows measured for accuracy: allowed keys, not NaN by design
+    rows: np.ndarray  # rows whose out is measured: allowed keys, finite by design
     empty: np.ndarray  # rows with no allowed key
+    lse_rows: np.ndarray  # rows whose lse is measured: rows, and the garbage rows (v unread)
 
 
 @functools.lru_cache(maxsize=512)
@@ -277,14 +283,18 @@ def _reference(case, dtype, seed):
         out, lse = flash_lib.precise_attention(q, k, v, **inputs.kwargs, return_lse=True)
         naive_out, naive_lse = flash_lib.naive_attention(q, k, v, **inputs.kwargs,
                                                          return_lse=True)
-    nan_rows = np.zeros(lse.shape, bool) if inputs.nan_rows is None else inputs.nan_rows
+    none = np.zeros(lse.shape, bool)
+    nan_rows = none if inputs.nan_rows is None else inputs.nan_rows
+    garbage_rows = none if inputs.garbage_rows is None else inputs.garbage_rows
     empty = (lse == -np.inf) & ~nan_rows
-    rows = ~empty & ~nan_rows
+    lse_rows = ~empty & ~nan_rows
+    rows = lse_rows & ~garbage_rows
     if not (np.isfinite(out[rows]).all() and np.isfinite(naive_out[rows]).all()):
         raise RuntimeError(f"case {case.name!r} ({dtype}): the references are not finite")
-    for x in (inputs.q, inputs.k, inputs.v, out, lse, naive_out, naive_lse, rows, empty):
+    for x in (inputs.q, inputs.k, inputs.v, out, lse, naive_out, naive_lse, rows, empty,
+              lse_rows):
         x.flags.writeable = False
-    return _Reference(inputs, out, lse, naive_out, naive_lse, rows, empty)
+    return _Reference(inputs, out, lse, naive_out, naive_lse, rows, empty, lse_rows)
 
 
 def _max_error(out, ref):
@@ -321,6 +331,8 @@ class _Context:
     seed: int
     done: dict  # (case name, dtype) -> Result, for the runs so far
     backward: Callable | None = None  # the kernel's backward, if given
+    #: the dropout generator the kernel claims, (seed, p, shape) -> keep mask, or None
+    dropout_generator: Callable | None = None
 
     def fail(self, result, check, measured, bound, diagnosis):
         result.failures.append(Failure(self.case.name, self.dtype, check, measured, bound,

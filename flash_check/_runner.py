@@ -13,6 +13,7 @@ import functools
 
 import numpy as np
 
+import flash_lib
 from flash_check import diagnose
 from flash_check._core import (CASES, DEFAULT_FEATURES, DTYPES, FACTOR, FEATURES, LSE_FLOOR,
                                OUT_FLOOR, Report, Result, Skip, _call, _Context,
@@ -64,12 +65,14 @@ def _accuracy(ctx):
     why = diagnose.Evidence(ctx, ref, out, lse)
     _check_empty_rows(ctx, result, ref, out, lse, why)
     _check_nan_rows(ctx, result, ref, out, lse)
+    _check_garbage_rows(ctx, result, ref, out, why)
 
     rows = ref.rows
     bad = rows & ~np.isfinite(out).all(axis=-1)
     if bad.any():
-        ctx.fail(result, "non-finite", f"{_nonfinite_kind(out[bad])} in {int(bad.sum())} of "
-                 f"{int(rows.sum())} rows", "finite wherever the exact output is",
+        ctx.fail(result, "non-finite", f"{diagnose.nonfinite_kinds(out[bad])} in "
+                 f"{int(bad.sum())} of {int(rows.sum())} rows",
+                 "finite wherever the exact output is",
                  why.explain(diagnose.NON_FINITE, bad=bad, of_lse=False))
     measured = rows & ~bad
     err = _max_error(out[measured], ref.out[measured])
@@ -82,6 +85,7 @@ def _accuracy(ctx):
         ctx.fail(result, "out error", f"{err:.2g}", f"{FACTOR:g} x naive's {naive:.2g} + "
                  f"{OUT_FLOOR[ctx.dtype]:.2g} = {bound:.2g}", why.explain_out())
     if want_lse:
+        rows = ref.lse_rows
         bad = rows & ~np.isfinite(lse)
         measured = rows & ~bad
         err = _lse_error(lse[measured], ref.lse[measured])
@@ -89,7 +93,7 @@ def _accuracy(ctx):
         bound = FACTOR * naive + LSE_FLOOR[ctx.dtype]
         result.lse_error, result.lse_naive, result.lse_bound = err, naive, bound
         if bad.any():
-            ctx.fail(result, "lse non-finite", f"{_nonfinite_kind(lse[bad])} in "
+            ctx.fail(result, "lse non-finite", f"{diagnose.nonfinite_kinds(lse[bad])} in "
                      f"{int(bad.sum())} of {int(rows.sum())} rows",
                      "finite wherever the exact lse is",
                      why.explain(diagnose.NON_FINITE, bad=bad, of_lse=True))
@@ -98,12 +102,6 @@ def _accuracy(ctx):
                      f"{LSE_FLOOR[ctx.dtype]:.2g} = {bound:.2g}",
                      why.explain(diagnose.LSE_ERROR, rows=measured, err=err))
     return result
-
-
-def _nonfinite_kind(x):
-    kinds = [name for name, hit in (("NaN", np.isnan(x).any()), ("+inf", (x == np.inf).any()),
-                                    ("-inf", (x == -np.inf).any())) if hit]
-    return "/".join(kinds)
 
 
 def _check_empty_rows(ctx, result, ref, out, lse, why):
@@ -118,7 +116,8 @@ def _check_empty_rows(ctx, result, ref, out, lse, why):
         what = (f"{int(nan.sum())} of {n} rows NaN" if nan.any()
                 else f"{int(not_zero.sum())} of {n} rows not 0 (max |out| {np.abs(rows).max():.2g})")
         ctx.fail(result, "empty rows", what, "out exactly 0",
-                 why.explain(diagnose.EMPTY_ROWS, rows=rows, nan=nan))
+                 why.explain(diagnose.EMPTY_ROWS, rows=rows, nan=nan,
+                             nan_rows=empty & np.isnan(out).any(axis=-1)))
     if lse is not None:
         got = lse[empty].astype(np.float64)
         same = (got == ctx.lse_empty) | (np.isnan(got) & np.isnan(ctx.lse_empty))
@@ -141,6 +140,19 @@ def _check_nan_rows(ctx, result, ref, out, lse):
         ctx.fail(result, "NaN row", "a row of q holding NaN gave numbers", "that row all NaN",
                  "the NaN in q became a silent number: NaN must propagate (a NaN-ignoring max "
                  "such as np.fmax or np.nanmax, or a where() that hides it?)")
+
+
+def _check_garbage_rows(ctx, result, ref, out, why):
+    """Rows allowed to attend an inf or NaN in v must not come out finite: the garbage reaches
+    exactly the rows allowed to attend it, never a row that may not, and is never hidden."""
+    garbage_rows = ref.inputs.garbage_rows
+    if garbage_rows is None:
+        return
+    hidden = garbage_rows & np.isfinite(out).all(axis=-1)
+    if hidden.any():
+        ctx.fail(result, "garbage row", f"{int(hidden.sum())} of {int(garbage_rows.sum())} rows "
+                 f"that attend an inf or NaN in v came out finite", "not finite",
+                 why.explain(diagnose.GARBAGE_HIDDEN, hidden=hidden))
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,7 +184,7 @@ def _kernel_name(fn):
 
 
 def check_kernel(fn, *, features=DEFAULT_FEATURES, dtypes=DTYPES, lse_empty=-np.inf, seed=0,
-                 cases=None, backward=None):
+                 cases=None, backward=None, dropout_generator=None):
     """Run the attention kernel ``fn`` through every registered case; return a :class:`Report`.
 
     Parameters
@@ -201,7 +213,18 @@ def check_kernel(fn, *, features=DEFAULT_FEATURES, dtypes=DTYPES, lse_empty=-np.
         (``flash_lib.flash_attention_backward``'s signature; ``out`` and ``lse`` are what the
         kernel returned, so it needs the ``"lse"`` feature). Given, the ``sinks`` and
         ``sinks_empty_rows`` cases check the gradients and ``dsinks``, and the ``dropout`` case
-        the backward's keep mask and the gradients under the forward's seed.
+        the backward's keep mask and the gradients under the forward's seed; the non-finite
+        cases (``masked_nonfinite``, ``causal_nonfinite``, ``partial_nonfinite``) check that
+        garbage in k and v reaches no gradient it cannot reach.
+    dropout_generator : None, "flash_lib" or callable, optional
+        The generator whose keep mask the kernel claims to draw, ``generator(seed, p, shape)``
+        returning the bool mask of ``shape = (..., Nq, Nk)`` at the global positions ``(b, i,
+        j)`` (``"flash_lib"``: :func:`flash_lib.dropout_keep`, Philox4x32-7 keyed by ``b`` the
+        flat batch index). Given, the dropout case holds the kernel's mask to it, pair for pair,
+        and names the index a differing mask ignores or repeats; by default (None) it holds the
+        mask to what any generator must give: the keep rate, and independence of rows and of
+        keys at every lag up to 128, of batch elements and of seeds (needs ``"dropout"`` among
+        the features).
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
@@ -225,6 +248,17 @@ def check_kernel(fn, *, features=DEFAULT_FEATURES, dtypes=DTYPES, lse_empty=-np.
         raise TypeError(f"lse_empty must be a float, got {lse_empty!r}") from None
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    if isinstance(dropout_generator, str):
+        if dropout_generator != "flash_lib":
+            raise ValueError(f"dropout_generator must be None, 'flash_lib' or a callable "
+                             f"(seed, p, shape) -> keep mask, got {dropout_generator!r}")
+        dropout_generator = flash_lib.dropout_keep
+    elif dropout_generator is not None and not callable(dropout_generator):
+        raise TypeError(f"dropout_generator must be None, 'flash_lib' or a callable (seed, p, "
+                        f"shape) -> keep mask, got {type(dropout_generator).__name__}")
+    if dropout_generator is not None and "dropout" not in features:
+        raise ValueError("dropout_generator is given, but 'dropout' is not among the features: "
+                         "the dropout case, which uses it, would not run")
     if cases is None:
         selected = list(CASES.values())
     else:
@@ -248,7 +282,8 @@ def check_kernel(fn, *, features=DEFAULT_FEATURES, dtypes=DTYPES, lse_empty=-np.
         if case.once:
             run_dtypes = ["float32" if "float32" in run_dtypes else run_dtypes[0]]
         for dtype in run_dtypes:
-            ctx = _Context(fn, case, dtype, features, lse_empty, int(seed), done, backward)
+            ctx = _Context(fn, case, dtype, features, lse_empty, int(seed), done, backward,
+                           dropout_generator)
             try:
                 with np.errstate(all="ignore"):  # the diagnoses handle non-finite output
                     result = (case.run or _accuracy)(ctx)

@@ -6,7 +6,9 @@ not use it. Written from FlashAttention's conventions, independently of flash_li
 kernel passing the cases is evidence about the cases and not about flash_lib's code.
 
 - :func:`tiled_attention` is FlashAttention's forward pass over block × block tiles, returning
-  ``(out, lse)``; ``bug=`` one of :data:`BUGS` changes one line of it.
+  ``(out, lse)``; ``bug=`` one of :data:`BUGS` changes one line of it. Its P·V runs over the
+  allowed pairs only (:func:`allowed_matmul`): a masked pair's weight is 0, but ``0 · NaN`` is
+  NaN, and a KV cache's unused slots may hold anything.
 - :func:`variant_attention` adds the variants (window, softcap, ALiBi, GQA, mask_mod, attention
   sinks, dropout); ``bug=`` one of :data:`VARIANT_BUGS` gets one of them wrong the way real
   kernels do. :func:`variant_attention_backward` is its backward (masks, causal, sinks, dropout),
@@ -15,9 +17,10 @@ kernel passing the cases is evidence about the cases and not about flash_lib's c
 
 All are plain Python loops over tiles: small inputs only. The dropout mask here comes from a
 generator of its own (SplitMix64's finaliser applied to the seed, the batch index and the global
-positions), not flash_lib's Philox: flash_check holds a kernel to what dropout must be (a keep
-rate of 1 - p, the same mask whatever the tiles, a backward that regenerates it), never to one
-library's random numbers.
+positions), not flash_lib's Philox: by default flash_check holds a kernel to what dropout must be
+(a keep rate of 1 - p, independent elements, the same mask whatever the tiles, a backward that
+regenerates it), not to one library's random numbers, and this kernel passes; it fails, as it
+should, when checked with ``dropout_generator="flash_lib"``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from collections.abc import Callable
 import numpy as np
 
 __all__ = ["BUGS", "VARIANT_BUGS", "BACKWARD_BUGS", "tiled_attention", "variant_attention",
-           "variant_attention_backward", "counter_keep"]
+           "variant_attention_backward", "counter_keep", "allowed_matmul"]
 
 #: The classic bugs of :func:`tiled_attention`: name -> what the kernel then does.
 BUGS = {
@@ -41,11 +44,31 @@ BUGS = {
     "float16_accumulation": "float16 inputs computed in float16 throughout",
     "uniform_empty_rows": "masked scores set to -1e9 instead of -inf",
     "stale_max": "p = exp(s - m) against the previous block's max",
+    "garbage_per_tile": "P·V zeroes the v of keys no row of the tile may attend and multiplies "
+                        "the rest, as flash_triton's forward did",
+    "garbage_past_diagonal": "P·V leaves out the pairs the mask hides, not those past the causal "
+                             "diagonal",
 }
 
 def _check_bug(bug, known):
     if bug is not None and bug not in known:
         raise ValueError(f"bug must be None or one of {list(known)}, got {bug!r}")
+
+
+def allowed_matmul(a, b, allowed):
+    """``a @ b`` over the allowed pairs only: ``a`` (..., rows, keys) weighs each pair (exactly 0
+    where it is not allowed), ``b`` (..., keys, c) holds a row per key. IEEE arithmetic makes
+    ``0 · inf`` and ``0 · NaN`` NaN, so the keys whose row of ``b`` holds inf or NaN (garbage in
+    a KV cache's unused slots) are left out of the matmul and added pair by pair, where allowed."""
+    bad = ~np.isfinite(b).all(axis=-1)
+    bad = bad.reshape(-1, bad.shape[-1]).any(axis=0)  # the keys with garbage in any batch element
+    out = a @ np.where(bad[:, None], 0, b)
+    if bad.any():
+        with np.errstate(invalid="ignore"):  # 0 · inf at the masked pairs, dropped by the where
+            terms = a[..., bad, None] * b[..., bad, :][..., None, :, :]
+        ok = np.broadcast_to(allowed, a.shape)[..., bad, None]
+        out = out + np.where(ok, terms, 0).sum(axis=-2)
+    return out
 
 
 def tiled_attention(q, k, v, *, mask=None, causal=False, scale=None, bug=None, block=16):
@@ -77,6 +100,7 @@ def tiled_attention(q, k, v, *, mask=None, causal=False, scale=None, bug=None, b
             allowed = np.ones(s.shape[-2:], bool)
             if mask is not None:
                 allowed = allowed & mask[..., qs:qe, ks:ke]
+            unmasked = allowed  # the pairs the mask allows (causal aside)
             if causal:
                 allowed = allowed & (np.arange(ks, ke) <= np.arange(qs, qe)[:, None] + offset)
             masked = -1e9 if bug == "uniform_empty_rows" else -np.inf
@@ -92,11 +116,16 @@ def tiled_attention(q, k, v, *, mask=None, causal=False, scale=None, bug=None, b
             alpha = np.exp(m - m_ref)  # moves l and o from the old max to the new one
             if bug == "missing_rescale":
                 alpha = np.ones_like(m)
-            # Keys no query of the tile may attend (a KV cache's padding) have their values
-            # zeroed: 0 · NaN = NaN in P·V, and padding may hold garbage.
-            v_blk = np.where(allowed.any(axis=-2)[..., None], v[..., ks:ke, :], 0).astype(acc)
+            # A masked pair's p is 0, but 0 · NaN = NaN in P·V, and a KV cache's unused slots
+            # may hold garbage: P·V over the allowed pairs only.
+            v_blk = v[..., ks:ke, :].astype(acc)
+            if bug == "garbage_per_tile":
+                pv = p @ np.where(allowed.any(axis=-2)[..., None], v_blk, 0)
+            else:
+                pv = allowed_matmul(p, v_blk, unmasked if bug == "garbage_past_diagonal"
+                                    else allowed)
             l = l * alpha + p.sum(axis=-1)
-            o = o * alpha[..., None] + p @ v_blk
+            o = o * alpha[..., None] + pv
             m = m_new
         empty = (l == 0) & (bug != "nan_empty_rows")
         out[..., qs:qe, :] = o / np.where(empty, 1, l)[..., None]
@@ -191,6 +220,10 @@ class _Steps:
     backward_keep: Callable = _counter_mask
     #: dsinks_h = -Σ_i exp(sink_h - lse_i)·D_i, from share = Σ_i exp(sink_h - lse_i)·D_i
     dsinks: Callable = lambda share: -share
+    #: the backward's dS = P∘(dP - D), 0 at the masked pairs (where dP may be 0 · NaN)
+    dscores: Callable = lambda p, dp, D, ok: np.where(ok, p * (dp - D), 0)
+    #: the backward's share of dQ, dS·K over the allowed pairs (a masked key's k may be NaN)
+    dq_share: Callable = lambda ds, k, ok: allowed_matmul(ds, k, ok)
 
 
 _RIGHT = _Steps()
@@ -249,12 +282,20 @@ _VARIANT_ZOO = {
     "dsinks_sign": _bug(
         "the backward returns +sum exp(sink - lse) D for dsinks, not minus",
         dsinks=lambda share: share),
+    "garbage_ds_unmasked": _bug(
+        "the backward's dS = P∘(dP - D) not set to 0 at masked pairs, where dP = dO·Vᵀ is NaN at "
+        "a key whose v holds garbage, as flash_triton's backward did",
+        dscores=lambda p, dp, D, ok: p * (dp - D)),
+    "garbage_k_in_dq": _bug(
+        "the backward's dQ = dS·K multiplies every key of a tile, a masked key's NaN in k "
+        "by its dS = 0 included", dq_share=lambda ds, k, ok: ds @ k),
 }
 #: The variants' bugs of :func:`variant_attention`: name -> what the kernel then does.
 VARIANT_BUGS = {name: what for name, (what, _) in _VARIANT_ZOO.items()}
 #: The bugs of :data:`VARIANT_BUGS` that only :func:`variant_attention_backward` makes (the
 #: forward makes the others; "dropout_stateful_tiles" both, each in its own visiting order).
-BACKWARD_BUGS = ("dropout_backward_other_mask", "dsinks_sign")
+BACKWARD_BUGS = ("dropout_backward_other_mask", "dsinks_sign", "garbage_ds_unmasked",
+                 "garbage_k_in_dq")
 
 
 def _steps(bug):
@@ -284,7 +325,8 @@ def variant_attention(q, k, v, *, mask=None, causal=False, scale=None, window=No
                       dropout_p=0.0, dropout_seed=None, dropout_offset=(0, 0), block_q=16,
                       block_k=16, bug=None):
     """The variants, tiled like a GPU kernel, written from FlashAttention's conventions; returns
-    (out, lse). Unlike :func:`tiled_attention` it does not zero the values of masked keys.
+    (out, lse). P·V runs over the allowed pairs only (:func:`allowed_matmul`), so garbage in v at
+    a key reaches exactly the rows allowed to attend it.
 
     A sink starts each row's state at ``m = sink, l = 1, acc = 0`` (one more key, of score
     ``sink`` and value 0). Dropout multiplies each tile's weights by its keep mask / (1 - p) in
@@ -364,7 +406,7 @@ def variant_attention(q, k, v, *, mask=None, causal=False, scale=None, window=No
                 keep = _keep_tile(dropout, batch, qs, qe, ks, ke, steps.keep)
                 if keep is not None:
                     p = np.where(keep, p * rescale, 0)
-                o = alpha[..., None] * o + p @ v[..., ks:ke, :].astype(acc)
+                o = alpha[..., None] * o + allowed_matmul(p, v[..., ks:ke, :].astype(acc), ok)
                 m = m_new
             states.append((m, l, o))
         m, l, o = states[0]
@@ -388,8 +430,10 @@ def variant_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=Fal
 
     With ``Z`` the keep mask and ``P = exp(S - lse)`` (lse holds the sink): ``dV = (P∘Z/(1-p))ᵀ
     dO``, ``dP = (dO Vᵀ)∘Z/(1-p)``, ``dS = P∘(dP - D)``, ``D = rowsum(dO∘O)``, and
-    ``dsinks_h = -Σ_i exp(sink_h - lse_i)·D_i``."""
-    steps = _steps(bug)  # of which the backward takes backward_keep and dsinks
+    ``dsinks_h = -Σ_i exp(sink_h - lse_i)·D_i``. ``dS`` is 0 at the masked pairs and the products
+    ``dS·K``, ``dSᵀ·Q`` run over the allowed pairs only, so garbage in k or v at a key reaches
+    exactly the gradients of the pairs allowed to meet it."""
+    steps = _steps(bug)  # of which the backward takes backward_keep, dsinks, dscores, dq_share
     acc = np.float32 if q.dtype == np.float16 else q.dtype.type
     n_q, n_k = q.shape[-2], k.shape[-2]
     scale = acc(1 / np.sqrt(q.shape[-1]) if scale is None else scale)
@@ -425,9 +469,10 @@ def variant_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=Fal
             if keep is not None:
                 dp = np.where(keep, dp * rescale, 0)
             dv[..., ks:ke, :] += np.swapaxes(p_dropped, -1, -2) @ dout[..., qs:qe, :]
-            ds = p * (dp - D[..., qs:qe, :])
-            dq[..., qs:qe, :] += ds @ k[..., ks:ke, :] * scale
-            dk[..., ks:ke, :] += np.swapaxes(ds, -1, -2) @ q[..., qs:qe, :] * scale
+            ds = steps.dscores(p, dp, D[..., qs:qe, :], ok)
+            dq[..., qs:qe, :] += steps.dq_share(ds, k[..., ks:ke, :], ok) * scale
+            dk[..., ks:ke, :] += allowed_matmul(np.swapaxes(ds, -1, -2), q[..., qs:qe, :],
+                                                np.swapaxes(ok, -1, -2)) * scale
     grads = tuple(_sum_to(g, x.shape).astype(x.dtype) for g, x in
                   ((dq, q_in), (dk, k_in), (dv, v_in)))
     if sinks is None:

@@ -17,6 +17,7 @@ import numpy as np
 
 import flash_lib
 from flash_check._core import MEMORY_EXPONENT, Case, Inputs, Result, random_qkv, register_case
+from flash_check._gradients import _with_nonfinite_gradients
 
 # --------------------------------------------------------------------------------------------
 # The classic cases
@@ -136,6 +137,52 @@ def _masked_nonfinite(rng, dtype):
     return Inputs(q, k, v, {"mask": mask}, clean=clean)
 
 
+#: The non-finite cases' garbage, one kind per batch element: (array, value).
+_GARBAGE = (("v", np.nan), ("v", np.inf), ("v", -np.inf), ("k", np.nan))
+
+
+def _plant(q, k, v, keys, mask=None):
+    """Garbage at one key per batch element (``keys``), one kind each (:data:`_GARBAGE`): the
+    inputs, ``clean`` copies, and the rows that must come out not finite (``garbage_rows``: they
+    attend an inf or NaN in v) or NaN in out and lse (``nan_rows``: NaN in k, so in the score)."""
+    clean = tuple(x.copy() for x in (q, k, v))
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    allowed = np.ones((len(keys), n_q, n_k), bool) if mask is None else mask.copy()
+    if mask is None:  # causal, Nq = Nk here
+        allowed &= flash_lib.causal_mask(n_q, n_k)
+    garbage_rows = np.zeros((len(keys), n_q), bool)
+    nan_rows = np.zeros((len(keys), n_q), bool)
+    for b, (j, (where, value)) in enumerate(zip(keys, _GARBAGE)):
+        {"k": k, "v": v}[where][b, j] = value
+        (nan_rows if where == "k" else garbage_rows)[b] = allowed[b, :, j]
+    return Inputs(q, k, v, {"causal": True} if mask is None else {"mask": mask},
+                  nan_rows=nan_rows, clean=clean, garbage_rows=garbage_rows)
+
+
+def _causal_nonfinite(rng, dtype):
+    # Causal self-attention, Nq = Nk = 80 (a KV cache's slots past each row's position may hold
+    # anything): one key of each batch element holds garbage, hidden from the rows before it,
+    # attended from it on. The keys are odd, so for every block size of 2 or more the first row
+    # that attends one shares its query block with rows that may not: a kernel that keeps only
+    # the keys no row of a tile attends out of P·V leaks there (as one that masks nothing, on
+    # every row before the key).
+    q, k, v = random_qkv(rng, 80, 80, dtype=dtype, batch=(4,))
+    return _plant(q, k, v, keys=(21, 45, 67, 37))
+
+
+def _partial_nonfinite(rng, dtype):
+    # A random mask (70% of the pairs) over Nq = 96 rows and Nk = 80 keys, and in each batch
+    # element one key holding garbage that only one or two rows (odd ones) may attend: hidden
+    # from every other row, among them the rest of those rows' query blocks, at any block size.
+    q, k, v = random_qkv(rng, 96, 80, dtype=dtype, batch=(4,))
+    mask = rng.random((4, 96, 80)) < 0.7
+    keys, attend = (50, 13, 79, 70), ((37,), (45, 77), (3,), (61,))
+    for b, (j, rows) in enumerate(zip(keys, attend)):
+        mask[b, :, j] = False
+        mask[b, list(rows), j] = True
+    return _plant(q, k, v, keys, mask=mask)
+
+
 def _dv(rng, dtype):
     return Inputs(*random_qkv(rng, 40, 70, d=16, dv=24, dtype=dtype))
 
@@ -187,9 +234,20 @@ for _case in [
          _float16_overflow, dtypes=("float16",),
          hint="scores past 65504 are mishandled in float16: compute q·kᵀ and the softmax in "
               "float32"),
-    Case("masked_nonfinite", "NaN in k and ±inf, NaN in v at padded keys no row may attend",
-         _masked_nonfinite, needs=("mask",),
-         hint="values at keys a row may not attend changed that row"),
+    Case("masked_nonfinite", "NaN in k and ±inf, NaN in v at padded keys no row may attend; "
+         "with backward=, the gradients", _masked_nonfinite, needs=("mask",),
+         hint="values at keys a row may not attend changed that row",
+         run=_with_nonfinite_gradients),
+    Case("causal_nonfinite", "NaN, ±inf in v and NaN in k at one key per sequence, beyond the "
+         "causal diagonal of the rows before it; with backward=, the gradients",
+         _causal_nonfinite, needs=("causal",),
+         hint="values at keys beyond a row's causal diagonal changed that row",
+         run=_with_nonfinite_gradients),
+    Case("partial_nonfinite", "NaN, ±inf in v and NaN in k at a key the mask allows for "
+         "one or two rows of a tile and hides from the others; with backward=, the gradients",
+         _partial_nonfinite, needs=("mask",),
+         hint="values at keys a row may not attend changed that row",
+         run=_with_nonfinite_gradients),
     Case("dv", "values of width dv = 24 with d = 16", _dv, needs=("dv",),
          hint="wrong when dv != d"),
 ]:

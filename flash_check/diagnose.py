@@ -259,6 +259,21 @@ class Evidence:
                 return {"n": n, "n_k": self.n_k}
         return None
 
+    def garbage_probe(self, garbage, which, of_lse=False):
+        """(*batch, Nq): the rows whose out (or lse) is not finite when the kernel is called
+        with the case's garbage in ``which`` ("k" or "v") alone (:class:`Garbage`)."""
+        suspects = np.ones(self.ref.lse.shape, bool)  # no answer: every row stays a suspect
+        try:
+            returned, _ = _call(self.ctx.fn, *(x.copy() for x in garbage.only(which)),
+                                dict(self.inputs.kwargs))
+        except Exception:
+            return suspects
+        out, lse, problem = _split(returned, "lse" in self.ctx.features)
+        got = lse if of_lse else out
+        if problem or got is None or (got.shape if of_lse else got.shape[:-1]) != suspects.shape:
+            return suspects
+        return ~np.isfinite(got) if of_lse else ~np.isfinite(got).all(axis=-1)
+
     def key_order(self):
         """Probe one row: right with its keys in descending order of score, wrong ascending?
 
@@ -531,6 +546,210 @@ def _variant_mistake(ev, facts):
 
 
 # --------------------------------------------------------------------------------------------
+# Garbage at masked keys: where a case put it, and which rows it reached
+# --------------------------------------------------------------------------------------------
+
+
+def spans(indices):
+    """Sorted integers written as ranges: ``[0, 1, 2, 5, 7, 8]`` -> ``"0–2, 5, 7–8"``."""
+    indices = [int(i) for i in indices]
+    runs = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}–{b}" for a, b in runs)
+
+
+def nonfinite_kinds(x):
+    """What non-finite values ``x`` holds: "NaN", "+inf", "-inf", joined by "/"."""
+    return "/".join(name for name, hit in (("NaN", np.isnan(x).any()), ("+inf", (x == np.inf).any()),
+                                           ("-inf", (x == -np.inf).any())) if hit)
+
+
+class Garbage:
+    """The inf and NaN a case put in ``k`` and ``v`` (at keys), the pairs that may attend them,
+    and the words for where garbage went: which rows it reached, from which keys, hidden from
+    those rows how. Built from a case's :class:`Evidence`; ``batch`` are the result's batch dims.
+
+    Which keys brought a row its garbage: those hidden from it, narrowed, where a case holds
+    garbage in both k and v, by ``probe(which)``: the rows that come out not finite when the
+    kernel (or its backward) is called with the garbage of ``which`` ("k" or "v") alone.
+    """
+
+    def __init__(self, ev):
+        self.inputs = ev.inputs
+        self.batch = ev.ref.lse.shape[:-1]
+        n_q, n_k = ev.n_q, ev.n_k
+        k, v = (np.broadcast_to(x, self.batch + x.shape[-2:]) for x in (ev.inputs.k, ev.inputs.v))
+        self.k, self.v = k, v
+        self.in_k = ~np.isfinite(k).all(axis=-1)  # (*batch, Nk)
+        self.in_v = ~np.isfinite(v).all(axis=-1)
+        self.keys = self.in_k | self.in_v
+        self.allowed = np.broadcast_to(ev.allowed(), self.batch + (n_q, n_k))
+        self.beyond = (~flash_lib.causal_mask(n_q, n_k) if ev.inputs.kwargs.get("causal")
+                       else np.zeros((n_q, n_k), bool))
+        #: (*batch, Nq, Nk): the garbage each row may not attend
+        self.hidden = self.keys[..., None, :] & ~self.allowed
+
+    def __bool__(self):
+        return bool(self.keys.any())
+
+    def only(self, which):
+        """``(q, k, v)`` with the garbage of ``which`` ("k" or "v") alone, the other clean."""
+        q, k, v = self.inputs.clean
+        return (q, self.inputs.k if which == "k" else k, self.inputs.v if which == "v" else v)
+
+    def sources(self, bad, probe=None):
+        """(*batch, Nq, Nk): for each ``bad`` row, the garbage keys that brought it garbage."""
+        hidden = bad[..., None] & self.hidden
+        kinds = [(which, flags) for which, flags in (("k", self.in_k), ("v", self.in_v))
+                 if (hidden & flags[..., None, :]).any()]
+        if probe is None or len(kinds) < 2:
+            return hidden
+        found = np.zeros_like(hidden)
+        for which, flags in kinds:
+            found |= hidden & probe(which)[..., None] & flags[..., None, :]
+        unexplained = bad & ~found.any(axis=-1)  # neither garbage alone does it
+        return found | (unexplained[..., None] & hidden)
+
+    def where(self, b):
+        """``"batch 0, "`` for batch element ``b`` (nothing without batch dims)."""
+        if not self.batch:
+            return ""
+        return f"batch {b[0] if len(b) == 1 else b}, "
+
+    def kind(self, b, keys):
+        """What garbage the keys of batch element ``b`` hold, e.g. ``"v NaN"`` or ``"k NaN at
+        30–33; v +inf at 34–39"``."""
+        labels = {}
+        for j in keys:
+            label = ", ".join(f"{name} {nonfinite_kinds(x[b][j])}" for name, x, bad in
+                              (("k", self.k, self.in_k), ("v", self.v, self.in_v)) if bad[b][j])
+            labels.setdefault(label, []).append(j)
+        if len(labels) == 1:
+            return next(iter(labels))
+        return "; ".join(f"{label} at {spans(js)}" for label, js in labels.items())
+
+    def how(self, b, rows, keys):
+        """How the keys are hidden from the rows, and who attends them."""
+        attend = np.flatnonzero(self.allowed[b][:, keys].any(axis=-1))
+        it = "it" if len(keys) == 1 else "them"
+        who = (f"no row may attend {it}" if not attend.size else
+               f"row{'s' if attend.size > 1 else ''} {spans(attend)} attend{'s' * (attend.size == 1)}"
+               f" {it}")
+        if self.beyond[np.ix_(rows, keys)].all():
+            return f"beyond their causal diagonal; {who}"
+        return f"masked for them; {who}"
+
+    def groups(self, sources):
+        """``(b, rows, keys)``: in each batch element, the keys that brought garbage to the same
+        rows, together (``sources`` from :meth:`sources`)."""
+        found = []
+        for b in np.ndindex(self.batch):
+            by_rows = {}
+            for j in np.flatnonzero(sources[b].any(axis=0)):
+                by_rows.setdefault(tuple(np.flatnonzero(sources[b][:, j])), []).append(j)
+            found += [(b, np.array(rows), keys) for rows, keys in by_rows.items()]
+        return found
+
+    def describe(self, sources, most=4):
+        """``"batch 0, rows 0–20 from key 21 (v NaN; beyond their causal diagonal; rows 21–79
+        attend it); ..."``, or "" if no row got garbage."""
+        parts = [f"{self.where(b)}row{'s' if rows.size > 1 else ''} {spans(rows)} from "
+                 f"key{'s' if len(keys) > 1 else ''} {spans(keys)} ({self.kind(b, keys)}; "
+                 f"{self.how(b, rows, keys)})" for b, rows, keys in self.groups(sources)]
+        more = f"; and {len(parts) - most} more" if len(parts) > most else ""
+        return "; ".join(parts[:most]) + more
+
+    def through(self, sources):
+        """Which of k and v brought the garbage: ``(through k, through v)``."""
+        return (bool((sources & self.in_k[..., None, :]).any()),
+                bool((sources & self.in_v[..., None, :]).any()))
+
+    def block_rows(self, block):
+        """(*batch, Nq): the rows hidden from garbage in v at a key that another row of their
+        query block of ``block`` rows attends (a kernel that zeroes the v of keys no row of a
+        tile may attend lets exactly these through)."""
+        hidden = self.hidden & self.in_v[..., None, :]
+        starts = np.arange(hidden.shape[-2]) // block * block
+        attend = np.zeros_like(hidden)
+        for start in np.unique(starts):
+            rows = starts == start
+            attend[..., rows, :] = (self.allowed[..., rows, :] & self.in_v[..., None, :]).any(
+                axis=-2, keepdims=True)
+        return (hidden & attend).any(axis=-1)
+
+    def mechanism(self, sources):
+        """How the garbage got through, from the pattern of the rows it reached: k's garbage
+        through the scores; v's through 0 · inf in P·V, at every masked pair or per tile."""
+        through_k, through_v = self.through(sources)
+        how = []
+        if through_v:
+            reached = (sources & self.in_v[..., None, :]).any(axis=-1)
+            every = (self.hidden & self.in_v[..., None, :]).any(axis=-1)
+            tiled = next((block for block in _BLOCKS if not np.array_equal(reached, every)
+                          and np.array_equal(reached, self.block_rows(block))), None)
+            how.append(
+                "from v: a masked pair weighs 0, but 0 · inf = NaN in P·V; " + (
+                    f"these are exactly the rows that share a {tiled}-row query block with a row "
+                    f"that attends the key: the kernel zeroes the v of keys that no row of a "
+                    f"tile may attend, which misses a key the tile's other rows attend (partly "
+                    f"masked, or on the causal diagonal); keep every masked pair out of P·V "
+                    f"(select its products with where)" if tiled else
+                    "keep masked pairs out of P·V (zero the v of keys no row may attend; for a "
+                    "key some rows attend, select the products with where)"))
+        if through_k:
+            how.append("from k: NaN in k makes that key's scores NaN, and a mask added as a bias "
+                       "(NaN + (-inf) = NaN) or applied after the exponential lets it through: "
+                       "set the masked scores to -inf with where, before the max and the exp")
+        return "; ".join(how)
+
+    def explain(self, bad, probe=None, what="non-finite values in k or v at keys these rows may "
+                                             "not attend reached them"):
+        """The whole diagnosis for the bad rows, or None if garbage does not explain them."""
+        sources = self.sources(bad, probe)
+        if not sources.any():
+            return None
+        mechanism = self.mechanism(sources)
+        return {"garbage": f"{what}: {self.describe(sources)}. "
+                           f"{mechanism[0].upper()}{mechanism[1:]}"}
+
+
+def _garbage(ev, facts):
+    """The rows ``bad`` got garbage from keys they may not attend (the case put it there)."""
+    if ev.inputs.clean is None:
+        return None
+    garbage = Garbage(ev)
+    return garbage and garbage.explain(facts["bad"], functools.partial(
+        ev.garbage_probe, garbage, of_lse=facts.get("of_lse", False)))
+
+
+def _garbage_hidden(ev, facts):
+    garbage = Garbage(ev)
+    parts = []
+    for b in np.ndindex(garbage.batch):
+        rows = np.flatnonzero(facts["hidden"][b])
+        if rows.size:
+            keys = np.flatnonzero((garbage.allowed[b][rows] & garbage.in_v[b]).any(axis=0))
+            parts.append(f"{garbage.where(b)}rows {spans(rows)} (key{'s' * (keys.size > 1)} "
+                         f"{spans(keys)}: {garbage.kind(b, keys)})")
+    return {"where": "; ".join(parts)}
+
+
+#: Why rows allowed to attend an inf or NaN in v (``hidden``) came out finite.
+GARBAGE_HIDDEN = (
+    Mistake(_garbage_hidden,
+            "rows that may attend a key whose v holds inf or NaN came out finite: {where}: the "
+            "garbage must reach exactly the rows allowed to attend it, as a NaN in q does; a "
+            "kernel that replaces non-finite values by 0 (nan_to_num, a where on v) hides a "
+            "broken cache instead of keeping it from the other rows"),
+    Mistake(always, "rows that attend an inf or NaN in v came out finite"),
+)
+
+
+# --------------------------------------------------------------------------------------------
 # The tables, one per check
 # --------------------------------------------------------------------------------------------
 
@@ -645,8 +864,6 @@ DROPPED_KEYS = Mistake(
     "dropped (block_k divides {n}; loop to Nk, not to the last multiple of block_k)")
 FLOAT32_PRECISION = ("float64 result only as accurate as float32 (error {err:.2g}, float32's eps "
                      "{eps32:.2g}): some step (scores, softmax or P·V) runs in float32")
-MASKED_GARBAGE = ("non-finite values in k or v at keys {whom} may not attend reached {them} "
-                  "(0 · inf = NaN in P·V): leave masked keys out of P·V, or zero their v")
 
 #: Why the output's error is above its bound.
 OUT_ERROR = (
@@ -693,8 +910,7 @@ NON_FINITE = (
     Mistake(lambda ev, facts: ev.ctx.case.name == "float16_overflow" or ev.float16_only(),
             "non-finite in float16 only: scores past 65504 overflow float16; compute q·kᵀ and the "
             "softmax in float32"),
-    Mistake(lambda ev, facts: ev.inputs.clean is not None and {"whom": "these rows",
-                                                               "them": "them"}, MASKED_GARBAGE),
+    Mistake(_garbage, "{garbage}"),
     Mistake(lambda ev, facts: ev.inputs.nan_rows is not None,
             "the NaN in one row of q reached other rows: rows must stay independent"),
     Mistake(_first_keys_masked,
@@ -707,8 +923,8 @@ NON_FINITE = (
 
 #: Why rows with no allowed key (their out, ``rows``; ``nan``, which are NaN) are not 0.
 EMPTY_ROWS = (
-    Mistake(lambda ev, facts: facts["nan"].any() and ev.inputs.clean is not None and {
-        "whom": "it", "them": "it"}, "fully masked row is NaN: " + MASKED_GARBAGE),
+    Mistake(lambda ev, facts: facts["nan"].any() and _garbage(ev, {"bad": facts["nan_rows"]}),
+            "fully masked row is NaN: {garbage}"),
     Mistake(lambda ev, facts: facts["nan"].any() and "mask_mod" in ev.inputs.kwargs,
             "fully masked row is NaN: mask_mod allows none of its pairs, so its tiles are skipped "
             "or all -inf and l = 0; out = acc / l is then 0 / 0 (or the exp(-inf - (-inf)) guard "

@@ -42,7 +42,8 @@ import numpy as np
 
 import flash_check
 import flash_lib
-from flash_check.bugs import BUGS, tiled_attention
+from flash_check.bugs import (BUGS, allowed_matmul, tiled_attention, variant_attention,
+                              variant_attention_backward)
 
 rng = np.random.default_rng(15)
 
@@ -51,9 +52,12 @@ rng = np.random.default_rng(15)
 #
 # Here is FlashAttention's forward pass (chapters 4 to 6) in twenty lines, one query block at a
 # time over key blocks of 16, with `m`, `l` and the accumulator `o`, the guard for rows whose
-# running max is still $-\infty$, and float32 accumulation for float16 inputs. One line is new:
-# keys that no query of a tile may attend (the padding of a key-value cache) have their values
-# zeroed before $P V$, because $0 \cdot \text{NaN} = \text{NaN}$ and padding may hold garbage.
+# running max is still $-\infty$, and float32 accumulation for float16 inputs. One step is new:
+# $P V$ runs over the allowed pairs only (`allowed_matmul`, printed after the kernel). A masked
+# pair's weight is exactly 0, but $0 \cdot \text{NaN} = \text{NaN}$, and the unused slots of a
+# key-value cache (padding, or the slots past a row's causal diagonal) may hold anything: the
+# keys whose values hold inf or NaN are left out of the matmul and added pair by pair where
+# allowed.
 #
 # Each `bug == ...` marks the one line a classic bug changes. The kernel returns `(out, lse)`.
 # It is `flash_check.bugs.tiled_attention`, the same kernel the project's tests break bug by bug.
@@ -63,6 +67,7 @@ for name, what in BUGS.items():
     print(f"{name:<21} {what}")
 print()
 print(inspect.getsource(tiled_attention))
+print(inspect.getsource(allowed_matmul))
 
 
 # %% [markdown]
@@ -84,9 +89,10 @@ for bug in [None, *BUGS]:
           f"{'passes' if allclose_passes[bug] else 'fails'}")
 
 # %% [markdown]
-# Seven of the nine bugs pass. Only the two that corrupt the online recurrence itself (the
+# Nine of the eleven bugs pass. Only the two that corrupt the online recurrence itself (the
 # missing rescale and the stale max) show, and only because 16-key blocks make the running max
-# rise often; with one key block per row they would pass too.
+# rise often; with one key block per row they would pass too. The two garbage bugs cannot show
+# here at all: random inputs hold no inf or NaN.
 #
 # ## The conformance check
 #
@@ -267,6 +273,8 @@ signature = {
     "float16_accumulation": ("float16_overflow", "scores past 65504 overflow float16"),
     "uniform_empty_rows": ("empty_rows", "uniform weights"),
     "stale_max": ("late_max", "stale running max"),
+    "garbage_per_tile": ("partial_nonfinite", "share a 16-row query block"),
+    "garbage_past_diagonal": ("causal_nonfinite", "beyond their causal diagonal"),
 }
 gallery = {}
 for bug, (case, words) in signature.items():
@@ -306,6 +314,53 @@ print(f"key_padding: {left_padded.measured}\n  {left_padded.diagnosis}")
 half = gallery["float16_accumulation"]
 print("float16 accumulation fails in:", sorted({f.dtype for f in half.failures}))
 print(next(f.diagnosis for f in half.failures if f.case == "random_mask"))
+
+# %% [markdown]
+# Garbage has a backward too. Given the kernel's backward (`backward=`), the three non-finite
+# cases hand it the exact `out` and `lse`, leave the rows that attend garbage out of the loss
+# (their `dout` is 0), and hold `dq`, `dk`, `dv` finite and within the bound wherever exact
+# arithmetic keeps the garbage out. A backward that computes $dS = P \circ (dP - D)$ at every
+# pair of a tile, masked or not, gets $0 \cdot \text{NaN}$ where $dP = dO\,V^\top$ reads a
+# garbage value (flash_triton's backward did, until issue 33):
+
+# %%
+backward_report = flash_check.check_kernel(
+    variant_attention, features=features, cases=["causal_nonfinite"], dtypes=("float32",),
+    backward=functools.partial(variant_attention_backward, bug="garbage_ds_unmasked"))
+leak = backward_report.failures[0]
+print(f"{leak.case} [{leak.dtype}] {leak.check}: {leak.measured}\n  {leak.diagnosis}")
+
+# %% [markdown]
+# ## Dropout masks
+#
+# A kernel's dropout mask is read off its output ($q = 0$ makes the weights uniform, $v$ = the
+# identity makes `out[i, j]` $= P_{ij} Z_{ij} / (1 - p)$). A generator of the kernel's own is
+# held to what dropout must be: the keep rate, and rows and keys independent at every lag from
+# 1 to 128 (a mask drawn at tile-local positions repeats with its tile), batch elements and
+# seeds, each within a Bernstein bound that a correct generator fails with probability below
+# $10^{-6}$ over all of them together (`flash_check.training._half_width` derives it). A kernel
+# that claims flash_lib's generator (`dropout_generator="flash_lib"`) is held to
+# `flash_lib.dropout_keep` at every pair. Here is an exact $(P \circ Z / (1 - p)) V$ whose mask is
+# flash_lib's at the key position `j mod 32`, the position inside a tile of 32 keys; its keep
+# rate is right, and neighbouring keys look independent:
+
+# %%
+def tile_local_keys(q, k, v, *, dropout_p, dropout_seed, scale=None):
+    """Exact dropout attention whose keep mask is flash_lib's at (b, i, j mod 32)."""
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    s = q @ np.swapaxes(k, -1, -2) * scale
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    keep = flash_lib.dropout_keep(dropout_seed, dropout_p, s.shape[:-1] + (32,))
+    keep = keep[..., np.arange(s.shape[-1]) % 32]
+    return (np.where(keep, p, 0) / (1 - dropout_p)) @ v
+
+
+for claim in (None, "flash_lib"):
+    (mistake,) = flash_check.check_kernel(tile_local_keys, features=("dropout",),
+                                          cases=["dropout"], dropout_generator=claim).failures
+    print(f"dropout_generator={claim!r}: {mistake.check}: {mistake.measured}\n"
+          f"  {mistake.diagnosis}\n")
 
 # %% [markdown]
 # ## Real kernels that no one here wrote
@@ -397,10 +452,12 @@ for name, report in real.items():
 # What the table says, where each library ran:
 #
 # - **PyTorch SDPA, math and flash backends, bottom-right**: every case passes, in every dtype,
-#   except one: NaN and infinities in $v$ at padded keys that no row may attend reach the rows
-#   (both backends mask the weights, and $0 \cdot \text{NaN} = \text{NaN}$ in $P V$), the
-#   fully masked row among them. A key-value cache whose unused slots hold garbage must be
-#   zeroed before calling it.
+#   except the three non-finite ones: NaN and infinities in $v$ at keys a row may not attend
+#   (padded, past its causal diagonal, or masked for it alone) reach the row (both backends mask
+#   the weights, and $0 \cdot \text{NaN} = \text{NaN}$ in $P V$), the fully masked row among
+#   them; so does NaN in $k$ behind a boolean mask, which PyTorch adds to the scores as
+#   $-\infty$ ($\text{NaN} + (-\infty) = \text{NaN}$). A key-value cache whose unused slots
+#   hold garbage must be zeroed before calling it.
 # - **`is_causal=True`**: flagged on every case with $N_q \ne N_k$ (decoding, the wide and tall
 #   causal cases), right on the square one, where the conventions agree.
 # - **PyTorch's CPU flash op with its lse** (0.0 for an empty row): its outputs pass. In
@@ -424,12 +481,16 @@ for name, report in real.items():
 # %% [markdown]
 # ## What we showed
 #
-# - On random 128 × 128 inputs, `allclose(atol=1e-2)` passes seven of the nine classic bugs;
+# - On random 128 × 128 inputs, `allclose(atol=1e-2)` passes nine of the eleven classic bugs;
 #   `check_kernel` fails every one of them, and for each the diagnosis of its signature case
 #   names the cause: a missing rescale, the missing $-\infty$ guard, $O(N^2)$ memory (scratch
 #   growing as $N^2$ between $N = 512$ and $4096$), top-left causal, a base-2 lse, a dropped
 #   partial block, float16 accumulation (failing in float16 only), uniform weights for empty
-#   rows, a stale running max.
+#   rows, a stale running max, and garbage let into rows that may not attend it (the rows and
+#   the key named; per tile, with the tile's size, or past the causal diagonal), in the
+#   backward too.
+# - A dropout mask that repeats with a tile's period is named as such, by its statistics or,
+#   for a kernel that claims flash_lib's generator, pair for pair.
 # - flash_lib, at 512 × 512 tiles (memory included) and 16 × 16 tiles, and the clean tiled kernel
 #   pass every case in every dtype.
 # - The bound, twice naive's error in the same dtype plus a floor of 8 eps (float64, float32) or
@@ -441,7 +502,7 @@ for name, report in real.items():
 
 # %%
 assert allclose_passes[None]
-assert sum(allclose_passes[bug] for bug in BUGS) == 7
+assert sum(allclose_passes[bug] for bug in BUGS) == 9
 assert not allclose_passes["missing_rescale"] and not allclose_passes["stale_max"]
 assert all(report.ok for report in clean_reports.values())
 serving_cases = {name for name, case in flash_check.CASES.items()
@@ -455,24 +516,27 @@ assert gallery["quadratic_memory"].failed_cases() == ["memory"]
 assert {f.dtype for f in gallery["float16_accumulation"].failures} == {"float16"}
 assert "depends on the order of the keys" in rescale_report.failures[0].diagnosis
 assert "whose first keys are masked" in left_padded.diagnosis
+assert backward_report.failed_cases() == ["causal_nonfinite"]
+assert "rows 0–20 from key 21 (v NaN; beyond their causal diagonal" in leak.diagnosis
 # The bound on every case run (the 7 x 1 tiles included, the worst rounding a correct kernel
 # makes); how close they come is rounding and is drawn, not asserted (see the plot).
 assert measured_kernels["flash_lib 7x1"].ok
 for dtype, (runs, within, ratio, floor) in flash_stats.items():
     assert runs > 0 and within, (dtype, runs, floor)
+nonfinite = ["masked_nonfinite", "causal_nonfinite", "partial_nonfinite"]
 if torch is not None:
     for name in ("torch SDPA, math, causal_lower_right", "torch SDPA, flash, causal_lower_right"):
-        assert real[name].failed_cases() == ["masked_nonfinite"], name
+        assert real[name].failed_cases() == nonfinite, name
     top_left = real["torch SDPA, math, is_causal=True"]
     assert {"decode", "causal_wide", "causal_tall"} <= set(top_left.failed_cases())
     assert "causal_square" not in top_left.failed_cases()
     assert all("top-left" in f.diagnosis for f in top_left.failures
                if f.case in ("decode", "causal_wide", "causal_tall"))
     cpu_op = real["torch _scaled_dot_product_flash_attention_for_cpu, with lse"]
-    assert "masked_nonfinite" in cpu_op.failed_cases()
-    # Beyond it, only float16 lse errors, on cases that depend on the CPU (none in PyTorch's
+    assert set(nonfinite) <= set(cpu_op.failed_cases())
+    # Beyond them, only float16 lse errors, on cases that depend on the CPU (none in PyTorch's
     # scalar build): its outputs pass everywhere.
-    assert {(f.dtype, f.check) for f in cpu_op.failures if f.case != "masked_nonfinite"} <= {
+    assert {(f.dtype, f.check) for f in cpu_op.failures if f.case not in nonfinite} <= {
         ("float16", "lse error")}
 if jax is not None:
     jax_report = real["jax.nn.dot_product_attention, bottom-right mask"]

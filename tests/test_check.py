@@ -27,6 +27,8 @@ from flash_check.bugs import tiled_attention, variant_attention, variant_attenti
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ALL = ("mask", "causal", "lse", "dv")
+#: The cases with inf and NaN in k and v at keys some rows may not attend.
+NONFINITE = ("masked_nonfinite", "causal_nonfinite", "partial_nonfinite")
 VARIANTS = flash_check.VARIANTS
 #: The cases that need a variant feature.
 VARIANT_CASES = [name for name, case in flash_check.CASES.items()
@@ -54,13 +56,14 @@ def diagnoses(report, case=None):
 @pytest.mark.parametrize("blocks", [{}, {"block_q": 16, "block_k": 16}, {"block_q": 7, "block_k": 1}],
                          ids=["default tiles", "16x16", "7x1"])
 def test_flash_lib_passes_every_case(blocks):
-    """With every feature, the variants included (sinks and dropout, with the backward's
-    gradients), at the default and 16 x 16 tiles; at 7 x 1 (a thousand rescales in a row) the
-    classic cases only, since one key per tile makes the variant cases' per-tile work (mask_mod,
-    bias) cost seconds here."""
+    """With every feature, the variants included (sinks and dropout), and the backward's
+    gradients, at the default and 16 x 16 tiles; at 7 x 1 (a thousand rescales in a row) the
+    classic cases' forward only, since one key per tile makes the variant cases' per-tile work
+    (mask_mod, bias) and the backward cost seconds here."""
     kernel = functools.partial(flash_lib.flash_attention, return_lse=True, **blocks)
-    backward = functools.partial(flash_lib.flash_attention_backward, **blocks)
     variants = VARIANTS if blocks.get("block_k") != 1 else ()
+    backward = (functools.partial(flash_lib.flash_attention_backward, **blocks) if variants
+                else None)  # at 7 x 1, the forward's rounding alone
     features = ALL + variants + (("memory",) if not blocks else ())
     report = flash_check.check_kernel(kernel, features=features, backward=backward)
     assert report.ok, str(report)
@@ -68,8 +71,10 @@ def test_flash_lib_passes_every_case(blocks):
         set() if variants else set(VARIANT_CASES)) | set(SERVING_CASES)
     assert {s.case for s in report.skipped} == skipped
     assert {r.case for r in report.results} == set(flash_check.CASES) - skipped
+    notes = {r.case: r.note for r in report.results}
     if variants:
-        notes = {r.case: r.note for r in report.results}
+        for case in NONFINITE:
+            assert notes[case].startswith("gradients checked where the garbage cannot reach")
         assert "the backward's mask and gradients checked" in notes["dropout"], notes["dropout"]
         assert notes["sinks"] == notes["sinks_empty_rows"] == "gradients checked, dsinks included"
 
@@ -100,6 +105,9 @@ BUGS = {
     "float16_accumulation": ("float16_overflow", "overflow float16"),
     "uniform_empty_rows": ("empty_rows", "uniform weights"),
     "stale_max": ("late_max", "stale running max"),
+    "garbage_per_tile": ("partial_nonfinite", "exactly the rows that share a 16-row query block"),
+    "garbage_past_diagonal": ("causal_nonfinite", "rows 0–20 from key 21 (v NaN; beyond their "
+                              "causal diagonal; rows 21–79 attend it)"),
 }
 
 
@@ -107,7 +115,8 @@ def test_every_bug_of_the_zoo_is_tested():
     """Each bug flash_check.bugs can make has its test here (quadratic_memory: the memory test),
     and a misspelt bug is refused rather than run as the clean kernel."""
     assert set(bugs.BUGS) == set(BUGS) | {"quadratic_memory"}
-    assert set(bugs.VARIANT_BUGS) == set(VARIANT_BUGS) | set(TRAINING_BUGS)
+    assert set(bugs.VARIANT_BUGS) == (set(VARIANT_BUGS) | set(TRAINING_BUGS)
+                                      | set(GARBAGE_BACKWARD_BUGS))
     q, k, v = flash_check.random_qkv(np.random.default_rng(0), 4, 4)
     for kernel in (tiled_attention, variant_attention):
         with pytest.raises(ValueError, match="bug must be None or one of"):
@@ -176,13 +185,110 @@ def test_a_nan_that_becomes_a_number_or_spreads_is_caught():
     assert "reached other rows" in diagnoses(report)
 
 
+# --- garbage (inf, NaN) at keys a row may not attend: forward and backward ------------------
+
+
 def test_masked_garbage_that_leaks_is_named():
-    report = flash_check.check_kernel(_weights_only, features=("mask", "causal"),
-                                      cases=["masked_nonfinite"])
-    assert report.failed_cases() == ["masked_nonfinite"]
+    """The textbook kernel masks the weights and multiplies every value: all three non-finite
+    cases fail, each row that got garbage named with the key it came from."""
+    report = flash_check.check_kernel(_weights_only, features=("mask", "causal"), cases=NONFINITE)
+    assert report.failed_cases() == list(NONFINITE)
     assert "reached" in diagnoses(report) and "0 · inf = NaN in P·V" in diagnoses(report)
-    assert flash_check.check_kernel(tiled_attention, features=("mask", "lse"),
-                                    cases=["masked_nonfinite"]).ok
+    causal = diagnoses(report, "causal_nonfinite")
+    for rows_from_key in ("batch 0, rows 0–20 from key 21 (v NaN", "batch 1, rows 0–44 from key "
+                          "45 (v +inf", "batch 2, rows 0–66 from key 67 (v -inf"):
+        assert rows_from_key in causal, causal
+    assert "from key 37" not in causal  # NaN in k is kept out of the scores by where: no leak
+    assert flash_check.check_kernel(tiled_attention, features=("mask", "causal", "lse"),
+                                    cases=NONFINITE).ok
+
+
+def test_the_garbage_per_tile_is_flash_triton_s_leak():
+    """flash_triton's forward before issue 33 zeroed the v of keys no row of a tile may attend:
+    the rows that leak are exactly those sharing a query block with a row that attends the key,
+    and the diagnosis says which, from which key, and the block size (16 here; 32 in Triton)."""
+    report = flash_check.check_kernel(bugged("garbage_per_tile"), features=ALL, cases=NONFINITE)
+    assert report.failed_cases() == ["causal_nonfinite", "partial_nonfinite"], str(report)
+    assert {f.check for f in report.failures} == {"non-finite"}
+    causal = next(f for f in report.failures if f.case == "causal_nonfinite")
+    assert causal.measured == "NaN in 21 of 170 rows"
+    assert causal.diagnosis.startswith(
+        "non-finite values in k or v at keys these rows may not attend reached them: batch 0, "
+        "rows 16–20 from key 21 (v NaN; beyond their causal diagonal; rows 21–79 attend it); "
+        "batch 1, rows 32–44 from key 45 (v +inf; beyond their causal diagonal; rows 45–79 "
+        "attend it); batch 2, rows 64–66 from key 67 (v -inf; beyond their causal diagonal; rows "
+        "67–79 attend it). From v: a masked pair weighs 0, but 0 · inf = NaN in P·V; these are "
+        "exactly the rows that share a 16-row query block with a row that attends the key"), (
+        causal.diagnosis)
+    partial = diagnoses(report, "partial_nonfinite")
+    assert ("batch 0, rows 32–36, 38–47 from key 50 (v NaN; masked for them; row 37 attends it)"
+            in partial), partial
+    # the same rows at another tile size, 8: the block is read off the rows that leaked
+    report = flash_check.check_kernel(functools.partial(tiled_attention, bug="garbage_per_tile",
+                                                        block=8),
+                                      cases=["causal_nonfinite"], dtypes=("float64",))
+    assert "batch 0, rows 16–20 from key 21" in diagnoses(report)
+    assert "share a 8-row query block" in diagnoses(report), diagnoses(report)
+
+
+def test_garbage_that_is_hidden_is_caught():
+    """Garbage must reach exactly the rows allowed to attend it: a kernel that sanitises v (as a
+    quick fix of a leak might) gives those rows numbers, and is told so."""
+    def sanitises(q, k, v, **kwargs):
+        return flash_lib.flash_attention(q, np.nan_to_num(k), np.nan_to_num(v), **kwargs,
+                                         return_lse=True)
+
+    report = flash_check.check_kernel(sanitises, cases=["causal_nonfinite"], dtypes=("float64",))
+    assert {f.check for f in report.failures} == {"garbage row", "NaN row"}, str(report)
+    hidden = next(f for f in report.failures if f.check == "garbage row")
+    assert hidden.measured == "107 of 107 rows that attend an inf or NaN in v came out finite"
+    assert "batch 0, rows 21–79 (key 21: v NaN)" in hidden.diagnosis, hidden.diagnosis
+
+
+GARBAGE_BACKWARD_BUGS = {
+    # bug: (the gradient that fails, words of its diagnosis in causal_nonfinite)
+    "garbage_ds_unmasked": ("dq", "batch 0, rows 0–20 from key 21 (v NaN; beyond their causal "
+                            "diagonal; rows 21–79 attend it)", "From v: dP = dO·Vᵀ reads every "
+                            "key's v"),
+    "garbage_k_in_dq": ("dq", "batch 3, rows 0–36 from key 37 (k NaN; beyond their causal "
+                        "diagonal; rows 37–79 attend it)", "From k: dQ = dS·K multiplies a "
+                        "masked pair's dS = 0 by the NaN in k"),
+}
+
+
+@pytest.mark.parametrize("bug", GARBAGE_BACKWARD_BUGS)
+def test_each_garbage_backward_bug_is_caught_with_its_rows_and_key(bug):
+    """flash_triton's backward before issue 33 (dS not zeroed at masked pairs), and dS·K over
+    every key: each non-finite case fails in every dtype, naming the rows and the key; the
+    forward is right, and the right backward passes."""
+    gradient, where, how = GARBAGE_BACKWARD_BUGS[bug]
+    report = flash_check.check_kernel(
+        variant_attention, features=ALL, cases=NONFINITE,
+        backward=functools.partial(variant_attention_backward, bug=bug))
+    assert report.failed_cases() == list(NONFINITE), str(report)
+    assert {f.check for f in report.failures} <= {"dq non-finite", "dk non-finite"}
+    for dtype in flash_check.DTYPES:
+        failure = next(f for f in report.failures if f.case == "causal_nonfinite"
+                       and f.dtype == dtype and f.check == f"{gradient} non-finite")
+        assert where in failure.diagnosis and how in failure.diagnosis, failure.diagnosis
+    masked = diagnoses(report, "masked_nonfinite")  # the probes tell k's garbage from v's
+    assert ("from keys 34–47 (v +inf at 34–39" if bug == "garbage_ds_unmasked"
+            else "from keys 30–33 (k NaN") in masked, masked
+    assert flash_check.check_kernel(variant_attention, features=ALL, cases=NONFINITE,
+                                    backward=variant_attention_backward).ok
+
+
+def test_a_key_no_row_attends_must_get_zero_gradients():
+    """dk at garbage keys masked for every row: its exact value is 0, a leak there is named."""
+    report = flash_check.check_kernel(
+        variant_attention, features=ALL, cases=["masked_nonfinite"], dtypes=("float64",),
+        backward=functools.partial(variant_attention_backward, bug="garbage_ds_unmasked"))
+    failure = next(f for f in report.failures if f.check == "dk non-finite")
+    assert failure.measured == "NaN in 14 of 96 keys"
+    assert failure.diagnosis.startswith(
+        "dk is not finite at garbage keys that no row may attend: batch 1, keys 34–47 (v +inf at "
+        "34–39; v -inf at 40–43; v NaN at 44–47). A key no row attends must get dk = dv = 0"), (
+        failure.diagnosis)
 
 
 def _weights_only(q, k, v, *, mask=None, causal=False, scale=None):
@@ -306,6 +412,9 @@ DEFAULT = flash_check.DEFAULT_FEATURES
     ({"cases": ["no_such_case"]}, "not registered"),
     ({"seed": -1}, "seed must be a non-negative integer"),
     ({"lse_empty": "inf?"}, "lse_empty must be a float"),
+    ({"dropout_generator": "philox"}, "dropout_generator must be None, 'flash_lib' or a callable"),
+    ({"dropout_generator": 7}, "dropout_generator must be None, 'flash_lib' or a callable"),
+    ({"dropout_generator": "flash_lib"}, "'dropout' is not among the features"),
 ])
 def test_bad_arguments_are_named(kwargs, error):
     with pytest.raises((ValueError, TypeError), match=error):
@@ -468,24 +577,44 @@ def test_the_dropout_probe_reads_flash_libs_own_mask():
     assert not probe.result.failures
 
 
-def test_the_agreement_interval_is_the_derived_one():
-    """The dropout case's σ for the agreement of neighbouring keys within one mask, whose
-    indicators share an element pairwise, is (a(1 - a) + 2|c|)/n, not the independent a(1 - a)/n:
-    measured over 2000 independent masks, the spread of the agreement is the derived σ to within
-    6% (the estimate's own error is 1.6%; the independent formula is 13% too small)."""
-    ctx = _Context(variant_attention, flash_check.CASES["dropout"], "float64", ("dropout",),
-                   -np.inf, 0, {})
-    probe = training._Dropout(ctx, flash_check.Result("dropout", "float64"))
+def test_the_lag_classes_hold_each_element_once():
+    """The derivation of training._half_width splits the pairs (x, x + L) into two classes by the
+    parity of x // L, in each of which no element appears twice (so its indicators are
+    independent for a correct generator): checked pair by pair, with the classes' sizes."""
+    for length, lag in [(160, 1), (160, 7), (160, 32), (144, 64), (160, 128), (144, 143)]:
+        classes = {0: [], 1: []}
+        for x in range(length - lag):
+            classes[x // lag % 2] += [x, x + lag]
+        for members in classes.values():
+            assert len(members) == len(set(members)), (length, lag)
+        assert training._lag_classes(length, lag) == (len(classes[0]) // 2,
+                                                      len(classes[1]) // 2)
+
+
+def test_the_dropout_bound_is_the_derived_one():
+    """The half-width is the root of the Bernstein tail Σ_c 2 exp(-n_c t² / (2σ² + 2t/3)) =
+    FALSE_ALARM / m over the case's m comparisons; on 20 masks of a correct generator no
+    comparison fails; and the interval is 7 to 10 standard deviations of the real spread of the
+    agreement of neighbouring keys, measured over 2000 masks: wide enough never to fail a
+    correct generator (a normal approximation at the same family-wise rate would take 6.5), not
+    so wide that a correlation of a few percent goes unseen."""
+    p = training.DROPOUT_P
+    batch, n_q, n_k = training.DROPOUT_SHAPE
     rng = np.random.default_rng(5)
-    shape = (probe.n_q, probe.n_k)
-    agree = np.concatenate([
-        np.mean((lambda m: m[..., 1:] == m[..., :-1])(rng.random((100,) + shape) >= probe.p),
-                axis=(1, 2)) for _ in range(20)])
-    keep = np.zeros(shape, bool)
-    sigma = probe.agreement("keys", keep[:, 1:], keep[:, :-1], shared=True)["half"] / 5
-    independent = probe.agreement("keys", keep[:, 1:], keep[:, :-1], shared=False)["half"] / 5
-    assert abs(agree.std() / sigma - 1) < 0.06, (agree.std(), sigma)
-    assert agree.std() > 1.08 * independent
+    masks = rng.random((21,) + batch + (n_q, n_k)) >= p
+    comparisons = [training._comparisons(masks[i], masks[i + 1], p) for i in range(20)]
+    assert max(c.z for found in comparisons for c in found) < 1
+    first = comparisons[0]
+    m = len(first)
+    assert m == 1 + len(training.ROW_SHIFTS) + (training.MAX_LAG - 1) + training.MAX_LAG + 6 + 1
+    for c in first:
+        tail = sum(2 * np.exp(-n * c.half ** 2 / (2 * c.variance + 2 * c.half / 3))
+                   for n in c.sizes if n)
+        assert tail == pytest.approx(training.FALSE_ALARM / m, rel=1e-6), c
+    agree = np.concatenate([np.mean((lambda x: x[..., 1:] == x[..., :-1])(
+        rng.random((100, n_q, n_k)) >= p), axis=(1, 2)) for _ in range(20)])
+    half = next(c.half for c in first if c.what == "keys" and c.lag == 1)
+    assert 7 < half / agree.std() < 10, half / agree.std()
 
 
 def _dense_dropout(keep_of, *, rescale=True, renormalise=False, kept_lse=False,
@@ -543,7 +672,8 @@ DROPOUT_MISTAKES = {
     "keeps with probability p": (_dense_dropout(lambda s, p, shape: ~_counter(s, p, shape)),
                                  "keep rate", "keeps with probability p = 0.3, not 1 - p"),
     "heads share a mask": (_dense_dropout(lambda s, p, shape: np.broadcast_to(
-        _counter(s, p, shape[-2:]), shape)), "independent batch", "the counter ignores the batch"),
+        _counter(s, p, shape[-2:]), shape)), "independent batch",
+        "the mask ignores the batch and head indices: every element draws the same mask"),
     "seed ignored": (_dense_dropout(lambda s, p, shape: _counter(7, p, shape)),
                      "independent seed", "the mask does not follow dropout_seed"),
     "renormalised": (_dense_dropout(_counter, renormalise=True), "keep values",
@@ -572,6 +702,82 @@ def test_dropout_mistakes_are_named(mistake):
         return
     failing = [f for f in report.failures if f.check == check]
     assert failing and all(words in f.diagnosis for f in failing), str(report)
+
+
+def _keep_at(index):
+    """flash_lib's keep mask drawn at the positions ``index(b, i, j)`` (of the probe's (batch,
+    head) element, row, key) returns: the four broken masks of issue 33 item 4."""
+    def keep_of(seed, p, shape):
+        b, h, i, j = np.indices(shape, sparse=True)
+        b, h, i, j = index(b, h, i, j)
+        whole = flash_lib.dropout_keep(seed, p, shape)
+        return whole[b, h, i, j]
+    return keep_of
+
+
+BROKEN_MASKS = {
+    # name: (where the mask is drawn, the generic check and its words, the claimed check's words)
+    "keyed by head only": (lambda b, h, i, j: (0 * b, h, i, j), "independent batch",
+                           "the mask ignores the batch index: batches 0 and 1 draw the same mask "
+                           "for each head",
+                           "keyed by the head alone: the mask ignores the batch index"),
+    "keys repeat every 32": (lambda b, h, i, j: (b, h, i, j % 32), "independent keys",
+                             "the keep mask repeats along keys with period 32: a tile-local key "
+                             "index, j mod 32",
+                             "at (b, i, j mod 32): it repeats along keys with period 32, a "
+                             "tile-local key index"),
+    "keys repeat every 64": (lambda b, h, i, j: (b, h, i, j % 64), "independent keys",
+                             "the keep mask repeats along keys with period 64: a tile-local key "
+                             "index, j mod 64",
+                             "at (b, i, j mod 64): it repeats along keys with period 64"),
+    "rows repeat every 64": (lambda b, h, i, j: (b, h, i % 64, j), "independent rows",
+                             "the keep mask repeats along rows with period 64: a tile-local row "
+                             "index, i mod 64",
+                             "at (b, i mod 64, j): it repeats along rows with period 64, a "
+                             "tile-local row index"),
+}
+
+
+@pytest.mark.parametrize("mistake", BROKEN_MASKS)
+@pytest.mark.parametrize("claim", [None, "flash_lib"], ids=["any generator", "flash_lib's"])
+def test_broken_dropout_masks_are_named(mistake, claim):
+    """Exact (P∘Z/(1 - p))·V kernels whose mask Z is flash_lib's drawn at the wrong positions:
+    the batch index ignored, keys or rows repeating with a tile's period. Their keep rate is
+    right and neighbours look independent; the comparisons at every lag up to 128 (any
+    generator) or against flash_lib.dropout_keep pair for pair (a kernel that claims it) fail,
+    with the index named, and nothing else does."""
+    index, check, words, claimed_words = BROKEN_MASKS[mistake]
+    kernel, _ = _dense_dropout(_keep_at(index))
+    report = flash_check.check_kernel(kernel, features=("lse", "dropout"), cases=["dropout"],
+                                      dropout_generator=claim)
+    (failure,) = report.failures
+    if claim is None:
+        assert failure.check == check and words in failure.diagnosis, str(report)
+    else:
+        assert failure.check == "generator", str(report)
+        assert failure.diagnosis.startswith(
+            f"the keep mask is flash_lib.dropout_keep's {claimed_words}"), failure.diagnosis
+
+
+def test_correct_dropout_passes_with_and_without_a_claim():
+    """flash_lib's kernel passes both ways, its mask flash_lib.dropout_keep's at every pair; the
+    bug zoo's, whose generator is its own, passes the statistics and fails the claim, told that
+    its numbers are not flash_lib's."""
+    kernel = functools.partial(flash_lib.flash_attention, return_lse=True)
+    for claim in (None, "flash_lib", flash_lib.dropout_keep):
+        report = flash_check.check_kernel(kernel, features=("lse", "dropout"), cases=["dropout"],
+                                          backward=flash_lib.flash_attention_backward,
+                                          dropout_generator=claim)
+        assert report.ok, str(report)
+        note = report.results[0].note
+        assert ("rows and keys compared at lags 1 ... 128" if claim is None else
+                "the mask is flash_lib.dropout_keep's at every pair") in note, note
+    assert flash_check.check_kernel(variant_attention, features=("lse", "dropout"),
+                                    cases=["dropout"]).ok
+    report = flash_check.check_kernel(variant_attention, features=("lse", "dropout"),
+                                      cases=["dropout"], dropout_generator="flash_lib")
+    assert [f.check for f in report.failures] == ["generator"], str(report)
+    assert "does not draw flash_lib.dropout_keep's numbers" in report.failures[0].diagnosis
 
 
 def _right_on_the_probe(mistaken):
@@ -681,6 +887,10 @@ def test_cli_passes_a_good_kernel_and_fails_a_bad_one(tmp_path):
                  "kernels_under_test:flipped")
     assert grads.returncode == 1, grads.stdout + grads.stderr
     assert "dsinks has the wrong sign" in grads.stdout
+    claimed = _cli(tmp_path, "kernels_under_test:good", "--features", "lse", "dropout",
+                   "--dtypes", "float32", "--cases", "dropout", "--dropout-generator", "flash_lib")
+    assert claimed.returncode == 0, claimed.stdout + claimed.stderr
+    assert "the mask is flash_lib.dropout_keep's at every pair" in claimed.stdout
 
 
 def test_cli_rejects_what_it_cannot_load(tmp_path):
@@ -691,6 +901,9 @@ def test_cli_rejects_what_it_cannot_load(tmp_path):
         assert run.returncode == 2 and words in run.stderr, (target, run.stderr)
     run = _cli(tmp_path, "kernels_under_test:good", "--features", "windw")
     assert run.returncode == 2 and "unknown" in run.stderr
+    run = _cli(tmp_path, "kernels_under_test:good", "--features", "dropout",
+               "--dropout-generator", "kernels_under_test:nothing")
+    assert run.returncode == 2 and "its dropout generator" in run.stderr, run.stderr
 
 
 # --- the package imports one way -----------------------------------------------------------
@@ -839,11 +1052,15 @@ CPU_DEPENDENT = {"on AVX2 and AVX-512 CPUs also the lse error of most other case
 
 @needs_torch
 def test_torch_sdpa_bottom_right_passes_all_but_masked_garbage():
+    """Garbage reaches rows that may not attend it, through v (0 · inf in P·V) and through k (the
+    boolean mask becomes an additive -inf, and NaN + (-inf) = NaN)."""
     reports = real_reports()
     for label in ("torch SDPA, math, causal_lower_right", "torch SDPA, flash, causal_lower_right"):
         report = reports[label]
-        assert report.failed_cases() == ["masked_nonfinite"], str(report)
+        assert report.failed_cases() == list(NONFINITE), str(report)
         assert "0 · inf = NaN in P·V" in diagnoses(report)
+        assert ("batch 3, rows 0–60, 62–95 from key 70 (k NaN; masked for them; row 61 attends "
+                "it)" in diagnoses(report, "partial_nonfinite"))
 
 
 @needs_torch
@@ -861,8 +1078,8 @@ def test_torch_cpu_flash_op_lse():
     """Its lse of an empty row is 0.0; its float16 lse is less exact than float32 arithmetic
     where its vector loops run (which cases fail depends on the CPU: see CPU_DEPENDENT)."""
     report = real_reports()["torch _scaled_dot_product_flash_attention_for_cpu, with lse"]
-    assert "masked_nonfinite" in report.failed_cases()
-    other = [f for f in report.failures if f.case != "masked_nonfinite"]
+    assert set(NONFINITE) <= set(report.failed_cases())
+    other = [f for f in report.failures if f.case not in NONFINITE]
     assert {(f.dtype, f.check) for f in other} <= {("float16", "lse error")}, str(report)
     if torch_vectorizes():
         assert other and "in float16 only" in other[0].diagnosis, str(report)
