@@ -198,6 +198,20 @@ def _int_array(name, x, shape=None):
     return arr
 
 
+def _cache_arrays(k_cache, v_cache, written):
+    """The caches as arrays; when ``k_new`` is written into them, the caller's own, writable (a
+    copy made here would take the write, and the caller's cache would miss it)."""
+    if not written:
+        return np.asarray(k_cache), np.asarray(v_cache)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(c, np.ndarray):
+            raise TypeError(f"{name} must be a NumPy array when k_new is given (k_new is "
+                            f"written into it in place), got {type(c).__name__}")
+        if not c.flags.writeable:
+            raise ValueError(f"{name} is read-only, and k_new is written into it in place")
+    return k_cache, v_cache
+
+
 class _Cache:
     """Where logical key ``t`` of sequence ``b`` lives: ``(page, slot)`` of a paged cache, or
     ``(b, t)`` of a contiguous one (a contiguous cache is the paged one with one page per
@@ -270,14 +284,18 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=No
         The new queries of each sequence (``Nq = 1`` when decoding).
     k_cache, v_cache : arrays
         Contiguous: ``(B, Hkv, max_len, d)`` and ``(B, Hkv, max_len, dv)``. Paged (with
-        ``block_table``): ``(num_pages, Hkv, page_size, d)`` and ``(..., dv)``.
+        ``block_table``): ``(num_pages, Hkv, page_size, d)`` and ``(..., dv)``. With ``k_new``,
+        the caller's own writable NumPy arrays (anything else is refused: a copy would take the
+        write and the caller's cache would miss it).
     cache_seqlens : integer array ``(B,)``
         Valid keys of each sequence before this call. Slots and pages beyond them are never
         read: whatever they hold (NaN, inf) changes nothing.
     k_new, v_new : arrays ``(B, Hkv, Nnew, d)``, ``(B, Hkv, Nnew, dv)``, optional
         Written into the cache **in place** at positions
         ``cache_seqlens[b] : cache_seqlens[b] + Nnew`` (ValueError if that overflows the cache),
-        then attended with the rest. The caller advances ``cache_seqlens``.
+        then attended with the rest. The caller advances ``cache_seqlens``. Each of the cache's
+        dtype (FlashAttention's ``mha_fwd_kvcache``, ``csrc/flash_attn/flash_api.cpp``, requires
+        the same). A call that raises has written nothing: every argument is checked first.
     block_table : integer array ``(B, max_pages)``, optional
         Paged cache: logical key ``t`` of sequence ``b`` is slot ``t % page_size`` of page
         ``block_table[b, t // page_size]``. Pages may be shared by sequences (a common prefix)
@@ -311,20 +329,24 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=No
     if q.ndim != 4:
         raise ValueError(f"q must be (B, H, Nq, d), got shape {q.shape}")
     batch, heads, n_q, _ = q.shape
-    cache = _Cache(k_cache, v_cache, batch, block_table)
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together")
+    cache = _Cache(*_cache_arrays(k_cache, v_cache, written=k_new is not None), batch,
+                   block_table)
     seqlens = _int_array("cache_seqlens", cache_seqlens, (batch,))
     if (seqlens < 0).any():
         raise ValueError(f"cache_seqlens must be non-negative, got {seqlens}")
-    if (k_new is None) != (v_new is None):
-        raise ValueError("k_new and v_new must be given together")
     n_new = 0
     if k_new is not None:
         k_new, v_new = np.asarray(k_new), np.asarray(v_new)
-        hkv = k_cache.shape[1]
-        for name, x, c in (("k_new", k_new, k_cache), ("v_new", v_new, v_cache)):
+        hkv = cache.k.shape[1]
+        for name, x, c in (("k_new", k_new, cache.k), ("v_new", v_new, cache.v)):
             if x.ndim != 4 or x.shape[:2] != (batch, hkv) or x.shape[3] != c.shape[3]:
                 raise ValueError(f"{name} must have shape (B = {batch}, Hkv = {hkv}, Nnew, "
                                  f"{c.shape[3]}), got {x.shape}")
+            if x.dtype != c.dtype:
+                raise TypeError(f"{name} must have the dtype of the cache it is written into, "
+                                f"{c.dtype}, got {x.dtype}")
         if k_new.shape[2] != v_new.shape[2]:
             raise ValueError(f"k_new and v_new must have the same Nnew, got {k_new.shape[2]} "
                              f"and {v_new.shape[2]}")
@@ -353,7 +375,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=No
     slopes = None if alibi_slopes is None else np.broadcast_to(
         np.asarray(alibi_slopes), (batch, heads))
     kwargs = dict(softcap=softcap, scale=scale)
-    out = np.empty((batch, heads, n_q, v_cache.shape[3]), out_dtype)
+    out = np.empty((batch, heads, n_q, cache.v.shape[3]), out_dtype)
     lse = np.empty((batch, heads, n_q), lse_dtype) if return_lse else None
     for b in range(batch):
         o, s = _one_sequence(q[b].astype(acc, copy=False), cache, b, int(lengths[b]), acc,

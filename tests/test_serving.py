@@ -206,6 +206,42 @@ def test_varlen_rejects_bad_cu_seqlens(bad, match):
         fs.flash_attention_varlen(q, k, v, np.array([0, 2, 5]), bad)
 
 
+@pytest.mark.parametrize("bad, error, match", [
+    ({"causal": "yes"}, TypeError, "causal must be a bool"),
+    ({"block_q": 0}, ValueError, "block_q must be a positive integer"),
+    ({"scale": -1}, ValueError, "scale must be a finite positive number"),
+    ({"window": (-1, 0)}, ValueError, "window's left"),
+    ({"alibi_slopes": np.ones(3)}, ValueError, r"alibi_slopes of shape \(3,\)"),
+])
+@pytest.mark.parametrize("lens", [((0, 0), (0, 0)), ((3, 0), (2, 4))], ids=["empty", "ragged"])
+def test_varlen_checks_every_argument_up_front_whatever_the_lengths(bad, error, match, lens):
+    """Forward and backward, with flash_lib's rules and messages, even when no sequence has a
+    query (nothing would reach flash_lib's kernels)."""
+    q, k, v, cu_q, cu_k = _packed(np.random.default_rng(0), *lens, {})
+    out, lse = fs.flash_attention_varlen(q, k, v, cu_q, cu_k, return_lse=True)
+    with pytest.raises(error, match=match):
+        fs.flash_attention_varlen(q, k, v, cu_q, cu_k, **bad)
+    with pytest.raises(error, match=match):
+        fs.flash_attention_varlen_backward(q, k, v, out, lse, out, cu_q, cu_k, **bad)
+
+
+def test_varlen_takes_array_likes():
+    """Lists and tuples, as flash_lib takes them: the arrays' bits."""
+    rng = np.random.default_rng(1)
+    q, k, v, cu_q, cu_k = _packed(rng, (3, 0, 2), (2, 4, 5), {})
+    out, lse = fs.flash_attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
+    got = fs.flash_attention_varlen(q.tolist(), k.tolist(), v.tolist(), tuple(cu_q.tolist()),
+                                    cu_k.tolist(), causal=True, return_lse=True)
+    np.testing.assert_array_equal(got[0], out)
+    np.testing.assert_array_equal(got[1], lse)
+    dout = rng.standard_normal(out.shape)
+    want = fs.flash_attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k, causal=True)
+    got = fs.flash_attention_varlen_backward(*(x.tolist() for x in (q, k, v, out, lse, dout)),
+                                             cu_q.tolist(), cu_k.tolist(), causal=True)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
 # --------------------------------------------------------------------------------------------
 # The KV cache
 # --------------------------------------------------------------------------------------------
@@ -407,6 +443,65 @@ def test_cache_errors():
     with pytest.raises(ValueError, match=r"block_table\[0, 0\] = 9"):
         fs.flash_attention_with_kvcache(q, kc[:2], vc[:2], cache_seqlens=np.array([1, 1]),
                                         block_table=np.array([[9], [0]]))
+
+
+def _cache_arguments(rng, paged):
+    """A call that writes: q (2, 4, 1, 8) over two sequences of 3 and 4 cached keys, the cache
+    contiguous (2, 4, 6, ·) or in pages of 2 slots, unused slots NaN."""
+    q, kc, vc, kn, vn = _cache_problem(rng, [3, 4], 1, 1, 6, {})
+    args = dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=np.array([3, 4]), k_new=kn, v_new=vn)
+    if paged:
+        args["k_cache"], args["v_cache"], args["block_table"] = _paged(kc, vc, 2, rng)
+    return args
+
+
+def _read_only(x):
+    x = x.copy()
+    x.flags.writeable = False
+    return x
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("bad, error, match", [
+    ({"softcap": 0.0}, ValueError, "softcap must be a finite positive number"),
+    ({"scale": -1.0}, ValueError, "scale must be a finite positive number"),
+    ({"causal": "yes"}, TypeError, "causal must be a bool"),
+    ({"window": (2, -1)}, ValueError, "window's right"),
+    ({"alibi_slopes": np.ones(3)}, ValueError,
+     r"alibi_slopes of shape \(3,\) does not broadcast to the leading \(batch, head\) dims "
+     r"\(2, 4\)"),
+    ({"alibi_slopes": np.full(4, np.inf)}, ValueError, "alibi_slopes must be finite"),
+    ({"q": lambda q: q[:, :3], "enable_gqa": True}, ValueError, "enable_gqa needs"),
+    ({"k_new": lambda x: x.astype(np.float32)}, TypeError, "k_new must have the dtype of the"),
+    ({"v_new": lambda x: x.astype(np.float32)}, TypeError, "v_new must have the dtype of the"),
+    ({"v_cache": _read_only}, ValueError, "v_cache is read-only"),
+    ({"k_cache": lambda x: x.tolist()}, TypeError, "k_cache must be a NumPy array when k_new"),
+    ({"cache_seqlens": np.array([3, 6])}, ValueError, "overflow"),
+], ids=lambda x: "-".join(x) if isinstance(x, dict) else "")
+def test_cache_call_that_raises_writes_nothing(bad, error, match, paged):
+    """Every argument is checked before k_new is written: a call that raises leaves the
+    caller's cache as it was, to the bit (NaN in the unused slots included). A value in
+    ``bad`` that is a function makes the argument from the good one."""
+    args = _cache_arguments(np.random.default_rng(4), paged)
+    for key, val in bad.items():
+        args[key] = val(args[key]) if callable(val) else val
+    before = [np.array(args[key], copy=True) for key in ("k_cache", "v_cache")]
+    with pytest.raises(error, match=match):
+        fs.flash_attention_with_kvcache(**args)
+    for key, was in zip(("k_cache", "v_cache"), before):
+        np.testing.assert_array_equal(np.asarray(args[key]), was)
+
+
+def test_cache_takes_array_likes_when_nothing_is_written():
+    """Lists, as flash_lib takes them, when nothing is written into the cache: the arrays' bits."""
+    rng = np.random.default_rng(8)
+    args = _cache_arguments(rng, paged=True)
+    del args["k_new"], args["v_new"]
+    want = fs.flash_attention_with_kvcache(**args, causal=True, return_lse=True)
+    got = fs.flash_attention_with_kvcache(**{key: val.tolist() for key, val in args.items()},
+                                          causal=True, return_lse=True)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
 
 
 def test_decoding_scratch_is_flat_in_the_cache_length():
