@@ -3,7 +3,8 @@ paged), against flash_lib on each sequence alone and against dense attention on 
 
 import numpy as np
 import pytest
-from helpers import FLASH_VS_NAIVE, VARIANTS_VS_NAIVE, assert_within, dense_attention, window_mask
+from helpers import (FLASH_VS_NAIVE, VARIANTS_VS_NAIVE, assert_within, close, dense_attention,
+                     window_mask)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -206,12 +207,94 @@ def test_varlen_rejects_bad_cu_seqlens(bad, match):
         fs.flash_attention_varlen(q, k, v, np.array([0, 2, 5]), bad)
 
 
+# Sinks and dropout (gpt-oss serves with sinks; training packs with dropout), alone and with the
+# keywords they interact with. Sinks of shape (H,) = (2,).
+TRAINING_VARIANTS = [
+    {"sinks": np.array([0.5, 3.0])},
+    {"sinks": np.array([0.5, 3.0]), "causal": True},
+    {"dropout_p": 0.3, "dropout_seed": 7},
+    {"dropout_p": 0.3, "dropout_seed": 2**40 + 5, "causal": True,
+     "sinks": np.array([-1.0, 2.0]), "block_q": 3, "block_k": 4},
+    {"dropout_p": 0.2, "dropout_seed": 11, "enable_gqa": True, "window": (4, 1), "softcap": 3.0,
+     "alibi_slopes": np.array([0.5, 0.125]), "sinks": np.array([1.0, -2.0])},
+]
+
+
+@pytest.mark.parametrize("kw", TRAINING_VARIANTS, ids=_ids)
+def test_varlen_sinks_and_dropout_are_flash_attention_per_sequence(kw):
+    """Forward and backward, bit for bit, each sequence is flash_lib's call on it alone at its
+    packed positions (dropout_offset = (cu_seqlens_q[b], cu_seqlens_k[b])); a sequence without
+    keys gives out 0 and lse = its head's sink; dsinks is the sequences' dsinks summed in order."""
+    rng = np.random.default_rng(33)
+    q, k, v, cu_q, cu_k = _packed(rng, *LENGTHS[0], kw)
+    out, lse = fs.flash_attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **kw)
+    dout = rng.standard_normal(out.shape)
+    grads = fs.flash_attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k, **kw)
+    sinks = kw.get("sinks")
+    assert len(grads) == (3 if sinks is None else 4)
+    dsinks = np.zeros(2)
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rows.stop == rows.start:
+            assert (grads[1][:, keys] == 0).all() and (grads[2][:, keys] == 0).all()
+            continue
+        offset = {"dropout_offset": (int(cu_q[b]), int(cu_k[b]))}
+        o, s = flash_lib.flash_attention(q[:, rows], k[:, keys], v[:, keys], return_lse=True,
+                                         **kw, **offset)
+        np.testing.assert_array_equal(out[:, rows], o)
+        np.testing.assert_array_equal(lse[:, rows], s)
+        if keys.stop == keys.start:  # no keys: zero rows, lse the sink (-inf without one)
+            assert (o == 0).all()
+            np.testing.assert_array_equal(
+                s, np.broadcast_to(-np.inf if sinks is None else sinks[:, None], s.shape))
+        g = flash_lib.flash_attention_backward(q[:, rows], k[:, keys], v[:, keys], o, s,
+                                               dout[:, rows], **kw, **offset)
+        for got, want in zip((grads[0][:, rows], grads[1][:, keys], grads[2][:, keys]), g):
+            np.testing.assert_array_equal(got, want)
+        if sinks is not None:
+            dsinks += g[3]
+    if sinks is not None:
+        np.testing.assert_array_equal(grads[3], dsinks)
+
+
+@pytest.mark.parametrize("kw", TRAINING_VARIANTS[2:4], ids=_ids)
+def test_varlen_dropout_is_the_packed_problems_mask(kw):
+    """The packed batch with dropout is the dense oracle on the whole packed problem with the
+    document mask and the same seed, forward and gradients (dsinks included): one mask for the
+    batch, so no two sequences share one, and the backward draws the forward's."""
+    rng = np.random.default_rng(52)
+    lens_q, lens_k = (6, 6, 0, 9, 4), (8, 8, 3, 5, 0)  # two sequences of the same lengths
+    q, k, v, cu_q, cu_k = _packed(rng, lens_q, lens_k, kw)
+    q[:, 6:12], k[:, 8:16], v[:, 8:16] = q[:, :6], k[:, :8], v[:, :8]  # sequence 1 = sequence 0
+    out, lse = fs.flash_attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **kw)
+    dout = rng.standard_normal(out.shape)
+    grads = fs.flash_attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k, **kw)
+    mask = np.zeros((cu_q[-1], cu_k[-1]), bool)
+    for b in range(len(lens_q)):
+        mask[cu_q[b]:cu_q[b + 1], cu_k[b]:cu_k[b + 1]] = _bottom_right(lens_q[b], lens_k[b], kw)
+    dense = {key: val for key, val in _dense_kw(kw).items() if key not in ("causal", "window")}
+    ref_o, ref_l = flash_lib.naive_attention(q, k, v, mask=mask, return_lse=True, **dense)
+    assert close(out, ref_o) and np.array_equal(lse == -np.inf, ref_l == -np.inf)
+    assert close(lse[np.isfinite(ref_l)], ref_l[np.isfinite(ref_l)])
+    ref_g = flash_lib.naive_attention_backward(q, k, v, dout, mask=mask, **dense)
+    assert len(grads) == len(ref_g)
+    for got, want in zip(grads, ref_g):
+        assert close(got, want)
+    # sequences 0 and 1 hold the same tokens: only their masks tell them apart
+    np.testing.assert_array_equal(lse[:, :6], lse[:, 6:12])
+    assert (out[:, :6] != out[:, 6:12]).any()
+
+
 @pytest.mark.parametrize("bad, error, match", [
     ({"causal": "yes"}, TypeError, "causal must be a bool"),
     ({"block_q": 0}, ValueError, "block_q must be a positive integer"),
     ({"scale": -1}, ValueError, "scale must be a finite positive number"),
     ({"window": (-1, 0)}, ValueError, "window's left"),
     ({"alibi_slopes": np.ones(3)}, ValueError, r"alibi_slopes of shape \(3,\)"),
+    ({"sinks": np.array([np.nan, 0.0])}, ValueError, "sinks must be finite"),
+    ({"sinks": np.ones(3)}, ValueError, r"sinks of shape \(3,\) does not broadcast"),
+    ({"dropout_p": 1.5}, ValueError, r"dropout_p must be in \[0, 1\)"),
+    ({"dropout_p": 0.1}, ValueError, "dropout_seed must be an integer"),
 ])
 @pytest.mark.parametrize("lens", [((0, 0), (0, 0)), ((3, 0), (2, 4))], ids=["empty", "ragged"])
 def test_varlen_checks_every_argument_up_front_whatever_the_lengths(bad, error, match, lens):
@@ -255,6 +338,9 @@ CACHE_VARIANTS = [
     {"alibi_slopes": np.array([0.0625, 0.125, 0.25, 0.5])},
     {"alibi_slopes": np.array([0.0625, 0.125, 0.25, 0.5]), "causal": True, "enable_gqa": True},
     {"enable_gqa": True, "scale": 0.3, "window": (600, 0)},
+    {"sinks": np.array([0.5, 3.0, -1.0, 6.0]), "causal": True},
+    {"sinks": np.array([2.0, -3.0, 4.0, 0.0]), "enable_gqa": True, "window": (600, 0),
+     "alibi_slopes": np.array([0.0625, 0.125, 0.25, 0.5]), "softcap": 3.0},
 ]
 
 
@@ -445,6 +531,34 @@ def test_cache_errors():
                                         block_table=np.array([[9], [0]]))
 
 
+def test_cache_sinks_are_merged_once_per_row():
+    """Sinks of shape (B, H) over caches of 0 to 1100 keys (up to three split-KV parts): each
+    sequence is dense attention with its own sinks, so the sink is counted once per row,
+    not once per chunk; a row with no key gives out 0 and lse = sink exactly; and a cache
+    shorter than Nq + KV_CHUNK keys is flash_attention on its valid keys, bit for bit."""
+    rng = np.random.default_rng(21)
+    seqlens = np.array(SEQLENS)
+    sinks = rng.uniform(-2, 6, (len(seqlens), 4))
+    q, kc, vc, kn, vn = _cache_problem(rng, seqlens, 3, 1, 1280, {})
+    out, lse = fs.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, k_new=kn,
+                                               v_new=vn, causal=True, sinks=sinks,
+                                               return_lse=True)
+    for b, n in enumerate(seqlens):
+        k = np.concatenate([kc[b, :, :n], kn[b]], axis=1)
+        v = np.concatenate([vc[b, :, :n], vn[b]], axis=1)
+        ref_o, ref_l = flash_lib.naive_attention(q[b], k, v, causal=True, sinks=sinks[b],
+                                                 return_lse=True)
+        assert close(out[b], ref_o) and close(lse[b], ref_l)
+        if n + 1 < q.shape[2] + fs.KV_CHUNK:  # one call: flash_attention's bits
+            alone = flash_lib.flash_attention(q[b], k, v, causal=True, sinks=sinks[b],
+                                              return_lse=True)
+            np.testing.assert_array_equal(out[b], alone[0])
+            np.testing.assert_array_equal(lse[b], alone[1])
+    # sequence 0 has one key for three queries: its first two rows see only the sink
+    assert (out[0, :, :2] == 0).all()
+    np.testing.assert_array_equal(lse[0, :, :2], np.repeat(sinks[0][:, None], 2, axis=1))
+
+
 def _cache_arguments(rng, paged):
     """A call that writes: q (2, 4, 1, 8) over two sequences of 3 and 4 cached keys, the cache
     contiguous (2, 4, 6, ·) or in pages of 2 slots, unused slots NaN."""
@@ -471,6 +585,8 @@ def _read_only(x):
      r"alibi_slopes of shape \(3,\) does not broadcast to the leading \(batch, head\) dims "
      r"\(2, 4\)"),
     ({"alibi_slopes": np.full(4, np.inf)}, ValueError, "alibi_slopes must be finite"),
+    ({"sinks": np.ones((3, 4))}, ValueError, r"sinks of shape \(3, 4\) does not broadcast"),
+    ({"sinks": np.array([0.0, np.nan, 0.0, 0.0])}, ValueError, "sinks must be finite"),
     ({"q": lambda q: q[:, :3], "enable_gqa": True}, ValueError, "enable_gqa needs"),
     ({"k_new": lambda x: x.astype(np.float32)}, TypeError, "k_new must have the dtype of the"),
     ({"v_new": lambda x: x.astype(np.float32)}, TypeError, "v_new must have the dtype of the"),
