@@ -15,6 +15,10 @@ they call take flash_lib's layout (heads before tokens, as :mod:`flash_serving` 
   ``cache_seqlens[b]``, then the first ``cache_seqlens[b] + Nnew`` keys are attended; slots past
   them hold NaN here, and must never be read.
 
+A kernel whose signature requires ``cu_seqlens_q`` or ``cache_seqlens`` is run through the cases
+that pass them only (``FEATURE_KEYWORDS``, below): the dense cases are listed as not applying
+to it.
+
 A kernel with FlashAttention's own layout goes through a one-line wrapper of
 :mod:`flash_check.adapters`: ``adapters.varlen_from_thd(fn)`` for ``(total, heads, d)`` and
 ``adapters.from_bshd(fn)`` for ``(batch, seqlen, heads, d)`` (caches and pages included).
@@ -29,8 +33,8 @@ from __future__ import annotations
 import numpy as np
 
 import flash_lib
-from flash_check._core import (FACTOR, FEATURES, LSE_FLOOR, OUT_FLOOR, Case, Result, _call,
-                               _lse_error, _max_error, _split, register_case)
+from flash_check._core import (FACTOR, FEATURE_KEYWORDS, FEATURES, LSE_FLOOR, OUT_FLOOR, Case,
+                               Result, _call, _lse_error, _max_error, _split, register_case)
 
 FEATURES.update({
     "varlen": "takes q (H, total_q, d), k, v (H, total_k, ·) packed end to end with "
@@ -42,6 +46,9 @@ FEATURES.update({
     "paged": "with kvcache: takes block_table= (B, max_pages) over k_cache (num_pages, H, "
              "page_size, ·), vLLM's paged cache",
 })
+FEATURE_KEYWORDS.update({"varlen": ("cu_seqlens_q", "cu_seqlens_k"),
+                         "kvcache": ("cache_seqlens", "k_new", "v_new"),
+                         "paged": ("block_table",)})
 
 
 class _Problem:

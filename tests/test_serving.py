@@ -1,6 +1,11 @@
 """flash_serving: packed variable-length batches (forward, backward) and the KV cache (contiguous,
 paged), against flash_lib on each sequence alone and against dense attention on the valid keys."""
 
+import functools
+import pathlib
+import re
+import shlex
+
 import numpy as np
 import pytest
 from helpers import (FLASH_VS_NAIVE, VARIANTS_VS_NAIVE, assert_within, close, dense_attention,
@@ -711,6 +716,51 @@ def test_flash_check_serving_cases_are_skipped_unless_listed():
     report = flash_check.check_kernel(flash_lib.flash_attention, dtypes=("float64",),
                                       cases=SERVING_CASES)
     assert [s.case for s in report.skipped] == SERVING_CASES and not report.results
+
+
+def test_readme_checks_a_serving_kernel_as_written(capsys):
+    """README's command for a serving kernel, run as written: it passes, the cases of its
+    features run, and each dense case (which calls fn(q, k, v, ...) without cu_seqlens) is listed
+    as not applying, where it used to fail (issue 33: "FAIL: 6 of 55")."""
+    import flash_check
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    commands = [line for block in re.findall(r"```sh\n(.*?)```", readme, re.S)
+                for line in block.splitlines() if "flash_serving:" in line]
+    assert len(commands) == 2, commands
+    for command in commands:
+        argv = shlex.split(command)
+        assert argv[:3] == ["python", "-m", "flash_check"], command
+        assert flash_check.main(argv[3:]) == 0, capsys.readouterr().out
+        report = capsys.readouterr().out
+        assert report.splitlines()[-1].startswith("PASS: "), report
+        ran = {line.split()[0] for line in report.splitlines()
+               if line.endswith("  ok") or "  ok  (" in line}
+        assert ran and all(name in SERVING_CASES for name in ran), ran
+        assert "late_max: does not apply: the kernel requires " in report, report
+
+
+def test_flash_check_runs_only_the_cases_a_signature_can_take():
+    """A kernel's required keywords decide which cases apply, whatever the features: one that
+    requires mask= runs the mask cases only; **kwargs or a default requires nothing."""
+    import flash_check
+
+    def needs_mask(q, k, v, mask, *, causal=False, scale=None):
+        return flash_lib.flash_attention(q, k, v, mask=mask, causal=causal, scale=scale,
+                                         return_lse=True)
+
+    report = flash_check.check_kernel(needs_mask, dtypes=("float64",))
+    assert report.ok, report
+    assert {r.case for r in report.results} == {
+        name for name, case in flash_check.CASES.items()
+        if "mask" in case.needs and set(case.needs) <= {"mask", "causal", "lse"}}
+    reasons = {s.case: s.reason for s in report.skipped}
+    assert reasons["random"] == ("does not apply: the kernel requires mask=, which this case "
+                                 "does not pass")
+    for kernel in (lambda q, k, v, **kw: needs_mask(q, k, v, kw.pop("mask", None), **kw),
+                   functools.partial(needs_mask, mask=None)):
+        report = flash_check.check_kernel(kernel, dtypes=("float64",), cases=["random"])
+        assert [r.case for r in report.results] == ["random"] and report.ok, report
 
 
 def test_flash_check_layout_wrappers():
