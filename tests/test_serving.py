@@ -681,8 +681,9 @@ def test_greedy_decoding_on_the_cache_matches_recomputation():
 # flash_check's serving cases
 # --------------------------------------------------------------------------------------------
 
-SERVING_CASES = ["varlen", "varlen_causal", "kvcache_decode", "kvcache_prefill", "kvcache_paged"]
-SERVING_FEATURES = ("varlen", "kvcache", "paged", "causal", "lse")
+SERVING_CASES = ["varlen", "varlen_causal", "kvcache_decode", "kvcache_prefill", "kvcache_paged",
+                 "varlen_sinks", "kvcache_sinks", "varlen_dropout"]
+SERVING_FEATURES = ("varlen", "kvcache", "paged", "causal", "lse", "sinks", "dropout")
 
 
 def _serving_kernel(varlen, kvcache):
@@ -707,7 +708,7 @@ def test_flash_check_serving_cases_pass_flash_serving():
         lambda q, kc, vc, **kw: fs.flash_attention_with_kvcache(q, kc, vc, return_lse=True, **kw)),
         dtypes=("float64", "float32", "float16"))
     assert report.ok, report
-    assert len(report.results) == 15 and not report.skipped
+    assert len(report.results) == 7 * 3 + 1 and not report.skipped
 
 
 def test_flash_check_serving_cases_are_skipped_unless_listed():
@@ -787,50 +788,68 @@ def test_flash_check_layout_wrappers():
 
 
 def _mutant(name):
-    """flash_serving's kernels with one of the issue's mistakes."""
-    def varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, causal=False):
+    """flash_serving's kernels with one of the issues' mistakes."""
+    def varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, causal=False, sinks=None, dropout_p=0.0,
+               dropout_seed=None):
         outs, lses = [], []
         for b in range(len(cu_seqlens_q) - 1):
             q0, q1, k0, k1 = (int(x) for x in (cu_seqlens_q[b], cu_seqlens_q[b + 1],
                                                cu_seqlens_k[b], cu_seqlens_k[b + 1]))
             if name == "next_key":
                 k1 = min(k1 + 1, k.shape[-2])
-            kw = {"causal": causal}
+            kw = {"causal": causal, "sinks": None if name == "sinks_ignored" else sinks,
+                  "dropout_p": dropout_p, "dropout_seed": dropout_seed,
+                  "dropout_offset": (0, 0) if name == "dropout_within_sequence" else (q0, k0)}
             if name == "top_left" and causal:
-                kw = {"mask": np.tril(np.ones((q1 - q0, k1 - k0), bool))}
+                kw.update(causal=False, mask=np.tril(np.ones((q1 - q0, k1 - k0), bool)))
             o, s = flash_lib.flash_attention(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1],
                                              return_lse=True, **kw)
+            if name == "no_key_lse" and k1 == k0:  # the old skip: lse -inf, not the sink
+                s = np.full_like(s, -np.inf)
             outs.append(o)
             lses.append(s)
         return np.concatenate(outs, 1), np.concatenate(lses, 1)
 
-    def cache(q, kc, vc, *, cache_seqlens, k_new, v_new, block_table=None, causal=False):
+    def cache(q, kc, vc, *, cache_seqlens, k_new, v_new, block_table=None, causal=False,
+              sinks=None):
         seqlens = np.array(cache_seqlens)
         if name == "k_new_offset":
             seqlens = seqlens + 1
+        kw = dict(block_table=block_table, causal=causal, return_lse=True,
+                  sinks=None if name == "sinks_ignored" else sinks)
         out, lse = fs.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, k_new=k_new,
-                                                   v_new=v_new, block_table=block_table,
-                                                   causal=causal, return_lse=True)
+                                                   v_new=v_new, **kw)
         if name == "past_seqlens":  # one slot past the valid keys
             return fs.flash_attention_with_kvcache(q, kc, vc,
                                                    cache_seqlens=seqlens + k_new.shape[2] + 1,
-                                                   block_table=block_table, causal=causal,
-                                                   return_lse=True)
+                                                   **kw)
         if name == "page_off_by_one" and block_table is not None:
-            return fs.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
-                                                   block_table=np.roll(block_table, -1, axis=1),
-                                                   causal=causal, return_lse=True)
+            kw["block_table"] = np.roll(block_table, -1, axis=1)
+            return fs.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, **kw)
+        if name == "sinks_per_chunk" and sinks is not None:  # once more for the second part
+            split = seqlens + k_new.shape[2] - q.shape[2] >= fs.KV_CHUNK
+            again = np.where(split[:, None, None], np.asarray(sinks)[..., None], -np.inf)
+            return flash_lib.merge_attention(out, lse, np.zeros_like(out),
+                                             np.broadcast_to(again, lse.shape))
         return out, lse
     return _serving_kernel(varlen, cache)
 
 
-@pytest.mark.parametrize("name, failing", [
-    ("next_key", {"varlen", "varlen_causal"}),
-    ("top_left", {"varlen_causal"}),
-    ("past_seqlens", {"kvcache_decode", "kvcache_prefill", "kvcache_paged"}),
-    ("page_off_by_one", {"kvcache_paged"}),
-    ("k_new_offset", {"kvcache_decode", "kvcache_prefill", "kvcache_paged"}),
+@pytest.mark.parametrize("name, failing, diagnosis", [
+    ("next_key", {"varlen", "varlen_causal", "varlen_sinks", "varlen_dropout"}, "packed batch"),
+    ("top_left", {"varlen_causal", "varlen_sinks"}, "not top-left"),
+    ("past_seqlens", {"kvcache_decode", "kvcache_prefill", "kvcache_paged", "kvcache_sinks"},
+     "slots past cache_seqlens"),
+    ("page_off_by_one", {"kvcache_paged"}, "block_table[b, t // page_size]"),
+    ("k_new_offset", {"kvcache_decode", "kvcache_prefill", "kvcache_paged", "kvcache_sinks"},
+     "not written into the cache in place"),
+    ("sinks_ignored", {"varlen_sinks", "kvcache_sinks"}, "accepted and ignored"),
+    ("sinks_per_chunk", {"kvcache_sinks"}, "counted once per chunk"),
+    ("no_key_lse", {"varlen_sinks"}, "lse = sink, not -inf"),
+    ("dropout_within_sequence", {"varlen_dropout"}, "sequences 0 and 1, of the same lengths, "
+     "draw the same mask"),
 ])
-def test_flash_check_serving_cases_catch_the_issues_mistakes(name, failing):
+def test_flash_check_serving_cases_catch_the_issues_mistakes(name, failing, diagnosis):
     report = _check(_mutant(name), dtypes=("float64",))
     assert set(report.failed_cases()) == failing, report
+    assert diagnosis in " ".join(f.diagnosis for f in report.failures), report
