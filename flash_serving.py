@@ -74,7 +74,8 @@ def _sequences(total_q, total_k, cu_seqlens_q, cu_seqlens_k):
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, window=None,
                            softcap=None, alibi_slopes=None, scale=None, enable_gqa=False,
-                           return_lse=False, block_q=None, block_k=None):
+                           sinks=None, dropout_p=0.0, dropout_seed=None, return_lse=False,
+                           block_q=None, block_k=None):
     """Attention over sequences packed end to end, FlashAttention's ``flash_attn_varlen_func``.
 
     Parameters
@@ -86,10 +87,24 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False,
         Sequence ``b`` owns queries ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and keys
         ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``. Each starts at 0, never decreases and ends at
         the total (``total_q``, ``total_k``); anything else is a ValueError naming it.
-    causal, window, softcap, alibi_slopes, scale, enable_gqa, return_lse
+    causal, window, softcap, alibi_slopes, scale, enable_gqa, sinks, return_lse
         As for :func:`flash_lib.flash_attention`, applied to each sequence alone: causal and
         window are bottom-right per sequence (key ``j`` of sequence ``b`` for its query ``i`` iff
-        ``j <= i + (Nk_b - Nq_b)``), ALiBi's distance likewise.
+        ``j <= i + (Nk_b - Nq_b)``), ALiBi's distance likewise; ``sinks`` (one logit per head)
+        joins every row's softmax, so a row of a sequence without keys gives ``out`` 0 and
+        ``lse = sink``.
+    dropout_p, dropout_seed
+        As for :func:`flash_lib.flash_attention`. Sequence ``b`` draws flash_lib's mask at its
+        packed positions, ``dropout_offset = (cu_seqlens_q[b], cu_seqlens_k[b])``: the batch's
+        mask is that of the packed ``(..., total_q, total_k)`` problem (this call equals
+        ``flash_attention`` with the document mask and the same seed), no two sequences share an
+        element's random bits, and the backward given the same seed draws the same mask.
+        FlashAttention's varlen kernel keys sequence ``b`` by its batch index and its positions
+        within it instead (``csrc/flash_attn/src/``: ``flash_fwd_kernel.h`` builds
+        ``Dropout(seed, offset, p, bidb, bidh, ...)`` and ``dropout.h`` adds
+        ``(bidb·nheads + bidh)·32`` to the Philox offset, the counter being the row and column
+        block within the sequence); flash_lib's ``dropout_offset`` moves positions, not the
+        batch index.
     block_q, block_k : int, optional
         Tile size of each sequence's call (default flash_lib's).
 
@@ -99,27 +114,31 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False,
         Row ``i`` of sequence ``b`` attends only keys of sequence ``b``. A sequence with no keys
         gives zero rows.
     lse : ndarray ``(..., total_q)``, only with ``return_lse=True``
-        ``-inf`` for rows with no allowed key.
+        ``-inf`` for rows with no allowed key (the sink with ``sinks``).
 
     Notes
     -----
-    Each sequence is one :func:`flash_lib.flash_attention` call, so the result equals that call
-    on the sequence alone, bit for bit, and only its tiles are visited
+    Every argument is checked once, up front, with flash_lib's rules
+    (:func:`flash_lib.check_inputs` on the packed arrays), whatever the lengths, so an empty
+    batch refuses what flash_lib refuses. Each sequence with queries is then one
+    :func:`flash_lib.flash_attention` call, so the result equals that call on the sequence alone
+    (with its ``dropout_offset``), bit for bit, and only its tiles are visited
     (:func:`varlen_tile_schedule`): work ``∝ Σ_b Nq_b · Nk_b``.
     """
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     kwargs = _tiles(dict(causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                         scale=scale, enable_gqa=enable_gqa), block_q, block_k)
-    # every argument checked once, up front, with flash_lib's rules, whatever the lengths
+                         scale=scale, enable_gqa=enable_gqa, sinks=sinks, dropout_p=dropout_p,
+                         dropout_seed=dropout_seed), block_q, block_k)
+    # Checked on the packed arrays: the sequences' dropout offsets and lengths lie within them.
     checked = flash_lib.check_inputs(q, k, v, **kwargs)
     seqs = _sequences(q.shape[-2], k.shape[-2], cu_seqlens_q, cu_seqlens_k)
     out = np.zeros(checked.batch + (checked.n_q, checked.dv), checked.out_dtype)
     lse = np.full(checked.batch + (checked.n_q,), -np.inf, checked.dtype)
     for q0, q1, k0, k1 in seqs:
-        if q1 == q0 or k1 == k0:  # no query, or no key: zero rows and lse -inf, as allocated
+        if q1 == q0:  # no query: nothing to compute
             continue
         o, s = flash_lib.flash_attention(q[..., q0:q1, :], k[..., k0:k1, :], v[..., k0:k1, :],
-                                         return_lse=True, **kwargs)
+                                         return_lse=True, dropout_offset=(q0, k0), **kwargs)
         out[..., q0:q1, :], lse[..., q0:q1] = o, s
     return (out, lse) if return_lse else out
 
@@ -134,13 +153,16 @@ def _tiles(kwargs, block_q, block_k):
 
 def flash_attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, *,
                                     causal=False, window=None, softcap=None, alibi_slopes=None,
-                                    scale=None, enable_gqa=False, block_q=None, block_k=None):
-    """The gradients of ``sum(dout * flash_attention_varlen(q, k, v, ...))``: ``(dq, dk, dv)``.
+                                    scale=None, enable_gqa=False, sinks=None, dropout_p=0.0,
+                                    dropout_seed=None, block_q=None, block_k=None):
+    """The gradients of ``sum(dout * flash_attention_varlen(q, k, v, ...))``: ``(dq, dk, dv)``,
+    and ``dsinks`` with ``sinks``.
 
     Parameters
     ----------
-    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window, softcap, alibi_slopes, scale, enable_gqa, block_q, block_k
-        As for :func:`flash_attention_varlen`, and the same as the forward call.
+    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window, softcap, alibi_slopes, scale, enable_gqa, sinks, dropout_p, dropout_seed, block_q, block_k
+        As for :func:`flash_attention_varlen`, and the same as the forward call (each
+        sequence's dropout mask is drawn again at its packed positions).
     out, lse
         What ``flash_attention_varlen(..., return_lse=True)`` returned.
     dout : array of the shape of ``out``
@@ -151,22 +173,30 @@ def flash_attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_se
         Each of its input's shape and dtype; each sequence's slices are
         :func:`flash_lib.flash_attention_backward` on that sequence alone (bit for bit). Keys of
         a sequence with no query, and queries of a sequence with no key, get exact zeros.
+    dsinks : ndarray
+        Only with ``sinks``: of sinks' shape, in the compute dtype, the sum over the sequences
+        (in order) of each one's ``dsinks``.
     """
     q, k, v, out, lse, dout = (np.asarray(x) for x in (q, k, v, out, lse, dout))
     kwargs = _tiles(dict(causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                         scale=scale, enable_gqa=enable_gqa), block_q, block_k)
-    flash_lib.check_inputs(q, k, v, out=out, lse=lse, dout=dout, **kwargs)
+                         scale=scale, enable_gqa=enable_gqa, sinks=sinks, dropout_p=dropout_p,
+                         dropout_seed=dropout_seed), block_q, block_k)
+    checked = flash_lib.check_inputs(q, k, v, out=out, lse=lse, dout=dout, **kwargs)
     seqs = _sequences(q.shape[-2], k.shape[-2], cu_seqlens_q, cu_seqlens_k)
     dq, dk, dv = (np.zeros(x.shape, x.dtype) for x in (q, k, v))
+    dsinks = None if sinks is None else np.zeros(np.shape(sinks), checked.dtype)
     for q0, q1, k0, k1 in seqs:
-        if q1 == q0 or k1 == k0:
+        if q1 == q0:  # no query: its keys get no gradient, and add nothing to dsinks
             continue
         rows, keys = (..., slice(q0, q1)), (..., slice(k0, k1))
         g = flash_lib.flash_attention_backward(
             q[rows + (slice(None),)], k[keys + (slice(None),)], v[keys + (slice(None),)],
-            out[rows + (slice(None),)], lse[rows], dout[rows + (slice(None),)], **kwargs)
-        dq[rows + (slice(None),)], dk[keys + (slice(None),)], dv[keys + (slice(None),)] = g
-    return dq, dk, dv
+            out[rows + (slice(None),)], lse[rows], dout[rows + (slice(None),)],
+            dropout_offset=(q0, k0), **kwargs)
+        dq[rows + (slice(None),)], dk[keys + (slice(None),)], dv[keys + (slice(None),)] = g[:3]
+        if dsinks is not None:
+            dsinks += g[3]
+    return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
 
 
 def varlen_tile_schedule(cu_seqlens_q, cu_seqlens_k, block_q=flash_lib.DEFAULT_BLOCK_Q,
@@ -196,6 +226,20 @@ def _int_array(name, x, shape=None):
     if shape is not None and arr.shape != shape:
         raise ValueError(f"{name} must have shape {shape}, got {arr.shape}")
     return arr
+
+
+def _cache_arrays(k_cache, v_cache, written):
+    """The caches as arrays; when ``k_new`` is written into them, the caller's own, writable (a
+    copy made here would take the write, and the caller's cache would miss it)."""
+    if not written:
+        return np.asarray(k_cache), np.asarray(v_cache)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(c, np.ndarray):
+            raise TypeError(f"{name} must be a NumPy array when k_new is given (k_new is "
+                            f"written into it in place), got {type(c).__name__}")
+        if not c.flags.writeable:
+            raise ValueError(f"{name} is read-only, and k_new is written into it in place")
+    return k_cache, v_cache
 
 
 class _Cache:
@@ -260,7 +304,7 @@ class _Cache:
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None,
                                  block_table=None, causal=False, window=None, softcap=None,
-                                 alibi_slopes=None, scale=None, enable_gqa=False,
+                                 alibi_slopes=None, scale=None, enable_gqa=False, sinks=None,
                                  return_lse=False):
     """Attention of new queries over a KV cache, FlashAttention's ``flash_attn_with_kvcache``.
 
@@ -270,23 +314,27 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=No
         The new queries of each sequence (``Nq = 1`` when decoding).
     k_cache, v_cache : arrays
         Contiguous: ``(B, Hkv, max_len, d)`` and ``(B, Hkv, max_len, dv)``. Paged (with
-        ``block_table``): ``(num_pages, Hkv, page_size, d)`` and ``(..., dv)``.
+        ``block_table``): ``(num_pages, Hkv, page_size, d)`` and ``(..., dv)``. With ``k_new``,
+        the caller's own writable NumPy arrays (anything else is refused: a copy would take the
+        write and the caller's cache would miss it).
     cache_seqlens : integer array ``(B,)``
         Valid keys of each sequence before this call. Slots and pages beyond them are never
         read: whatever they hold (NaN, inf) changes nothing.
     k_new, v_new : arrays ``(B, Hkv, Nnew, d)``, ``(B, Hkv, Nnew, dv)``, optional
         Written into the cache **in place** at positions
         ``cache_seqlens[b] : cache_seqlens[b] + Nnew`` (ValueError if that overflows the cache),
-        then attended with the rest. The caller advances ``cache_seqlens``.
+        then attended with the rest. The caller advances ``cache_seqlens``. Each of the cache's
+        dtype (FlashAttention's ``mha_fwd_kvcache``, ``csrc/flash_attn/flash_api.cpp``, requires
+        the same). A call that raises has written nothing: every argument is checked first.
     block_table : integer array ``(B, max_pages)``, optional
         Paged cache: logical key ``t`` of sequence ``b`` is slot ``t % page_size`` of page
         ``block_table[b, t // page_size]``. Pages may be shared by sequences (a common prefix)
         and be in any order; entries past a sequence's valid pages are not read.
-    causal, window, softcap, alibi_slopes, scale, enable_gqa, return_lse
+    causal, window, softcap, alibi_slopes, scale, enable_gqa, sinks, return_lse
         As for :func:`flash_lib.flash_attention`, per sequence over its
         ``L_b = cache_seqlens[b] + Nnew`` valid keys: causal is bottom-right
         (query ``i`` sees keys ``j <= i + L_b - Nq``), and so are the window and ALiBi.
-        ``alibi_slopes`` broadcasts to ``(B, H)``.
+        ``alibi_slopes`` and ``sinks`` (gpt-oss's one logit per head) broadcast to ``(B, H)``.
 
     Returns
     -------
@@ -302,29 +350,36 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=No
     cache's. A key below ``s_b`` precedes every query's position, so causal allows it, the
     window can only cut it from the left (a mask_mod) and its ALiBi distance is the chunk's own
     plus a per-row constant (added to the chunk's lse). The parts are combined in key order by
-    :func:`flash_lib.merge_attention`. Scratch: a few chunks of keys and values, and
-    ``O(H · Nq · dv)`` partial results, independent of the cache's length. A paged cache and a
-    contiguous one holding the same keys give the same bits. Half-precision inputs are computed,
-    and merged, in float32, rounded once at the end.
+    :func:`flash_lib.merge_attention`. A sink joins the last call alone (flash_lib starts its
+    rows at the sink), so it is counted once per row, never once per chunk; fewer than
+    ``Nq + KV_CHUNK`` valid keys are one :func:`flash_lib.flash_attention` call, sink included.
+    Scratch: a few chunks of keys and values, and ``O(H · Nq · dv)`` partial results,
+    independent of the cache's length. A paged cache and a contiguous one holding the same keys
+    give the same bits. Half-precision inputs are computed, and merged, in float32, rounded once
+    at the end.
     """
     q = np.asarray(q)
     if q.ndim != 4:
         raise ValueError(f"q must be (B, H, Nq, d), got shape {q.shape}")
     batch, heads, n_q, _ = q.shape
-    cache = _Cache(k_cache, v_cache, batch, block_table)
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together")
+    cache = _Cache(*_cache_arrays(k_cache, v_cache, written=k_new is not None), batch,
+                   block_table)
     seqlens = _int_array("cache_seqlens", cache_seqlens, (batch,))
     if (seqlens < 0).any():
         raise ValueError(f"cache_seqlens must be non-negative, got {seqlens}")
-    if (k_new is None) != (v_new is None):
-        raise ValueError("k_new and v_new must be given together")
     n_new = 0
     if k_new is not None:
         k_new, v_new = np.asarray(k_new), np.asarray(v_new)
-        hkv = k_cache.shape[1]
-        for name, x, c in (("k_new", k_new, k_cache), ("v_new", v_new, v_cache)):
+        hkv = cache.k.shape[1]
+        for name, x, c in (("k_new", k_new, cache.k), ("v_new", v_new, cache.v)):
             if x.ndim != 4 or x.shape[:2] != (batch, hkv) or x.shape[3] != c.shape[3]:
                 raise ValueError(f"{name} must have shape (B = {batch}, Hkv = {hkv}, Nnew, "
                                  f"{c.shape[3]}), got {x.shape}")
+            if x.dtype != c.dtype:
+                raise TypeError(f"{name} must have the dtype of the cache it is written into, "
+                                f"{c.dtype}, got {x.dtype}")
         if k_new.shape[2] != v_new.shape[2]:
             raise ValueError(f"k_new and v_new must have the same Nnew, got {k_new.shape[2]} "
                              f"and {v_new.shape[2]}")
@@ -344,20 +399,21 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=No
                                           dtype=c.dtype) for c in (cache.k, cache.v))
     checked = flash_lib.check_inputs(q, keys, values, causal=causal, window=window,
                                      softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
-                                     enable_gqa=enable_gqa)
+                                     enable_gqa=enable_gqa, sinks=sinks)
     out_dtype, lse_dtype = checked.out_dtype, checked.dtype
     if k_new is not None:
         for b in range(batch):
             cache.write(b, int(seqlens[b]), k_new[b], v_new[b])
     acc = np.result_type(out_dtype, np.float32)
-    slopes = None if alibi_slopes is None else np.broadcast_to(
-        np.asarray(alibi_slopes), (batch, heads))
+    slopes, sinks = (None if x is None else np.broadcast_to(np.asarray(x), (batch, heads))
+                     for x in (alibi_slopes, sinks))
     kwargs = dict(softcap=softcap, scale=scale)
-    out = np.empty((batch, heads, n_q, v_cache.shape[3]), out_dtype)
+    out = np.empty((batch, heads, n_q, cache.v.shape[3]), out_dtype)
     lse = np.empty((batch, heads, n_q), lse_dtype) if return_lse else None
     for b in range(batch):
         o, s = _one_sequence(q[b].astype(acc, copy=False), cache, b, int(lengths[b]), acc,
-                             None if slopes is None else slopes[b], causal, window, enable_gqa,
+                             None if slopes is None else slopes[b],
+                             None if sinks is None else sinks[b], causal, window, enable_gqa,
                              kwargs)
         out[b] = o
         if lse is not None:
@@ -365,7 +421,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=No
     return (out, lse) if return_lse else out
 
 
-def _one_sequence(q, cache, b, length, acc, slopes, causal, window, enable_gqa, kwargs):
+def _one_sequence(q, cache, b, length, acc, slopes, sinks, causal, window, enable_gqa, kwargs):
     heads, n_q = q.shape[0], q.shape[1]
     if n_q == 0:
         return np.zeros((heads, 0, cache.v.shape[3]), acc), np.zeros((heads, 0), acc)
@@ -396,8 +452,10 @@ def _one_sequence(q, cache, b, length, acc, slopes, causal, window, enable_gqa, 
             # distance = the chunk's own (stop - 1 - j) + (position - stop + 1), both >= 0
             s = s - slopes.astype(acc)[:, None] * (positions - stop + 1).astype(acc)
         out, lse = (o, s) if out is None else flash_lib.merge_attention(out, lse, o, s)
-    # The last keys with the queries: flash_lib's bottom-right is the cache's here.
+    # The last keys with the queries: flash_lib's bottom-right is the cache's here. The sink
+    # joins this call alone: once per row, whatever the number of chunks.
     k, v = cache.gather(b, split, length, acc)
     o, s = flash_lib.flash_attention(q, k, v, causal=causal, window=window, alibi_slopes=slopes,
-                                     enable_gqa=enable_gqa, return_lse=True, **kwargs)
+                                     enable_gqa=enable_gqa, sinks=sinks, return_lse=True,
+                                     **kwargs)
     return (o, s) if out is None else flash_lib.merge_attention(out, lse, o, s)

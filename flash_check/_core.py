@@ -45,6 +45,14 @@ FEATURES = {
     "dropout": "takes dropout_p=, dropout_seed=: out = (P∘Z/(1 - p))·V, Z Bernoulli(1 - p) per "
                "(b, i, j) from the seed (a function of the element alone), the lse undropped",
 }
+#: The keywords every case needing a feature passes the kernel (with ``True`` or a value). A
+#: kernel whose signature requires a keyword (a parameter beyond q, k, v without a default, such
+#: as a packed batch's ``cu_seqlens_q``) can take only the cases that pass it; the runner skips
+#: the others and says why. ``serving.py`` adds its features'.
+FEATURE_KEYWORDS = {"mask": ("mask",), "causal": ("causal",), "window": ("window",),
+                    "softcap": ("softcap",), "alibi": ("alibi_slopes",), "gqa": ("enable_gqa",),
+                    "mask_mod": ("mask_mod",), "sinks": ("sinks",),
+                    "dropout": ("dropout_p", "dropout_seed")}
 #: The variants' features, each with its cases below (the training features' in training.py).
 VARIANTS = ("window", "softcap", "alibi", "gqa", "mask_mod", "sinks", "dropout")
 DEFAULT_FEATURES = ("mask", "causal", "lse")

@@ -1,23 +1,26 @@
 """The runner: :func:`check_kernel`, and the check a case gets unless it brings its own.
 
 :func:`check_kernel` validates its arguments, skips the cases whose features or dtypes the kernel
-was not checked for, and runs every other case in every dtype, turning any exception into a
-:class:`Failure` (a report, never a crash). The default check, :func:`_accuracy`, measures a
-case's output and lse against the references of ``_core.py`` and asks ``diagnose.py`` why a check
-failed; ``training.py`` reuses it before checking the gradients.
+was not checked for and those that do not pass a keyword its signature requires, and runs every
+other case in every dtype, turning any exception into a :class:`Failure` (a report, never a
+crash). The default check, :func:`_accuracy`, measures a case's output and lse against the
+references of ``_core.py`` and asks ``diagnose.py`` why a check failed; ``training.py`` reuses it
+before checking the gradients.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import numpy as np
 
 import flash_lib
 from flash_check import diagnose
-from flash_check._core import (CASES, DEFAULT_FEATURES, DTYPES, FACTOR, FEATURES, LSE_FLOOR,
-                               OUT_FLOOR, Report, Result, Skip, _call, _Context,
-                               _known_features, _lse_error, _max_error, _reference, _split)
+from flash_check._core import (CASES, DEFAULT_FEATURES, DTYPES, FACTOR, FEATURE_KEYWORDS,
+                               FEATURES, LSE_FLOOR, OUT_FLOOR, Report, Result, Skip, _call,
+                               _Context, _known_features, _lse_error, _max_error, _reference,
+                               _split)
 
 # --------------------------------------------------------------------------------------------
 # The default check: accuracy
@@ -183,6 +186,25 @@ def _kernel_name(fn):
     return f"{module}.{name}" if module and name else repr(fn)
 
 
+def _required_keywords(fn):
+    """The parameters of ``fn`` without a default beyond the three that take q, k, v (a packed
+    batch's ``cu_seqlens_q``, a cache's ``cache_seqlens``): what every call must pass. Nothing
+    when the signature cannot be read (a builtin): then every case is tried."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    positional, required = 3, []  # q, k, v fill the first three positional parameters
+    for p in parameters:
+        if p.kind is p.VAR_POSITIONAL:
+            positional = 0
+        elif p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and positional:
+            positional -= 1
+        elif p.kind is not p.VAR_KEYWORD and p.default is p.empty:
+            required.append(p.name)
+    return tuple(required)
+
+
 def check_kernel(fn, *, features=DEFAULT_FEATURES, dtypes=DTYPES, lse_empty=-np.inf, seed=0,
                  cases=None, backward=None, dropout_generator=None):
     """Run the attention kernel ``fn`` through every registered case; return a :class:`Report`.
@@ -197,7 +219,10 @@ def check_kernel(fn, *, features=DEFAULT_FEATURES, dtypes=DTYPES, lse_empty=-np.
         keywords; the dropout case also passes ``block_q`` and ``block_k`` to a kernel whose
         signature has them, to check that the mask does not depend on the tiles).
     features : iterable of str
-        What the kernel supports (see :data:`FEATURES`); cases needing anything else are skipped.
+        What the kernel supports (see :data:`FEATURES`); cases needing anything else are skipped,
+        and so are the cases that do not pass a keyword the kernel's signature requires (a
+        varlen kernel's ``cu_seqlens_q``: the dense cases call ``fn(q, k, v, ...)`` without it;
+        ``_core.FEATURE_KEYWORDS`` says what each feature's cases pass).
     dtypes : iterable of str
         Input dtypes to check, from :data:`DTYPES`.
     lse_empty : float
@@ -268,12 +293,20 @@ def check_kernel(fn, *, features=DEFAULT_FEATURES, dtypes=DTYPES, lse_empty=-np.
             raise ValueError(f"cases {missing} are not registered; registered: {list(CASES)}")
         selected = [CASES[c] for c in cases]
 
+    required = _required_keywords(fn)
     results, skipped, done = [], [], {}
     for case in selected:
         lacking = [f for f in case.needs if f not in features]
         if lacking:
             skipped.append(Skip(case.name, f"needs feature {', '.join(map(repr, lacking))}: "
                                            f"{'; '.join(FEATURES.get(f, f) for f in lacking)}"))
+            continue
+        passed = {key for f in case.needs for key in FEATURE_KEYWORDS.get(f, ())}
+        unpassed = [key for key in required if key not in passed]
+        if unpassed:
+            skipped.append(Skip(case.name, f"does not apply: the kernel requires "
+                                           f"{', '.join(f'{key}=' for key in unpassed)}, which "
+                                           f"this case does not pass"))
             continue
         run_dtypes = [d for d in dtypes if case.dtypes is None or d in case.dtypes]
         if not run_dtypes:

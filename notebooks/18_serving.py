@@ -30,6 +30,10 @@
 #   pages between two requests, and weigh a cache's memory against its fragmentation;
 # - a small greedy generation loop on the cache, which must produce exactly the tokens of
 #   recomputing the whole sequence at every step.
+#
+# Both also take chapter 17's attention sinks (`sinks=`, gpt-oss's one logit per head; a split
+# decode merges the sink into each row once, not once per chunk), and the packed batch its
+# dropout (`dropout_p=`, `dropout_seed=`: each sequence's mask drawn at its packed positions).
 
 # %%
 import time

@@ -1,9 +1,15 @@
 """flash_serving: packed variable-length batches (forward, backward) and the KV cache (contiguous,
 paged), against flash_lib on each sequence alone and against dense attention on the valid keys."""
 
+import functools
+import pathlib
+import re
+import shlex
+
 import numpy as np
 import pytest
-from helpers import FLASH_VS_NAIVE, VARIANTS_VS_NAIVE, assert_within, dense_attention, window_mask
+from helpers import (FLASH_VS_NAIVE, VARIANTS_VS_NAIVE, assert_within, close, dense_attention,
+                     window_mask)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -206,6 +212,124 @@ def test_varlen_rejects_bad_cu_seqlens(bad, match):
         fs.flash_attention_varlen(q, k, v, np.array([0, 2, 5]), bad)
 
 
+# Sinks and dropout (gpt-oss serves with sinks; training packs with dropout), alone and with the
+# keywords they interact with. Sinks of shape (H,) = (2,).
+TRAINING_VARIANTS = [
+    {"sinks": np.array([0.5, 3.0])},
+    {"sinks": np.array([0.5, 3.0]), "causal": True},
+    {"dropout_p": 0.3, "dropout_seed": 7},
+    {"dropout_p": 0.3, "dropout_seed": 2**40 + 5, "causal": True,
+     "sinks": np.array([-1.0, 2.0]), "block_q": 3, "block_k": 4},
+    {"dropout_p": 0.2, "dropout_seed": 11, "enable_gqa": True, "window": (4, 1), "softcap": 3.0,
+     "alibi_slopes": np.array([0.5, 0.125]), "sinks": np.array([1.0, -2.0])},
+]
+
+
+@pytest.mark.parametrize("kw", TRAINING_VARIANTS, ids=_ids)
+def test_varlen_sinks_and_dropout_are_flash_attention_per_sequence(kw):
+    """Forward and backward, bit for bit, each sequence is flash_lib's call on it alone at its
+    packed positions (dropout_offset = (cu_seqlens_q[b], cu_seqlens_k[b])); a sequence without
+    keys gives out 0 and lse = its head's sink; dsinks is the sequences' dsinks summed in order."""
+    rng = np.random.default_rng(33)
+    q, k, v, cu_q, cu_k = _packed(rng, *LENGTHS[0], kw)
+    out, lse = fs.flash_attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **kw)
+    dout = rng.standard_normal(out.shape)
+    grads = fs.flash_attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k, **kw)
+    sinks = kw.get("sinks")
+    assert len(grads) == (3 if sinks is None else 4)
+    dsinks = np.zeros(2)
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rows.stop == rows.start:
+            assert (grads[1][:, keys] == 0).all() and (grads[2][:, keys] == 0).all()
+            continue
+        offset = {"dropout_offset": (int(cu_q[b]), int(cu_k[b]))}
+        o, s = flash_lib.flash_attention(q[:, rows], k[:, keys], v[:, keys], return_lse=True,
+                                         **kw, **offset)
+        np.testing.assert_array_equal(out[:, rows], o)
+        np.testing.assert_array_equal(lse[:, rows], s)
+        if keys.stop == keys.start:  # no keys: zero rows, lse the sink (-inf without one)
+            assert (o == 0).all()
+            np.testing.assert_array_equal(
+                s, np.broadcast_to(-np.inf if sinks is None else sinks[:, None], s.shape))
+        g = flash_lib.flash_attention_backward(q[:, rows], k[:, keys], v[:, keys], o, s,
+                                               dout[:, rows], **kw, **offset)
+        for got, want in zip((grads[0][:, rows], grads[1][:, keys], grads[2][:, keys]), g):
+            np.testing.assert_array_equal(got, want)
+        if sinks is not None:
+            dsinks += g[3]
+    if sinks is not None:
+        np.testing.assert_array_equal(grads[3], dsinks)
+
+
+@pytest.mark.parametrize("kw", TRAINING_VARIANTS[2:4], ids=_ids)
+def test_varlen_dropout_is_the_packed_problems_mask(kw):
+    """The packed batch with dropout is the dense oracle on the whole packed problem with the
+    document mask and the same seed, forward and gradients (dsinks included): one mask for the
+    batch, so no two sequences share one, and the backward draws the forward's."""
+    rng = np.random.default_rng(52)
+    lens_q, lens_k = (6, 6, 0, 9, 4), (8, 8, 3, 5, 0)  # two sequences of the same lengths
+    q, k, v, cu_q, cu_k = _packed(rng, lens_q, lens_k, kw)
+    q[:, 6:12], k[:, 8:16], v[:, 8:16] = q[:, :6], k[:, :8], v[:, :8]  # sequence 1 = sequence 0
+    out, lse = fs.flash_attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **kw)
+    dout = rng.standard_normal(out.shape)
+    grads = fs.flash_attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k, **kw)
+    mask = np.zeros((cu_q[-1], cu_k[-1]), bool)
+    for b in range(len(lens_q)):
+        mask[cu_q[b]:cu_q[b + 1], cu_k[b]:cu_k[b + 1]] = _bottom_right(lens_q[b], lens_k[b], kw)
+    dense = {key: val for key, val in _dense_kw(kw).items() if key not in ("causal", "window")}
+    ref_o, ref_l = flash_lib.naive_attention(q, k, v, mask=mask, return_lse=True, **dense)
+    assert close(out, ref_o) and np.array_equal(lse == -np.inf, ref_l == -np.inf)
+    assert close(lse[np.isfinite(ref_l)], ref_l[np.isfinite(ref_l)])
+    ref_g = flash_lib.naive_attention_backward(q, k, v, dout, mask=mask, **dense)
+    assert len(grads) == len(ref_g)
+    for got, want in zip(grads, ref_g):
+        assert close(got, want)
+    # sequences 0 and 1 hold the same tokens: only their masks tell them apart
+    np.testing.assert_array_equal(lse[:, :6], lse[:, 6:12])
+    assert (out[:, :6] != out[:, 6:12]).any()
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    ({"causal": "yes"}, TypeError, "causal must be a bool"),
+    ({"block_q": 0}, ValueError, "block_q must be a positive integer"),
+    ({"scale": -1}, ValueError, "scale must be a finite positive number"),
+    ({"window": (-1, 0)}, ValueError, "window's left"),
+    ({"alibi_slopes": np.ones(3)}, ValueError, r"alibi_slopes of shape \(3,\)"),
+    ({"sinks": np.array([np.nan, 0.0])}, ValueError, "sinks must be finite"),
+    ({"sinks": np.ones(3)}, ValueError, r"sinks of shape \(3,\) does not broadcast"),
+    ({"dropout_p": 1.5}, ValueError, r"dropout_p must be in \[0, 1\)"),
+    ({"dropout_p": 0.1}, ValueError, "dropout_seed must be an integer"),
+])
+@pytest.mark.parametrize("lens", [((0, 0), (0, 0)), ((3, 0), (2, 4))], ids=["empty", "ragged"])
+def test_varlen_checks_every_argument_up_front_whatever_the_lengths(bad, error, match, lens):
+    """Forward and backward, with flash_lib's rules and messages, even when no sequence has a
+    query (nothing would reach flash_lib's kernels)."""
+    q, k, v, cu_q, cu_k = _packed(np.random.default_rng(0), *lens, {})
+    out, lse = fs.flash_attention_varlen(q, k, v, cu_q, cu_k, return_lse=True)
+    with pytest.raises(error, match=match):
+        fs.flash_attention_varlen(q, k, v, cu_q, cu_k, **bad)
+    with pytest.raises(error, match=match):
+        fs.flash_attention_varlen_backward(q, k, v, out, lse, out, cu_q, cu_k, **bad)
+
+
+def test_varlen_takes_array_likes():
+    """Lists and tuples, as flash_lib takes them: the arrays' bits."""
+    rng = np.random.default_rng(1)
+    q, k, v, cu_q, cu_k = _packed(rng, (3, 0, 2), (2, 4, 5), {})
+    out, lse = fs.flash_attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
+    got = fs.flash_attention_varlen(q.tolist(), k.tolist(), v.tolist(), tuple(cu_q.tolist()),
+                                    cu_k.tolist(), causal=True, return_lse=True)
+    np.testing.assert_array_equal(got[0], out)
+    np.testing.assert_array_equal(got[1], lse)
+    dout = rng.standard_normal(out.shape)
+    want = fs.flash_attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k, causal=True)
+    got = fs.flash_attention_varlen_backward(*(x.tolist() for x in (q, k, v, out, lse, dout)),
+                                             cu_q.tolist(), cu_k.tolist(), causal=True)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
 # --------------------------------------------------------------------------------------------
 # The KV cache
 # --------------------------------------------------------------------------------------------
@@ -219,6 +343,9 @@ CACHE_VARIANTS = [
     {"alibi_slopes": np.array([0.0625, 0.125, 0.25, 0.5])},
     {"alibi_slopes": np.array([0.0625, 0.125, 0.25, 0.5]), "causal": True, "enable_gqa": True},
     {"enable_gqa": True, "scale": 0.3, "window": (600, 0)},
+    {"sinks": np.array([0.5, 3.0, -1.0, 6.0]), "causal": True},
+    {"sinks": np.array([2.0, -3.0, 4.0, 0.0]), "enable_gqa": True, "window": (600, 0),
+     "alibi_slopes": np.array([0.0625, 0.125, 0.25, 0.5]), "softcap": 3.0},
 ]
 
 
@@ -409,6 +536,95 @@ def test_cache_errors():
                                         block_table=np.array([[9], [0]]))
 
 
+def test_cache_sinks_are_merged_once_per_row():
+    """Sinks of shape (B, H) over caches of 0 to 1100 keys (up to three split-KV parts): each
+    sequence is dense attention with its own sinks, so the sink is counted once per row,
+    not once per chunk; a row with no key gives out 0 and lse = sink exactly; and a cache
+    shorter than Nq + KV_CHUNK keys is flash_attention on its valid keys, bit for bit."""
+    rng = np.random.default_rng(21)
+    seqlens = np.array(SEQLENS)
+    sinks = rng.uniform(-2, 6, (len(seqlens), 4))
+    q, kc, vc, kn, vn = _cache_problem(rng, seqlens, 3, 1, 1280, {})
+    out, lse = fs.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, k_new=kn,
+                                               v_new=vn, causal=True, sinks=sinks,
+                                               return_lse=True)
+    for b, n in enumerate(seqlens):
+        k = np.concatenate([kc[b, :, :n], kn[b]], axis=1)
+        v = np.concatenate([vc[b, :, :n], vn[b]], axis=1)
+        ref_o, ref_l = flash_lib.naive_attention(q[b], k, v, causal=True, sinks=sinks[b],
+                                                 return_lse=True)
+        assert close(out[b], ref_o) and close(lse[b], ref_l)
+        if n + 1 < q.shape[2] + fs.KV_CHUNK:  # one call: flash_attention's bits
+            alone = flash_lib.flash_attention(q[b], k, v, causal=True, sinks=sinks[b],
+                                              return_lse=True)
+            np.testing.assert_array_equal(out[b], alone[0])
+            np.testing.assert_array_equal(lse[b], alone[1])
+    # sequence 0 has one key for three queries: its first two rows see only the sink
+    assert (out[0, :, :2] == 0).all()
+    np.testing.assert_array_equal(lse[0, :, :2], np.repeat(sinks[0][:, None], 2, axis=1))
+
+
+def _cache_arguments(rng, paged):
+    """A call that writes: q (2, 4, 1, 8) over two sequences of 3 and 4 cached keys, the cache
+    contiguous (2, 4, 6, ·) or in pages of 2 slots, unused slots NaN."""
+    q, kc, vc, kn, vn = _cache_problem(rng, [3, 4], 1, 1, 6, {})
+    args = dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=np.array([3, 4]), k_new=kn, v_new=vn)
+    if paged:
+        args["k_cache"], args["v_cache"], args["block_table"] = _paged(kc, vc, 2, rng)
+    return args
+
+
+def _read_only(x):
+    x = x.copy()
+    x.flags.writeable = False
+    return x
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("bad, error, match", [
+    ({"softcap": 0.0}, ValueError, "softcap must be a finite positive number"),
+    ({"scale": -1.0}, ValueError, "scale must be a finite positive number"),
+    ({"causal": "yes"}, TypeError, "causal must be a bool"),
+    ({"window": (2, -1)}, ValueError, "window's right"),
+    ({"alibi_slopes": np.ones(3)}, ValueError,
+     r"alibi_slopes of shape \(3,\) does not broadcast to the leading \(batch, head\) dims "
+     r"\(2, 4\)"),
+    ({"alibi_slopes": np.full(4, np.inf)}, ValueError, "alibi_slopes must be finite"),
+    ({"sinks": np.ones((3, 4))}, ValueError, r"sinks of shape \(3, 4\) does not broadcast"),
+    ({"sinks": np.array([0.0, np.nan, 0.0, 0.0])}, ValueError, "sinks must be finite"),
+    ({"q": lambda q: q[:, :3], "enable_gqa": True}, ValueError, "enable_gqa needs"),
+    ({"k_new": lambda x: x.astype(np.float32)}, TypeError, "k_new must have the dtype of the"),
+    ({"v_new": lambda x: x.astype(np.float32)}, TypeError, "v_new must have the dtype of the"),
+    ({"v_cache": _read_only}, ValueError, "v_cache is read-only"),
+    ({"k_cache": lambda x: x.tolist()}, TypeError, "k_cache must be a NumPy array when k_new"),
+    ({"cache_seqlens": np.array([3, 6])}, ValueError, "overflow"),
+], ids=lambda x: "-".join(x) if isinstance(x, dict) else "")
+def test_cache_call_that_raises_writes_nothing(bad, error, match, paged):
+    """Every argument is checked before k_new is written: a call that raises leaves the
+    caller's cache as it was, to the bit (NaN in the unused slots included). A value in
+    ``bad`` that is a function makes the argument from the good one."""
+    args = _cache_arguments(np.random.default_rng(4), paged)
+    for key, val in bad.items():
+        args[key] = val(args[key]) if callable(val) else val
+    before = [np.array(args[key], copy=True) for key in ("k_cache", "v_cache")]
+    with pytest.raises(error, match=match):
+        fs.flash_attention_with_kvcache(**args)
+    for key, was in zip(("k_cache", "v_cache"), before):
+        np.testing.assert_array_equal(np.asarray(args[key]), was)
+
+
+def test_cache_takes_array_likes_when_nothing_is_written():
+    """Lists, as flash_lib takes them, when nothing is written into the cache: the arrays' bits."""
+    rng = np.random.default_rng(8)
+    args = _cache_arguments(rng, paged=True)
+    del args["k_new"], args["v_new"]
+    want = fs.flash_attention_with_kvcache(**args, causal=True, return_lse=True)
+    got = fs.flash_attention_with_kvcache(**{key: val.tolist() for key, val in args.items()},
+                                          causal=True, return_lse=True)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
 def test_decoding_scratch_is_flat_in_the_cache_length():
     """One query over 2,048 and over 32,768 cached keys: the same scratch, to within 64 KiB (a
     full gather of the larger cache alone is 2 x 16 MiB)."""
@@ -465,8 +681,9 @@ def test_greedy_decoding_on_the_cache_matches_recomputation():
 # flash_check's serving cases
 # --------------------------------------------------------------------------------------------
 
-SERVING_CASES = ["varlen", "varlen_causal", "kvcache_decode", "kvcache_prefill", "kvcache_paged"]
-SERVING_FEATURES = ("varlen", "kvcache", "paged", "causal", "lse")
+SERVING_CASES = ["varlen", "varlen_causal", "kvcache_decode", "kvcache_prefill", "kvcache_paged",
+                 "varlen_sinks", "kvcache_sinks", "varlen_dropout"]
+SERVING_FEATURES = ("varlen", "kvcache", "paged", "causal", "lse", "sinks", "dropout")
 
 
 def _serving_kernel(varlen, kvcache):
@@ -491,7 +708,7 @@ def test_flash_check_serving_cases_pass_flash_serving():
         lambda q, kc, vc, **kw: fs.flash_attention_with_kvcache(q, kc, vc, return_lse=True, **kw)),
         dtypes=("float64", "float32", "float16"))
     assert report.ok, report
-    assert len(report.results) == 15 and not report.skipped
+    assert len(report.results) == 7 * 3 + 1 and not report.skipped
 
 
 def test_flash_check_serving_cases_are_skipped_unless_listed():
@@ -500,6 +717,51 @@ def test_flash_check_serving_cases_are_skipped_unless_listed():
     report = flash_check.check_kernel(flash_lib.flash_attention, dtypes=("float64",),
                                       cases=SERVING_CASES)
     assert [s.case for s in report.skipped] == SERVING_CASES and not report.results
+
+
+def test_readme_checks_a_serving_kernel_as_written(capsys):
+    """README's command for a serving kernel, run as written: it passes, the cases of its
+    features run, and each dense case (which calls fn(q, k, v, ...) without cu_seqlens) is listed
+    as not applying, where it used to fail (issue 33: "FAIL: 6 of 55")."""
+    import flash_check
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    commands = [line for block in re.findall(r"```sh\n(.*?)```", readme, re.S)
+                for line in block.splitlines() if "flash_serving:" in line]
+    assert len(commands) == 2, commands
+    for command in commands:
+        argv = shlex.split(command)
+        assert argv[:3] == ["python", "-m", "flash_check"], command
+        assert flash_check.main(argv[3:]) == 0, capsys.readouterr().out
+        report = capsys.readouterr().out
+        assert report.splitlines()[-1].startswith("PASS: "), report
+        ran = {line.split()[0] for line in report.splitlines()
+               if line.endswith("  ok") or "  ok  (" in line}
+        assert ran and all(name in SERVING_CASES for name in ran), ran
+        assert "late_max: does not apply: the kernel requires " in report, report
+
+
+def test_flash_check_runs_only_the_cases_a_signature_can_take():
+    """A kernel's required keywords decide which cases apply, whatever the features: one that
+    requires mask= runs the mask cases only; **kwargs or a default requires nothing."""
+    import flash_check
+
+    def needs_mask(q, k, v, mask, *, causal=False, scale=None):
+        return flash_lib.flash_attention(q, k, v, mask=mask, causal=causal, scale=scale,
+                                         return_lse=True)
+
+    report = flash_check.check_kernel(needs_mask, dtypes=("float64",))
+    assert report.ok, report
+    assert {r.case for r in report.results} == {
+        name for name, case in flash_check.CASES.items()
+        if "mask" in case.needs and set(case.needs) <= {"mask", "causal", "lse"}}
+    reasons = {s.case: s.reason for s in report.skipped}
+    assert reasons["random"] == ("does not apply: the kernel requires mask=, which this case "
+                                 "does not pass")
+    for kernel in (lambda q, k, v, **kw: needs_mask(q, k, v, kw.pop("mask", None), **kw),
+                   functools.partial(needs_mask, mask=None)):
+        report = flash_check.check_kernel(kernel, dtypes=("float64",), cases=["random"])
+        assert [r.case for r in report.results] == ["random"] and report.ok, report
 
 
 def test_flash_check_layout_wrappers():
@@ -526,50 +788,68 @@ def test_flash_check_layout_wrappers():
 
 
 def _mutant(name):
-    """flash_serving's kernels with one of the issue's mistakes."""
-    def varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, causal=False):
+    """flash_serving's kernels with one of the issues' mistakes."""
+    def varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, causal=False, sinks=None, dropout_p=0.0,
+               dropout_seed=None):
         outs, lses = [], []
         for b in range(len(cu_seqlens_q) - 1):
             q0, q1, k0, k1 = (int(x) for x in (cu_seqlens_q[b], cu_seqlens_q[b + 1],
                                                cu_seqlens_k[b], cu_seqlens_k[b + 1]))
             if name == "next_key":
                 k1 = min(k1 + 1, k.shape[-2])
-            kw = {"causal": causal}
+            kw = {"causal": causal, "sinks": None if name == "sinks_ignored" else sinks,
+                  "dropout_p": dropout_p, "dropout_seed": dropout_seed,
+                  "dropout_offset": (0, 0) if name == "dropout_within_sequence" else (q0, k0)}
             if name == "top_left" and causal:
-                kw = {"mask": np.tril(np.ones((q1 - q0, k1 - k0), bool))}
+                kw.update(causal=False, mask=np.tril(np.ones((q1 - q0, k1 - k0), bool)))
             o, s = flash_lib.flash_attention(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1],
                                              return_lse=True, **kw)
+            if name == "no_key_lse" and k1 == k0:  # the old skip: lse -inf, not the sink
+                s = np.full_like(s, -np.inf)
             outs.append(o)
             lses.append(s)
         return np.concatenate(outs, 1), np.concatenate(lses, 1)
 
-    def cache(q, kc, vc, *, cache_seqlens, k_new, v_new, block_table=None, causal=False):
+    def cache(q, kc, vc, *, cache_seqlens, k_new, v_new, block_table=None, causal=False,
+              sinks=None):
         seqlens = np.array(cache_seqlens)
         if name == "k_new_offset":
             seqlens = seqlens + 1
+        kw = dict(block_table=block_table, causal=causal, return_lse=True,
+                  sinks=None if name == "sinks_ignored" else sinks)
         out, lse = fs.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, k_new=k_new,
-                                                   v_new=v_new, block_table=block_table,
-                                                   causal=causal, return_lse=True)
+                                                   v_new=v_new, **kw)
         if name == "past_seqlens":  # one slot past the valid keys
             return fs.flash_attention_with_kvcache(q, kc, vc,
                                                    cache_seqlens=seqlens + k_new.shape[2] + 1,
-                                                   block_table=block_table, causal=causal,
-                                                   return_lse=True)
+                                                   **kw)
         if name == "page_off_by_one" and block_table is not None:
-            return fs.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
-                                                   block_table=np.roll(block_table, -1, axis=1),
-                                                   causal=causal, return_lse=True)
+            kw["block_table"] = np.roll(block_table, -1, axis=1)
+            return fs.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, **kw)
+        if name == "sinks_per_chunk" and sinks is not None:  # once more for the second part
+            split = seqlens + k_new.shape[2] - q.shape[2] >= fs.KV_CHUNK
+            again = np.where(split[:, None, None], np.asarray(sinks)[..., None], -np.inf)
+            return flash_lib.merge_attention(out, lse, np.zeros_like(out),
+                                             np.broadcast_to(again, lse.shape))
         return out, lse
     return _serving_kernel(varlen, cache)
 
 
-@pytest.mark.parametrize("name, failing", [
-    ("next_key", {"varlen", "varlen_causal"}),
-    ("top_left", {"varlen_causal"}),
-    ("past_seqlens", {"kvcache_decode", "kvcache_prefill", "kvcache_paged"}),
-    ("page_off_by_one", {"kvcache_paged"}),
-    ("k_new_offset", {"kvcache_decode", "kvcache_prefill", "kvcache_paged"}),
+@pytest.mark.parametrize("name, failing, diagnosis", [
+    ("next_key", {"varlen", "varlen_causal", "varlen_sinks", "varlen_dropout"}, "packed batch"),
+    ("top_left", {"varlen_causal", "varlen_sinks"}, "not top-left"),
+    ("past_seqlens", {"kvcache_decode", "kvcache_prefill", "kvcache_paged", "kvcache_sinks"},
+     "slots past cache_seqlens"),
+    ("page_off_by_one", {"kvcache_paged"}, "block_table[b, t // page_size]"),
+    ("k_new_offset", {"kvcache_decode", "kvcache_prefill", "kvcache_paged", "kvcache_sinks"},
+     "not written into the cache in place"),
+    ("sinks_ignored", {"varlen_sinks", "kvcache_sinks"}, "accepted and ignored"),
+    ("sinks_per_chunk", {"kvcache_sinks"}, "counted once per chunk"),
+    ("no_key_lse", {"varlen_sinks"}, "lse = sink, not -inf"),
+    ("dropout_within_sequence", {"varlen_dropout"}, "sequences 0 and 1, of the same lengths, "
+     "draw the same mask"),
 ])
-def test_flash_check_serving_cases_catch_the_issues_mistakes(name, failing):
+def test_flash_check_serving_cases_catch_the_issues_mistakes(name, failing, diagnosis):
     report = _check(_mutant(name), dtypes=("float64",))
     assert set(report.failed_cases()) == failing, report
+    assert diagnosis in " ".join(f.diagnosis for f in report.failures), report
