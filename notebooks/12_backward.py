@@ -133,7 +133,7 @@ print(f"P ∘ (dP - D) against J dP: largest difference {below(jacobian_diff, RO
 # $$
 #
 # Where flash_lib applies $\tau$ (on the inputs, as powers of two) is its own choice, not
-# FlashAttention's; appendix 22 explains it. In this chapter $\tau$ is a power of two
+# FlashAttention's; appendix 25 explains it. In this chapter $\tau$ is a power of two
 # ($1/8$ for $d = 64$), so where it is applied changes no bit. The cell computes the six formulas
 # above densely, for two heads with $N_q = 37$, $N_k = 53$, $d = 64$ and a causal mask, and
 # compares them with `naive_attention_backward` (which builds the softmax Jacobian's product
@@ -280,7 +280,7 @@ plt.show()
 print(inspect.getsource(flash_lib.attention_backward_tile))
 
 # %% [markdown]
-# `q` and `k` arrive already scaled (appendix 22), so `q @ kᵀ` is the forward's $S_{ij}$ bit for
+# `q` and `k` arrive already scaled (appendix 25), so `q @ kᵀ` is the forward's $S_{ij}$ bit for
 # bit; what is left of $\tau$ is applied once per block afterwards. The `matmul` argument and the
 # `np.copyto` lines keep an inf or NaN at a masked pair out of the sums (chapter 6); `scores` is
 # for the score variants (chapter 14).
@@ -473,7 +473,7 @@ print("dq, dk, dv bit-identical on 1, 2 and 4 workers:", threads_identical)
 # loop. Then $e^{S_{ij} - \infty} = 0$ for every score the row could hold: its weights, its $dS$
 # and its $dq$ row are exactly 0, and it adds nothing to $dk$, $dv$. Which lse other libraries
 # store for an empty row, and how each one's backward copes, is in
-# {doc}`chapter 21 <21_other_libraries>`.
+# {doc}`chapter 24 <24_other_libraries>`.
 #
 # The cell shows the NaN (NumPy's "invalid value" warning silenced for these lines), then runs
 # the real tile function on one tile covering a masked problem whose row 3 is empty, with the raw

@@ -22,7 +22,7 @@
 # notebook, and there need not be one on yours: Triton's **interpreter** (`TRITON_INTERPRET=1`)
 # runs the same `@triton.jit` functions on the CPU, one thread block after another, with NumPy
 # doing the arithmetic. It is slow, but it is the kernel, line for line, and so
-# chapter 20's conformance suite can check it. In this chapter:
+# chapter 23's conformance suite can check it. In this chapter:
 #
 # - the GPU's execution model (grid, thread blocks on streaming multiprocessors, warps,
 #   registers, shared memory, HBM, tensor cores) and where each piece of flash_lib's tile loop
@@ -157,7 +157,7 @@ print(inspect.getsource(flash_lib.online_softmax_update))
 #    multiplies it by $\ln 2$ once to return flash_lib's natural lse.
 #
 # An empty row gets `out = 0` and `lse = -inf`, flash_lib's contract (the true $\log 0$, what
-# `merge_attention` and chapter 20's checks expect). FlashAttention-2 stores $+\infty$ instead,
+# `merge_attention` and chapter 23's checks expect). FlashAttention-2 stores $+\infty$ instead,
 # so that its backward's $e^{S - \mathrm{lse}}$ is 0 on such a row with no test; `flash_triton`
 # makes that substitution inside the backward kernels, where it serves (`load_row_stats` below).
 #
@@ -198,7 +198,7 @@ for dtype in (np.float32, np.float16):
 # the kernel multiplies once by $\tau \log_2 e$ and works in base 2 from there: $m$, $\alpha$, the
 # lse are all in base 2, and the identity $e^{\tau x - \tau m} = 2^{\tau x \log_2 e - \tau m \log_2 e}$
 # makes it exact mathematics, not an approximation. Per tile that removes one multiply per
-# score, and the lse costs one multiply by $\ln 2$ per *row* at the very end. Chapter 20's
+# score, and the lse costs one multiply by $\ln 2$ per *row* at the very end. Chapter 23's
 # `lse_base2` bug is what happens when that last multiply is forgotten.
 #
 # flash_lib does the same on a CPU where it pays ({doc}`chapter 5 <05_tiling>`): NumPy's float32
@@ -456,7 +456,7 @@ for dtype in (np.float32, np.float16):
 # %% [markdown]
 # ## Checked by flash_check
 #
-# Chapter 20's conformance suite runs a kernel through cases built to expose the classic bugs
+# Chapter 23's conformance suite runs a kernel through cases built to expose the classic bugs
 # (a late-rising maximum, empty rows, $N_q \ne N_k$ under causal, float16 overflow, scales far
 # from $1/\sqrt d$) and bounds its error by twice the textbook computation's in the same dtype.
 # Its `lse` feature calls the kernel without `return_lse` and wants `(out, lse)` back, so it is
@@ -487,7 +487,7 @@ assert report.ok, report.failures
 #
 # `flash_triton.with_bug("missing_rescale")` is the same kernel launched with `RESCALE=False`:
 # when a later key tile raises a row's maximum, `l` and `acc` keep terms measured against the
-# old maximum. On random inputs the rows' maxima rise often, and chapter 20's diagnosis finds the
+# old maximum. On random inputs the rows' maxima rise often, and chapter 23's diagnosis finds the
 # cause by shuffling the keys (attention does not depend on their order; this bug does):
 
 # %% tags=["needs-triton"]
@@ -565,5 +565,5 @@ plt.show()
 # So a pass under the interpreter says the kernel's *logic* is right (indexing, masks, the
 # online softmax, the skipped tiles, the lse, the backward's algebra) in float32 and float16;
 # compiled on a GPU the same code adds the hardware's own rounding (TF32 if allowed, `ex2.approx`,
-# the tensor cores' summation order), which chapter 20's bound, twice the textbook error, leaves
+# the tensor cores' summation order), which chapter 23's bound, twice the textbook error, leaves
 # room for. `tests/test_triton.py` runs all of this in CI.

@@ -13,7 +13,7 @@
 # ---
 
 # %% [markdown]
-# # 19. Beyond one machine: attention over a Dask cluster
+# # 22. Beyond one machine: attention over a Dask cluster
 #
 # `flash_attention` keeps one tile of scores at a time, so its memory no longer limits the
 # sequence length; its time still grows as $N_q N_k$, and its inputs must still fit on one

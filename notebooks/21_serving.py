@@ -13,7 +13,7 @@
 # ---
 
 # %% [markdown]
-# # 18. Serving: ragged batches and the KV cache
+# # 21. Serving: ragged batches and the KV cache
 #
 # Training sees batches of sequences cut to one length. Serving does not: requests arrive with
 # prompts of every length, and each is then extended one token at a time. Two interfaces of
@@ -47,7 +47,7 @@ EPS = np.finfo(np.float64).eps
 
 
 def within_rule(out, q, k, v, **kw):
-    """Chapter 20's rule: error <= 2 x naive's error (both against precise) + 8 eps."""
+    """Chapter 23's rule: error <= 2 x naive's error (both against precise) + 8 eps."""
     truth = flash_lib.precise_attention(q, k, v, **kw)
     naive = flash_lib.naive_attention(q, k, v, **kw)
     err = rowwise_relative_error(out, truth).max(initial=0)
@@ -92,7 +92,7 @@ tiles_padded = len(lengths) * len(flash_lib.tile_schedule(n_max, n_max, block, b
 print(f"tokens: packed {total}, padded {len(lengths) * n_max}")
 print(f"tiles of {block} x {block}: packed {tiles_packed} (the sequences one by one: "
       f"{tiles_alone}), padded {tiles_padded}: {tiles_padded / tiles_packed:.1f}x as many")
-print("packed and padded agree on the real rows (chapter 20's rule):",
+print("packed and padded agree on the real rows (chapter 23's rule):",
       within_rule(out_packed[:n_max], q[:n_max], k[:n_max], v[:n_max])
       and bool(rowwise_relative_error(out_packed, same).max() <= 16 * EPS))
 
@@ -213,7 +213,7 @@ for n in sizes:
 chunk_bytes = 2 * 2 * flash_serving.KV_CHUNK * d * 8  # keys and values of one chunk, 2 heads
 print(f"KV_CHUNK = {flash_serving.KV_CHUNK} keys: {32768 // flash_serving.KV_CHUNK} chunks at "
       f"L = 32768, against 1 query block")
-print("every size within chapter 20's rule of dense attention:", all(checks))
+print("every size within chapter 23's rule of dense attention:", all(checks))
 print(f"split-KV scratch below 3 chunks ({3 * chunk_bytes // 1024} KiB) at every L:",
       all(s < 3 * chunk_bytes for s in scratch.values()))
 print(f"gathering first holds the valid cache: {2 * 2 * 32768 * d * 8 // 2**20} MiB at "
@@ -278,7 +278,7 @@ print(f"pages in use: {used} of {n_pages}, for {seq_lens.sum()} keys of which 2 
       f"shared pages' (unshared: {sum(-(-n // P) for n in seq_lens)} pages)")
 print("paged equals contiguous, bit for bit:", np.array_equal(paged_out, flat_out))
 print("finite although NaN fills every unused slot and page:", bool(np.isfinite(paged_out).all()))
-print("each within chapter 20's rule of dense attention on its keys:",
+print("each within chapter 23's rule of dense attention on its keys:",
       all(within_rule(paged_out[b], q_step[b], contiguous[0, b, :, :n], contiguous[1, b, :, :n],
                       causal=True) for b, n in enumerate(seq_lens)))
 

@@ -13,7 +13,7 @@
 # ---
 
 # %% [markdown]
-# # 20. Conformance: checking someone else's kernel
+# # 23. Conformance: checking someone else's kernel
 #
 # You have written an attention kernel, in CUDA, Triton, C++ or JAX, and it agrees with a
 # reference to `allclose(atol=1e-2)` on random inputs. Is it right? Not necessarily: the classic
@@ -94,7 +94,7 @@ for bug in [None, *BUGS]:
 # `fn(q, k, v, mask=..., causal=..., scale=...)` (only the keywords a case uses) and returns a
 # `Report`. `features` says what the kernel supports ("mask", "causal", "lse", "dv" for
 # $d_v \ne d$, "memory" for kernels whose allocations `tracemalloc` can see, and the variants of
-# chapters 14, 15 and 17, `flash_check.VARIANTS`: "window", "softcap", "alibi", "gqa",
+# chapters 14, 15, 17 and 18, `flash_check.VARIANTS`: "window", "softcap", "alibi", "gqa",
 # "mask_mod", "sinks", "dropout"); a case that needs another feature is skipped and listed as
 # skipped. Each registered case says why it is there:
 
@@ -119,7 +119,7 @@ for case in flash_check.CASES.values():
 #
 # flash_lib passes, with its default 512 × 512 tiles (memory and the variants included) and with
 # 16 × 16 tiles (which exercise the recurrence on these small cases), and so does the clean kernel
-# above, which has no variants (their cases are skipped for it). The serving cases (chapter 18) are
+# above, which has no variants (their cases are skipped for it). The serving cases (chapter 21) are
 # skipped for all three: they call a kernel that takes packed batches or a KV cache. (The
 # memory case runs $N = 4096$; the kernel above, with its 16 × 16 tiles in Python loops, would take
 # half a minute there, so only the kernels whose memory is in question run it.)
@@ -315,7 +315,7 @@ print(next(f.diagnosis for f in half.failures if f.case == "random_mask"))
 # `scaled_dot_product_attention`: it forces the backend with `sdpa_kernel` (so the call fails
 # rather than silently falling back to another), and for `causal=True` passes PyTorch's own
 # bottom-right bias `torch.nn.attention.bias.causal_lower_right`, since `is_causal=True` is
-# top-left ({doc}`chapter 21 <21_other_libraries>` cites each library's conventions). Pass
+# top-left ({doc}`chapter 24 <24_other_libraries>` cites each library's conventions). Pass
 # `device="cuda"` to check the GPU backends.
 
 # %%
@@ -415,7 +415,7 @@ for name, report in real.items():
 #   So `late_max`, whose weight sits on its last 8 keys (of 1100: 76 in the last block), fails
 #   with AVX2, whose exact tail is the last 4 keys, and passes with AVX-512, whose tail is the
 #   last 12; cases whose weight is spread over many keys fail on both.
-# - **JAX**: a fully masked row gets uniform weights ({doc}`chapter 21 <21_other_libraries>`
+# - **JAX**: a fully masked row gets uniform weights ({doc}`chapter 24 <24_other_libraries>`
 #   says why); float64 inputs come out only as exact as float32, because
 #   `jax.nn.dot_product_attention` always computes its softmax in float32 (the comment "Softmax
 #   and it is always carried out in fp32" in `_dot_product_attention_core`,
