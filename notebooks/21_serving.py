@@ -15,24 +15,22 @@
 # %% [markdown]
 # # 21. Serving: ragged batches and the KV cache
 #
-# Training sees batches of sequences cut to one length. Serving does not: requests arrive with
-# prompts of every length, and each is then extended one token at a time. Two interfaces of
-# FlashAttention exist for this, and `flash_serving` (a module beside `flash_lib`, built only on
-# its public kernels) implements both exactly:
+# Training sees batches cut to one length. Serving does not: prompts come in every length, and
+# each sequence then grows one token at a time. FlashAttention has two interfaces for this, and
+# `flash_serving` (a module beside `flash_lib`, built on its public kernels only) implements both
+# exactly:
 #
-# - `flash_attention_varlen`, FlashAttention's `flash_attn_varlen_func`: the sequences of a batch
-#   are packed end to end, and `cu_seqlens` says where each begins. We measure what packing saves
-#   over padding (tiles and time), and draw the tiles of a packed batch;
-# - `flash_attention_with_kvcache`, FlashAttention's `flash_attn_with_kvcache`: the new queries
-#   attend over a cache of every earlier key and value. Decoding one token is attention with
-#   $N_q = 1$, which flash-decoding computes by splitting the keys and merging the parts with
-#   chapter 3's formula. The cache may be paged, as in vLLM; we draw a page table, share a prompt's
-#   pages between two requests, and weigh a cache's memory against its fragmentation;
-# - a small greedy generation loop on the cache, which must produce exactly the tokens of
-#   recomputing the whole sequence at every step.
+# - `flash_attention_varlen` (FlashAttention's `flash_attn_varlen_func`): the sequences packed end
+#   to end, `cu_seqlens` saying where each begins. We count what packing saves over padding and
+#   read its tile schedule;
+# - `flash_attention_with_kvcache` (`flash_attn_with_kvcache`): new queries against a cache of
+#   every earlier key and value, contiguous or paged as in vLLM. Decoding one token is split-KV
+#   with $N_q = 1$; we write the decode loop out (gather, chunks, merge) and check it bit for
+#   bit against the module, pack a group's query heads against their shared K/V head, and
+#   generate text on a paged cache.
 
 # %%
-import time
+import inspect
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -40,6 +38,7 @@ from matplotlib.patches import Rectangle
 
 import flash_lib
 import flash_serving
+from flash_bench import best_times
 from flash_lib import rowwise_relative_error
 
 rng = np.random.default_rng(18)
@@ -47,21 +46,24 @@ EPS = np.finfo(np.float64).eps
 
 
 def within_rule(out, q, k, v, **kw):
-    """Chapter 23's rule: error <= 2 x naive's error (both against precise) + 8 eps."""
+    """Chapter 23's bound (chapter 7's rule): error <= 2 x naive's error, both against
+    precise_attention, + 8 eps."""
     truth = flash_lib.precise_attention(q, k, v, **kw)
     naive = flash_lib.naive_attention(q, k, v, **kw)
     err = rowwise_relative_error(out, truth).max(initial=0)
-    bound = 2 * rowwise_relative_error(naive, truth).max(initial=0) + 8 * EPS
-    return bool(err <= bound)
+    return bool(err <= 2 * rowwise_relative_error(naive, truth).max(initial=0) + 8 * EPS)
 
 
 # %% [markdown]
 # ## Padding against packing
 #
-# A batch of one long sequence and sixteen short ones, lengths $(1024, 32 \times 16)$. The padded
-# batch makes every sequence as long as the longest, $17 \times 1024$ tokens, and masks the padding
-# keys; the packed one lays the 1536 real tokens end to end and gives their boundaries,
-# `cu_seqlens = [0, 1024, 1056, …, 1536]`. Each sequence attends only itself in both.
+# A batch of one long sequence and sixteen short ones, lengths $(1024, 32 \times 16)$. Padded,
+# every sequence is as long as the longest, $17 \times 1024$ tokens, with the padding keys
+# masked; packed, the 1536 real tokens lie end to end, `cu_seqlens = [0, 1024, 1056, …, 1536]`.
+# With 128 × 128 tiles the packed batch costs the tiles of its sequences, $8^2$ for the long one
+# and one for each short one, 80; the padded batch $8^2$ for each of its 17 rows, 1088. Packed,
+# each sequence is one `flash_attention` call on its own slices, so its rows are that call's,
+# bit for bit.
 
 # %%
 lengths = (1024,) + (32,) * 16
@@ -85,59 +87,60 @@ def run_padded():
 
 
 out_packed, out_padded = run_packed(), run_padded()
-same = np.concatenate([out_padded[b, :n] for b, n in enumerate(lengths)])
+alone = [flash_lib.flash_attention(q[a:b], k[a:b], v[a:b], block_q=block, block_k=block)
+         for a, b in zip(cu[:-1], cu[1:])]
+packed_is_alone = all(np.array_equal(out_packed[a:b], o) for a, b, o in zip(cu[:-1], cu[1:], alone))
+padded_rows = np.concatenate([out_padded[b, :n] for b, n in enumerate(lengths)])
 tiles_packed = len(flash_serving.varlen_tile_schedule(cu, cu, block, block))
 tiles_alone = sum(len(flash_lib.tile_schedule(n, n, block, block)) for n in lengths)
 tiles_padded = len(lengths) * len(flash_lib.tile_schedule(n_max, n_max, block, block))
 print(f"tokens: packed {total}, padded {len(lengths) * n_max}")
 print(f"tiles of {block} x {block}: packed {tiles_packed} (the sequences one by one: "
-      f"{tiles_alone}), padded {tiles_padded}: {tiles_padded / tiles_packed:.1f}x as many")
-print("packed and padded agree on the real rows (chapter 23's rule):",
-      within_rule(out_packed[:n_max], q[:n_max], k[:n_max], v[:n_max])
-      and bool(rowwise_relative_error(out_packed, same).max() <= 16 * EPS))
+      f"{tiles_alone}), padded {tiles_padded}")
+print("each packed sequence is flash_attention on it alone, bit for bit:", packed_is_alone)
+print("packed and padded agree on the real rows (within 16 eps; the long one within chapter "
+      "23's bound):", bool(rowwise_relative_error(out_packed, padded_rows).max() <= 16 * EPS)
+      and within_rule(out_packed[:n_max], q[:n_max], k[:n_max], v[:n_max]))
 
 # %% [markdown]
-# The tiles are counted, not measured: $8^2 = 64$ tiles for the long sequence and one for each
-# short one, against 64 for every row of the padded batch. The time is measured, side by side
-# on this machine, and drawn rather than printed: it changes from run to run.
+# The time follows the tiles, and then some: a padded tile holds masked keys, so it takes the
+# masked path (chapter 6), where a packed tile never needs a mask. Measured here, side by side
+# (`flash_bench.best_times`), so the figure changes from run to run; `bench/bench_flash.py` asks
+# for at least 3x the padded batch's speed at lengths $(4096, 64 \times 16)$.
 
-# %%
-def best_of(fn, rounds=3):
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-t_packed, t_padded = best_of(run_packed), best_of(run_padded)
+# %% tags=["hide-input", "nbval-ignore-output"]
+best, _ = best_times({"packed (varlen)": run_packed, "padded + key mask": run_padded},
+                     min_rounds=3, settle=None)
 fig, (ax_tiles, ax_time) = plt.subplots(1, 2, figsize=(9, 3.6))
-for ax, values, label, fmt in ((ax_tiles, (tiles_packed, tiles_padded), "tiles computed", "{:.0f}"),
-                               (ax_time, (1e3 * t_packed, 1e3 * t_padded), "time (ms, best of 3)",
-                                "{:.0f} ms")):
+for ax, values, ylabel, title, fmt in (
+        (ax_tiles, (tiles_packed, tiles_padded), f"tiles ({block} × {block})",
+         "Tiles: counted, the same everywhere", "{:.0f}"),
+        (ax_time, [1e3 * t for t in best.values()], "time per call (ms)",
+         "Time: measured on this machine, best of 3", "{:.0f} ms")):
     bars = ax.bar(["packed (varlen)", "padded + key mask"], values, color=["tab:blue", "tab:gray"])
     ax.bar_label(bars, [fmt.format(x) for x in values])
-    ax.set(ylabel=label, title=label)
-fig.suptitle(f"Lengths (1024, 32 x 16), d = 64, float64, 128 x 128 tiles: padding costs "
-             f"{tiles_padded / tiles_packed:.1f}x the tiles and {t_padded / t_packed:.1f}x the "
-             f"time here", fontsize=10)
+    ax.set(ylabel=ylabel, title=title)
+    ax.margins(y=0.12)
+fig.suptitle("Lengths (1024, 32 × 16), d = 64, float64: packing against padding", fontsize=10)
 plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The time follows the tiles, and then some: a padded tile holds masked keys, so it takes the
-# masked path (chapter 6), where a packed tile never needs a mask. `bench/bench_flash.py` measures
-# the same comparison at lengths $(4096, 64 \times 16)$ with 512-wide tiles; its targets ask for
-# at most 1.1x the tiles of the sequences alone and at least 3x the speed of the padded batch.
+# ## The varlen schedule
 #
-# ## The tile map of a packed batch
-#
-# A document mask over the packed tokens (chapter 15's `mask_mod`) gives the same answer, but its
-# tiles are cut from the packed $N \times N$ square, so a tile that straddles a boundary is
+# A document mask over the packed tokens (chapter 15's `mask_mod`) gives the same answer, but
+# its tiles are cut from the packed $N \times N$ square: a tile that straddles a boundary is
 # computed with a mask, and every tile of the square is at least asked whether it holds a pair.
-# Varlen cuts each sequence's own square into tiles, starting at the sequence's first token: no
-# tile is shared by two sequences, and nothing outside the squares is looked at.
+# Varlen's schedule is each sequence's own, shifted to where the sequence starts:
+
+# %%
+print(inspect.getsource(flash_serving.varlen_tile_schedule))
+
+# %% [markdown]
+# `_sequences` checks `cu_seqlens` and pairs each sequence's query and key ranges; the list is
+# `flash_lib.tile_schedule` of each sequence's $N_q \times N_k$ square, plus its start. No tile is
+# shared by two sequences, and nothing outside the squares is looked at. Five sequences, causal,
+# 32 × 32 tiles:
 
 # %%
 small = (90, 30, 140, 12, 60)
@@ -153,12 +156,14 @@ def same_document(q_idx, k_idx):
 varlen_tiles = flash_serving.varlen_tile_schedule(cu_small, cu_small, bs, bs, causal=True)
 doc_tiles = flash_lib.tile_schedule(n_small, n_small, bs, bs, True, mask_mod=same_document)
 straddling = sum(doc[t[0]] != doc[t[1] - 1] or doc[t[2]] != doc[t[3] - 1] for t in doc_tiles)
+inside_one = all(doc[q0] == doc[q1 - 1] == doc[k0] == doc[k1 - 1] for q0, q1, k0, k1 in varlen_tiles)
 n_blocks = -(-n_small // bs)
 print(f"{len(small)} sequences, {n_small} tokens, tiles of {bs}, causal")
 print(f"document mask: {len(doc_tiles)} tiles of the {n_blocks}x{n_blocks} square, "
       f"{straddling} of them across a boundary")
-print(f"varlen: {len(varlen_tiles)} tiles, each inside one sequence")
+print(f"varlen: {len(varlen_tiles)} tiles, each inside one sequence: {inside_one}")
 
+# %% tags=["hide-input"]
 fig, axes = plt.subplots(1, 2, figsize=(11, 5.2), sharey=True)
 colors = plt.cm.tab10(np.arange(len(small)))
 for ax, tiles, title in ((axes[0], doc_tiles, "document mask (mask_mod): tiles of the packed square"),
@@ -172,8 +177,8 @@ for ax, tiles, title in ((axes[0], doc_tiles, "document mask (mask_mod): tiles o
         ax.add_patch(Rectangle((start, start), stop - start, stop - start, fill=False,
                                edgecolor="red", linewidth=1.5))
     ax.set(xlim=(0, n_small), ylim=(n_small, 0), aspect="equal", title=title,
-           xlabel="key position in the packed batch")
-axes[0].set_ylabel("query position in the packed batch")
+           xlabel="key position in the packed batch (token)")
+axes[0].set_ylabel("query position in the packed batch (token)")
 fig.suptitle("Tiles computed for 5 packed sequences (causal, 32 x 32 tiles; red: each sequence's "
              "square; gray: a tile across a boundary)", fontsize=10)
 plt.tight_layout()
@@ -182,16 +187,79 @@ plt.show()
 # %% [markdown]
 # ## Decoding: split-KV with one query
 #
-# At each step of generation the model has one new token per sequence: one query against every
-# key so far, a single query block, so a kernel that parallelises over query blocks runs on one
-# worker. Flash-decoding splits the *keys* instead, into chunks attended independently and
-# merged exactly ({doc}`chapter 3 <03_merging_states>`). `flash_attention_with_kvcache` walks the
-# valid keys in chunks of `KV_CHUNK` this way, each gathered into a buffer of its own: the
-# scratch is a chunk, whatever the cache's length. The last chunk goes with the queries, where
-# flash_lib's own bottom-right alignment is the cache's.
-# Below, one query over caches of 2,048 to 32,768 keys, against gathering the whole valid cache
-# first and calling `flash_attention` once (the natural first version, which FlashAttention's
-# paged kernels avoid).
+# At each step of generation a sequence has one new token: one query against every key so far,
+# a single query block, so a kernel that parallelises over query blocks has one block's work.
+# Flash-decoding splits the *keys* instead, into chunks attended independently and merged
+# exactly ({doc}`chapter 3 <03_merging_states>`). `flash_attention_with_kvcache` walks a
+# sequence's valid keys this way, in three steps, written out here for one sequence of a paged
+# cache (the next section explains pages: logical key $t$ lives in slot $t \bmod P$ of page
+# `block_table[t // P]`):
+#
+# 1. **gather**: keys `start:stop` are copied, page by page, into buffers of their own; slots
+#    past the valid length are never touched;
+# 2. **chunks**: the keys before every query's position, in whole chunks of `KV_CHUNK` (512),
+#    each attended with no mask (every query may see them); the last keys, fewer than
+#    `KV_CHUNK` + $N_q$, go with the queries in one causal call, where flash_lib's bottom-right
+#    alignment is the cache's;
+# 3. **merge**: the parts folded in key order by `merge_attention`, so only one partial
+#    $(o, \text{lse})$ is alive: the scratch is a chunk, however long the cache.
+#
+# The queries come as (kv heads, query heads per kv head, $N_q$, $d$); the next section says why.
+
+# %%
+CHUNK = flash_serving.KV_CHUNK
+
+
+def decode_from_scratch(q, k_pages, v_pages, table, length):
+    """One sequence's attention over its `length` cached keys: q (Hkv, G, Nq, d) against pages
+    (num_pages, Hkv, P, d) listed, in logical order, by `table`. Returns (out, lse)."""
+    page_size = k_pages.shape[2]
+
+    def gather(start, stop):  # 1. keys start:stop, page by page, into buffers of their own
+        k = np.empty((k_pages.shape[1], stop - start, k_pages.shape[3]))
+        v = np.empty((v_pages.shape[1], stop - start, v_pages.shape[3]))
+        t = start
+        while t < stop:
+            index, slot = divmod(t, page_size)
+            n = min(page_size - slot, stop - t)
+            k[:, t - start:t - start + n] = k_pages[table[index], :, slot:slot + n]
+            v[:, t - start:t - start + n] = v_pages[table[index], :, slot:slot + n]
+            t += n
+        return k[:, None], v[:, None]  # a kv head's chunk, shared by its G query heads
+
+    n_q = q.shape[-2]
+    split = CHUNK * ((length - n_q) // CHUNK)  # 2. whole chunks before every query's position
+    out = lse = None
+    for start in range(0, split, CHUNK):
+        o, s = flash_lib.flash_attention(q, *gather(start, start + CHUNK), return_lse=True)
+        out, lse = (o, s) if out is None else flash_lib.merge_attention(out, lse, o, s)  # 3.
+    o, s = flash_lib.flash_attention(q, *gather(split, length), causal=True, return_lse=True)
+    return (o, s) if out is None else flash_lib.merge_attention(out, lse, o, s)
+
+
+# a paged cache: 4 heads, pages of 16 slots in a shuffled pool, 1300 valid keys, NaN elsewhere
+heads, page, L = 4, 16, 1300
+pool = np.full((2, 100, heads, page, d), np.nan)  # keys and values, (num_pages, Hkv, P, d)
+table = rng.permutation(100)[:-(-L // page)]
+kv = rng.standard_normal((2, heads, L, d))
+for i, p in enumerate(table):
+    pool[:, p, :, :min(page, L - i * page)] = kv[:, :, i * page:(i + 1) * page]
+q1 = rng.standard_normal((heads, 1, d))
+mine = decode_from_scratch(q1[:, None], pool[0], pool[1], table, L)
+module = flash_serving.flash_attention_with_kvcache(
+    q1[None], pool[0], pool[1], cache_seqlens=np.array([L]), block_table=table[None],
+    causal=True, return_lse=True)
+decode_identical = (np.array_equal(mine[0][:, 0], module[0][0])
+                    and np.array_equal(mine[1][:, 0], module[1][0]))
+print(f"L = {L}: {L // CHUNK} chunks of {CHUNK} keys and {L - CHUNK * ((L - 1) // CHUNK)} keys "
+      f"with the query")
+print("decode_from_scratch == flash_attention_with_kvcache, out and lse bit for bit:",
+      decode_identical)
+
+# %% [markdown]
+# The scratch, measured with `measure_peak_bytes` for one query over 2,048 to 32,768 keys,
+# against gathering the whole valid cache first and calling `flash_attention` once (the natural
+# first version, which FlashAttention's paged kernels avoid):
 
 # %%
 def gather_then_attend(q, k_cache, v_cache, n):
@@ -200,7 +268,7 @@ def gather_then_attend(q, k_cache, v_cache, n):
 
 
 sizes = (2048, 8192, 32768)
-scratch, scratch_gather, checks = {}, {}, []
+scratch, scratch_gather, within = {}, {}, []
 for n in sizes:
     kc, vc = rng.standard_normal((2, 1, 2, n, d))  # (B = 1, Hkv = 2, max_len = n, d)
     qd = rng.standard_normal((1, 2, 1, d))
@@ -209,23 +277,24 @@ for n in sizes:
     scratch[n] = peak - out.nbytes
     ref, peak = flash_lib.measure_peak_bytes(gather_then_attend, qd, kc, vc, n)
     scratch_gather[n] = peak - ref.nbytes
-    checks.append(within_rule(out[0], qd[0], kc[0], vc[0], causal=True))
-chunk_bytes = 2 * 2 * flash_serving.KV_CHUNK * d * 8  # keys and values of one chunk, 2 heads
-print(f"KV_CHUNK = {flash_serving.KV_CHUNK} keys: {32768 // flash_serving.KV_CHUNK} chunks at "
-      f"L = 32768, against 1 query block")
-print("every size within chapter 23's rule of dense attention:", all(checks))
+    within.append(within_rule(out[0], qd[0], kc[0], vc[0], causal=True))
+chunk_bytes = 2 * 2 * CHUNK * d * 8  # keys and values of one chunk, 2 heads, float64
+cache_bytes = {n: 2 * 2 * n * d * 8 for n in sizes}
+print("every size within chapter 23's bound of dense attention:", all(within))
 print(f"split-KV scratch below 3 chunks ({3 * chunk_bytes // 1024} KiB) at every L:",
       all(s < 3 * chunk_bytes for s in scratch.values()))
-print(f"gathering first holds the valid cache: {2 * 2 * 32768 * d * 8 // 2**20} MiB at "
-      f"L = 32768, and measured above it:", scratch_gather[32768] >= 2 * 2 * 32768 * d * 8)
+print("gathering first holds at least the valid cache (", ", ".join(
+      f"{cache_bytes[n] // 2**20} MiB" for n in sizes), "):",
+      all(scratch_gather[n] >= cache_bytes[n] for n in sizes))
 
+# %% tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(7, 4))
 ax.plot(sizes, [scratch[n] / 2**20 for n in sizes], "o-", label="flash_attention_with_kvcache "
         "(split-KV chunks)")
 ax.plot(sizes, [scratch_gather[n] / 2**20 for n in sizes], "s--",
         label="gather the whole cache, then flash_attention")
-ax.set(xscale="log", yscale="log", xlabel="valid keys in the cache L", ylabel="scratch (MiB)",
-       title="Decoding one query (2 heads, d = 64, float64): scratch, measured by tracemalloc")
+ax.set(xscale="log", yscale="log", xlabel="valid keys in the cache L (keys)", ylabel="scratch (MiB)",
+       title="Decoding one query (2 heads, d = 64, float64), measured by tracemalloc")
 ax.minorticks_off()
 ax.set_xticks(sizes, [str(n) for n in sizes])
 ax.set_yticks([1, 2, 4, 8, 16, 32, 64], ["1", "2", "4", "8", "16", "32", "64"])
@@ -234,28 +303,66 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
+# ## Grouped-query decoding: a group's heads against one K/V head
+#
+# With grouped-query attention (chapter 15) the $G = H_q / H_{kv}$ query heads of a group read
+# the same K/V head. Decoding one token per head, a kernel that treats each query head as its
+# own problem has tiles of one query row, and reads each chunk of K and V once per *query* head:
+# $G$ times the bytes, for no more arithmetic. Packed, the group's $G$ query heads are the rows
+# of one tile against their K/V head, and each chunk is read once per *kv* head.
+# FlashAttention-3 does this (`PackGQA`): its `should_pack_gqa` (`hopper/heuristics.h`, commit
+# `13d0fd9c`) weighs the share of a tile's `kBlockM` query rows that hold a query,
+# `seqlen_q / round_up(seqlen_q, kBlockM)` against `seqlen_q·G / round_up(seqlen_q·G, kBlockM)`:
+# at `seqlen_q = 1`, $1/128$ against $G/128$ for 128-row tiles. `flash_attention_with_kvcache`
+# gathers each chunk once per kv head and gives it, broadcast, to the group's $G$ query rows:
+# `decode_from_scratch` above, with q shaped $(H_{kv}, G, N_q, d)$. The cell checks it bit for
+# bit against the module with `enable_gqa=True` ($H_q = 8$ over one K/V head), against the same
+# cache with its K/V head copied 8 times (the same bits: the same arithmetic), and measures the
+# two calls' scratch: the copied cache's gathers are 8 heads wide.
+
+# %%
+G = 8
+pool1 = pool[:, :, :1].copy()  # one kv head
+pool8 = np.repeat(pool1, G, axis=2)  # the same head, copied for each query head
+qg = rng.standard_normal((G, 1, d))
+gqa_mine = decode_from_scratch(qg[None], pool1[0], pool1[1], table, L)
+calls = {"enable_gqa, one kv head": (pool1, True), "the kv head copied 8 times": (pool8, False)}
+gqa_out, gqa_scratch = {}, {}
+for name, (cache, gqa) in calls.items():
+    gqa_out[name], peak = flash_lib.measure_peak_bytes(
+        flash_serving.flash_attention_with_kvcache, qg[None], cache[0], cache[1],
+        cache_seqlens=np.array([L]), block_table=table[None], causal=True, enable_gqa=gqa)
+    gqa_scratch[name] = peak - gqa_out[name].nbytes
+gqa_identical = np.array_equal(gqa_mine[0].reshape(G, 1, d), gqa_out["enable_gqa, one kv head"][0])
+copies_identical = np.array_equal(*gqa_out.values())
+print("packed decode_from_scratch == flash_attention_with_kvcache(enable_gqa=True), bit for bit:",
+      gqa_identical)
+print("== the cache with its kv head copied per query head, bit for bit:", copies_identical)
+ratio = gqa_scratch["the kv head copied 8 times"] / gqa_scratch["enable_gqa, one kv head"]
+print(f"scratch, copied heads over packed: more than 4x: {ratio > 4}")
+
+# %% [markdown]
 # ## A paged cache
 #
 # A contiguous cache reserves `max_len` slots for every sequence, used or not. vLLM's paged
-# cache (Kwon et al., 2023) cuts the memory into pages of a few slots; each sequence has a page
-# table, `block_table[b]`, listing its pages in order, and logical key $t$ of sequence $b$ lives
-# in slot $t \bmod P$ of page `block_table[b, t // P]`. Pages are handed out as sequences grow, so
-# they end up anywhere. Below, three sequences in a pool of 14 pages of $P = 16$ slots; the first
-# two began with the same 40-token prompt, whose two full pages they share (one copy in
-# memory); the third page of the prompt is partly theirs and partly each one's own, so each has
-# its own copy of it.
+# cache (Kwon et al., 2023) cuts the memory into pages of $P$ slots; each sequence has a page
+# table, `block_table[b]`, listing its pages in order, handed out as it grows, so they end up
+# anywhere. Below, three sequences in a pool of 14 pages of 16 slots; the first two began with
+# the same 40-token prompt, whose two full pages they share (one copy in memory); the prompt's
+# third page is partly each one's own, so each has its own copy of it. Free slots and pages hold
+# NaN: read, they would make the output NaN.
 
 # %%
 P, n_pages, h = 16, 14, 2
 seq_lens = np.array([71, 52, 30])
-pool_k = np.full((n_pages, h, P, d), np.nan)  # unused slots and pages hold NaN: never read
+pool_k = np.full((n_pages, h, P, d), np.nan)
 pool_v = np.full((n_pages, h, P, d), np.nan)
 order = rng.permutation(n_pages)
-table = np.full((3, 5), -1)  # -1: no page yet (never read)
-table[0, :5] = order[:5]
-table[1, :2] = table[0, :2]  # the shared prompt's two full pages
-table[1, 2:4] = order[5:7]
-table[2, :2] = order[7:9]
+block_table = np.full((3, 5), -1)  # -1: no page yet (never read)
+block_table[0, :5] = order[:5]
+block_table[1, :2] = block_table[0, :2]  # the shared prompt's two full pages
+block_table[1, 2:4] = order[5:7]
+block_table[2, :2] = order[7:9]
 prompt_k, prompt_v = rng.standard_normal((2, h, 40, d))
 contiguous = np.full((2, 3, h, 80, d), np.nan)  # the same keys in a contiguous cache
 for b, n in enumerate(seq_lens):
@@ -264,29 +371,31 @@ for b, n in enumerate(seq_lens):
         keys[:, :40], values[:, :40] = prompt_k, prompt_v
     contiguous[0, b, :, :n], contiguous[1, b, :, :n] = keys, values
     for t0 in range(0, n, P):
-        page = table[b, t0 // P]
+        page = block_table[b, t0 // P]
         pool_k[page, :, :min(P, n - t0)] = keys[:, t0:t0 + P]
         pool_v[page, :, :min(P, n - t0)] = values[:, t0:t0 + P]
 
 q_step = rng.standard_normal((3, h, 1, d))
 paged_out = flash_serving.flash_attention_with_kvcache(
-    q_step, pool_k, pool_v, cache_seqlens=seq_lens, block_table=table, causal=True)
+    q_step, pool_k, pool_v, cache_seqlens=seq_lens, block_table=block_table, causal=True)
 flat_out = flash_serving.flash_attention_with_kvcache(
     q_step, contiguous[0], contiguous[1], cache_seqlens=seq_lens, causal=True)
-used = len(np.unique(table[table >= 0]))
+paged_identical = np.array_equal(paged_out, flat_out)
+used = len(np.unique(block_table[block_table >= 0]))
 print(f"pages in use: {used} of {n_pages}, for {seq_lens.sum()} keys of which 2 x 32 are the "
       f"shared pages' (unshared: {sum(-(-n // P) for n in seq_lens)} pages)")
-print("paged equals contiguous, bit for bit:", np.array_equal(paged_out, flat_out))
-print("finite although NaN fills every unused slot and page:", bool(np.isfinite(paged_out).all()))
-print("each within chapter 23's rule of dense attention on its keys:",
+print("paged equals contiguous, bit for bit:", paged_identical)
+print("finite although NaN fills every free slot and page:", bool(np.isfinite(paged_out).all()))
+print("each within chapter 23's bound of dense attention on its keys:",
       all(within_rule(paged_out[b], q_step[b], contiguous[0, b, :, :n], contiguous[1, b, :, :n],
                       causal=True) for b, n in enumerate(seq_lens)))
 
+# %% tags=["hide-input"]
 fig, (ax_t, ax_p) = plt.subplots(2, 1, figsize=(10, 4.8), gridspec_kw={"height_ratios": [3, 1.3]})
 owner = {}
 for b in range(3):
-    for i in range(table.shape[1]):
-        page = table[b, i]
+    for i in range(block_table.shape[1]):
+        page = block_table[b, i]
         if page < 0:
             continue
         owner.setdefault(int(page), set()).add(b)
@@ -297,7 +406,7 @@ for b in range(3):
                                  hatch="//" if shared else None))
         ax_t.text(i + 0.5, b + 0.5, f"page {page}\n{filled}/{P} slots", ha="center", va="center",
                   fontsize=8)
-ax_t.set(xlim=(0, table.shape[1]), ylim=(3, 0), xlabel="logical page t // 16",
+ax_t.set(xlim=(0, block_table.shape[1]), ylim=(3, 0), xlabel="logical page t // 16",
          yticks=[0.5, 1.5, 2.5], yticklabels=[f"sequence {b} (L = {n})" for b, n in
                                               enumerate(seq_lens)],
          title="block_table: each sequence's pages in logical order (logical pages 0-1 of sequences 0 "
@@ -315,17 +424,16 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Paged and contiguous give the same bits because the same buffers reach the same calls: each
-# chunk of keys is copied into a buffer of its own from wherever its slots lie, and the arithmetic
-# never sees the layout. The page order, the shared pages and the NaN in the free pages change
-# nothing, because nothing past `cache_seqlens` is read.
+# Paged and contiguous give the same bits because the same buffers reach the same calls: the
+# gather copies each chunk from wherever its slots lie, and the arithmetic never sees the
+# layout; the NaN in free slots changes nothing, because nothing past `cache_seqlens` is read.
 #
 # ## Memory against fragmentation
 #
-# A contiguous cache must reserve the longest length it will allow for every sequence; a paged
-# one loses only the unused end of each sequence's last page. For a batch of 64 requests of
-# random lengths up to 4096 tokens (one layer, 8 kv heads, d = 128, float16: 4 KiB per token for
-# keys and values), the reserved memory against what the tokens use:
+# A contiguous cache reserves the longest allowed length for every sequence; a paged one loses
+# only the unused end of each sequence's last page, less than one page per sequence. For 64
+# requests of random lengths up to 4096 tokens (one layer, 8 kv heads, d = 128, float16: 4 KiB
+# per token for keys and values), in arithmetic:
 
 # %%
 req = rng.integers(1, 4097, size=64)
@@ -341,19 +449,21 @@ for name, reserved in rows:
     print(f"{name:>22} {reserved / 2**20:>13.1f} {100 * (reserved - used_bytes) / reserved:>7.1f}%")
 
 # %% [markdown]
-# Small pages waste little (less than a page per sequence) but make the table long and each
-# gather short; FlashAttention's paged kernels take pages of a multiple of 256 slots, vLLM's
-# default is 16. Sharing a prompt's pages between requests, as above, saves more than the
-# fragmentation costs whenever many requests begin alike.
+# Small pages waste little but make the table long and each gather short; FlashAttention's paged
+# kernels take pages of a multiple of 256 slots, vLLM's default is 16. Sharing a prompt's pages
+# between requests, as above, saves more than the fragmentation costs whenever many requests
+# begin alike. The generation below checks the waste on a cache that `flash_serving` fills.
 #
 # ## Generating with the cache
 #
 # A toy model, one attention layer with two heads between an embedding and an unembedding, and
-# greedy decoding: the prompt is written into the cache and attended in one call (prefill, causal
-# over $N_q = N_{\mathrm{new}}$ new keys), then each step feeds the chosen token, appends its key
-# and value (`k_new`, `v_new`, written in place into a paged cache whose pages are handed out
-# in a shuffled order), and attends over the cache. The check is recomputation: at every step,
-# the whole sequence so far through `flash_attention` with causal, no cache.
+# greedy decoding: the prompt is written into the cache and attended in one call (prefill,
+# causal over its $N_{\mathrm{new}}$ new keys), then each step feeds the chosen token, appends its
+# key and value (`k_new`, `v_new`, written in place into a paged cache of 8 pages of 8 slots,
+# handed out in a shuffled order) and attends over the cache. The check is recomputation: at
+# every step, the whole sequence so far through `flash_attention` with causal, no cache. After
+# the last step the cache must hold the $L$ keys in its first $\lceil L/8 \rceil$ pages and
+# nothing anywhere else: the waste is the last page's $8 \lceil L/8 \rceil - L$ slots.
 
 # %%
 vocab, h, dm, P = 64, 2, 16, 8
@@ -371,11 +481,10 @@ steps = 24
 pages = rng.permutation(8)  # 8 pages of 8 slots: 64 positions
 cache_k = np.full((8, h, P, dm), np.nan)
 cache_v = np.full((8, h, P, dm), np.nan)
-block_table = pages[None, :]
 x = emb[prompt].transpose(1, 0, 2)[None]  # (B = 1, h, n, dm)
 attn = flash_serving.flash_attention_with_kvcache(
     x, cache_k, cache_v, cache_seqlens=np.array([0]), k_new=x @ w_k, v_new=x @ w_v,
-    block_table=block_table, causal=True)
+    block_table=pages[None], causal=True)
 tokens, length, gaps, errors, agree = list(prompt), len(prompt), [], [], []
 for _ in range(steps):
     logit = logits_of(attn[0])[-1]
@@ -390,25 +499,55 @@ for _ in range(steps):
     x = emb[tokens[-1:]].transpose(1, 0, 2)[None]
     attn = flash_serving.flash_attention_with_kvcache(
         x, cache_k, cache_v, cache_seqlens=np.array([length]), k_new=x @ w_k, v_new=x @ w_v,
-        block_table=block_table, causal=True)
+        block_table=pages[None], causal=True)
     length += 1
+written = [int(np.isfinite(cache_k[p, 0, :, 0]).sum()) for p in pages]  # slots filled, in order
 print("generated:", tokens[len(prompt):])
 print(f"{steps} tokens, each the argmax of recomputation too:", all(agree))
 print("cache and recomputation agree within 64 eps at every step:", max(errors) <= 64 * EPS)
 print(f"smallest gap between the two best logits: {min(gaps):.2f} (a difference of 64 eps in "
       f"the attention cannot close it)")
+print(f"L = {length} keys: slots filled in the pages, in table order: {written}")
 
 # %% [markdown]
 # The tokens are exactly those of recomputation; the attention outputs agree to rounding (the
-# cache merges its chunks where recomputation runs one tiled pass), which the smallest gap between
-# the two best logits, orders of magnitude wider, cannot notice. The cache turns the
-# $O(n^2)$ work of recomputing every step into $O(n)$ per step.
+# cache merges its chunks where recomputation runs one tiled pass), which the gap between the
+# two best logits, orders of magnitude wider, cannot notice. The cache turns the $O(n^2)$ work
+# of recomputing every step into $O(n)$ per step.
 #
 # ## What to take away
 #
-# - Packing a ragged batch end to end costs exactly the tiles of its sequences; padding costs
-#   the tiles of the longest, for every sequence, and masks them.
-# - Decoding is split-KV with one query: chunks of keys attended independently and merged with
-#   chapter 3's formula, so the scratch stays a chunk however long the cache grows.
-# - A paged cache is a page table in front of a pool: any order, shared prefixes, unused slots
-#   never read, and, done as here, the bits of the contiguous cache.
+# - Packing a ragged batch costs exactly the tiles of its sequences; padding costs the tiles of
+#   the longest, for every sequence, and masks them.
+# - Decoding is split-KV with one query: gather, whole chunks, one merge at a time, so the
+#   scratch stays a chunk however long the cache grows; with GQA the group's query heads share
+#   each gathered chunk of their K/V head.
+# - A paged cache is a page table in front of a pool: any order, shared prefixes, free slots
+#   never read, the bits of the contiguous cache, and less than a page wasted per sequence.
+
+# %%
+# packing: the tiles of the sequences, 8² + 16 = 80; padding 17 × 8² = 1088; each sequence's
+# rows are flash_attention on it alone, bit for bit, and the padded batch's to rounding
+assert tiles_packed == tiles_alone == 8**2 + 16 and tiles_padded == 17 * 8**2
+assert packed_is_alone
+assert rowwise_relative_error(out_packed, padded_rows).max() <= 16 * EPS
+assert within_rule(out_packed[:n_max], q[:n_max], k[:n_max], v[:n_max])
+# the varlen schedule: every tile inside one sequence; the document mask's straddle boundaries
+assert inside_one and straddling > 0
+# decoding: the loop written out is the module's, bit for bit, paged, with and without GQA
+assert decode_identical and gqa_identical and copies_identical
+# split-KV scratch: under 3 chunks at every length; gathering first: the whole valid cache
+assert all(within)
+assert all(s < 3 * chunk_bytes for s in scratch.values()), scratch
+assert all(scratch_gather[n] >= cache_bytes[n] for n in sizes)
+# GQA: the copied heads' scratch is 7.9 times the packed call's here (their gathers 8 heads wide)
+assert ratio > 4, ratio
+# paged = contiguous bit for bit, NaN in free slots never read, each within the bound
+assert paged_identical
+assert np.isfinite(paged_out).all()
+assert all(within_rule(paged_out[b], q_step[b], contiguous[0, b, :, :n], contiguous[1, b, :, :n],
+                       causal=True) for b, n in enumerate(seq_lens))
+# generation: the tokens of recomputation, the attention to 64 eps; the cache filled its first
+# ceil(L/8) pages in order and nothing else: 8 ceil(L/8) - L = 1 slot wasted
+assert all(agree) and max(errors) <= 64 * EPS
+assert written == [8, 8, 8, 7, 0, 0, 0, 0] and length == len(prompt) + steps == 31
