@@ -20,17 +20,10 @@
 # attention bugs are invisible on random inputs. A missing online-softmax rescale shows only when
 # a row's maximum rises in a later key block; the NaN of a fully masked row only when a row is
 # fully masked; the wrong causal diagonal only when $N_q \ne N_k$. This project began as the fix
-# of exactly such a kernel, whose three root causes were a broken rescale, NaN on fully masked
-# rows, and $O(N^2)$ working memory. In this chapter:
-#
-# - random inputs and `allclose` pass most of the classic bugs, measured;
-# - `flash_check.check_kernel` runs a kernel through cases built to expose each bug, in float64,
-#   float32 and float16, and bounds each error by what the textbook computation achieves in the
-#   same dtype; we justify that bound from measurements;
-# - a gallery of small, deliberately broken kernels, each caught, with the diagnosis the report
-#   gives;
-# - real kernels that no one here wrote, PyTorch's `scaled_dot_product_attention` and JAX's
-#   `dot_product_attention`, run through the same checks.
+# of exactly such a kernel (a broken rescale, NaN on fully masked rows, $O(N^2)$ memory). In this
+# chapter: what random inputs and `allclose` miss; `flash_check.check_kernel`, cases built to
+# expose each bug, in float64, float32 and float16, with a bound measured here; a gallery of
+# broken kernels, each caught and diagnosed; and PyTorch's and JAX's kernels run through it.
 
 # %%
 import functools
@@ -105,9 +98,8 @@ for case in flash_check.CASES.values():
 
 # %% [markdown]
 # Every accuracy case is measured against `flash_lib.precise_attention` (extended precision) on
-# the very inputs the kernel received, with `rowwise_relative_error` (each row's
-# $\max_c |o_{ic} - t_{ic}| / \max_c |t_{ic}|$, its largest value over the rows). The bound is
-# the rule of FlashAttention's own tests:
+# the very inputs the kernel received, with chapter 7's `rowwise_relative_error`. The bound is
+# chapter 7's rule, FlashAttention's own, with a floor:
 #
 # $$
 # \text{err}(\text{kernel}) \le \text{FACTOR} \cdot \text{err}(\text{naive\_attention in the same dtype}) + \text{floor}_{\text{dtype}},
@@ -119,10 +111,9 @@ for case in flash_check.CASES.values():
 #
 # flash_lib passes, with its default 512 × 512 tiles (memory and the variants included) and with
 # 16 × 16 tiles (which exercise the recurrence on these small cases), and so does the clean kernel
-# above, which has no variants (their cases are skipped for it). The serving cases (chapter 21) are
-# skipped for all three: they call a kernel that takes packed batches or a KV cache. (The
-# memory case runs $N = 4096$; the kernel above, with its 16 × 16 tiles in Python loops, would take
-# half a minute there, so only the kernels whose memory is in question run it.)
+# above (its missing variants skipped). The serving cases (chapter 21) are skipped for all three:
+# they need a kernel that takes packed batches or a KV cache. (The memory case, $N = 4096$, would
+# take the kernel above half a minute in its Python loops, so it runs where memory is in question.)
 
 # %%
 flash_kernel = functools.partial(flash_lib.flash_attention, return_lse=True)
@@ -151,15 +142,13 @@ print("\n".join(str(clean_reports["flash_lib, 16 x 16 tiles"]).splitlines()[:12]
 # %% [markdown]
 # ### Where FACTOR and the floor come from
 #
-# The factor 2 is FlashAttention's. Whether it is right here is a measurement: for the clean
-# kernels we have (flash_lib at three tile shapes and the tiled kernel; PyTorch and JAX, below,
-# are held to the same bound), the ratio of each one's error to naive's on every case where
-# naive's error is above a few eps, and the floor each case would need,
-# $\max(\text{err} - 2 \cdot \text{err}_\text{naive})$, in units of the dtype's eps. The tile
-# shape $7 \times 1$ (one key per block, a thousand rescales in a row for the 1000-key cases) is
-# the worst case for rounding that a correct kernel can produce. Both numbers are rounding, whose
-# last bits depend on the CPU (chapter 7), so the cell prints whether every case run met the
-# bound, and the plot below shows the measurements themselves.
+# The factor 2 is FlashAttention's. Whether it suffices here is a measurement: for the clean
+# kernels we have (flash_lib at three tile shapes and the tiled kernel), the ratio of each one's
+# error to naive's where naive's is above a few eps, and the floor each case would need,
+# $\max(\text{err} - 2 \cdot \text{err}_\text{naive})$, in the dtype's eps. The tile shape
+# $7 \times 1$ (one key per block: a thousand rescales in a row) is the worst rounding a correct
+# kernel can produce. Both numbers are the CPU's rounding, so the cell prints whether every case
+# run met the bound, and the plot shows the measurements.
 
 # %%
 measured_kernels = {
@@ -194,19 +183,15 @@ for dtype, (runs, within, ratio, floor) in flash_stats.items():
           f"{flash_check.FACTOR:g} x naive's + {floor_eps:.0f} eps: {within}")
 
 # %% [markdown]
-# Every case run met the bound. The plot below shows each kernel's error against naive's, with
-# the bound as a line, and in each panel's title the largest ratio and the floor needed on the
-# machine that built this page. Over NumPy's AVX-512, AVX2 and baseline loops and OpenBLAS's
-# SkylakeX and Haswell kernels, the largest ratio was 1.2 to 1.4 and the floor needed at most
-# 5.3 eps (float64; 3.8 in float32), from the 7 × 1 tiles' thousand rescales. With OpenBLAS's
-# older Sandybridge kernel (no fused multiply-add) the ratio reached 2.0 (float64) and 2.3
-# (float32), and the floor of 8 eps carried the difference (47 eps against 2 × 20.7 + 8):
-# neither the factor nor the floor is the bound alone; their sum is. In float16 every kernel's
-# error is, nearly everywhere, the final rounding to float16 (half an ulp), the same for naive,
-# so a floor of one eps suffices; where it is more (`float16_overflow`, up to 19 eps with the
-# Haswell kernel), naive's error is just as large.
+# Every case run met the bound. The plot shows each kernel's error against naive's, the bound as
+# a line, and in each title the largest ratio and the floor needed on the machine that built
+# this page. Neither the factor nor the floor is the bound alone: with OpenBLAS's older
+# Sandybridge kernel the ratio reached 2.0 (float64) and 2.3 (float32), and the floor of 8 eps
+# carried the difference; in float16 the error is nearly everywhere the final rounding, the same
+# for naive, so a floor of one eps suffices. The appendix on how this tutorial is tested lists
+# what each CPU configuration measured.
 
-# %%
+# %% tags=["hide-input"]
 # One dtype per row: three panels side by side would be drawn at two thirds of their size.
 fig, axes = plt.subplots(3, 1, figsize=(8, 12), sharex=True)
 # the x axis ends just past the largest naive error of any panel, not at an arbitrary 10^3
@@ -404,17 +389,10 @@ for name, report in real.items():
 # - **`is_causal=True`**: flagged on every case with $N_q \ne N_k$ (decoding, the wide and tall
 #   causal cases), right on the square one, where the conventions agree.
 # - **PyTorch's CPU flash op with its lse** (0.0 for an empty row): its outputs pass. In
-#   float16, where PyTorch 2.13 computes in float32 and stores the weights in float16, its lse
-#   can be up to about $5 \cdot 10^{-5}$ off (relative), far beyond float32 rounding (naive's
-#   lse, computed in float32, is within $10^{-7}$): harmless for a float16 backward, whose
-#   $P = e^{s - \text{lse}}$ is rounded to $10^{-3}$ anyway. Which cases fail depends on the
-#   CPU. Measured here (with `ATEN_CPU_CAPABILITY` to choose PyTorch's code path), the error
-#   comes from the vector loop that computes the weights $e^{s - m}$ to within about $10^{-4}$,
-#   in 8 lanes with AVX2 and 16 with AVX-512; the keys past the last full vector of a 512-key
-#   block are done one at a time, exactly, and the scalar build (`default`) passes every case.
-#   So `late_max`, whose weight sits on its last 8 keys (of 1100: 76 in the last block), fails
-#   with AVX2, whose exact tail is the last 4 keys, and passes with AVX-512, whose tail is the
-#   last 12; cases whose weight is spread over many keys fail on both.
+#   float16 its lse can be up to about $5 \cdot 10^{-5}$ off (relative), far beyond float32
+#   rounding: harmless for a float16 backward, whose $P = e^{s - \text{lse}}$ is rounded to
+#   $10^{-3}$ anyway. Which cases fail depends on the CPU's vector width (the testing appendix
+#   traces it to the vector loop's lanes).
 # - **JAX**: a fully masked row gets uniform weights ({doc}`chapter 24 <24_other_libraries>`
 #   says why); float64 inputs come out only as exact as float32, because
 #   `jax.nn.dot_product_attention` always computes its softmax in float32 (the comment "Softmax
