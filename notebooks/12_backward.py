@@ -15,13 +15,12 @@
 # %% [markdown]
 # # 12. The backward pass
 #
-# FlashAttention exists for training, and training needs gradients. The textbook backward needs
-# the softmax matrix $P$, $N_q \times N_k$ numbers per head per layer, kept from the forward
-# pass; FlashAttention keeps only the output $O$ and one number per row, the lse, and recomputes
-# $P$ tile by tile. This chapter derives the gradients and the backward's $D$ from the output
-# alone, rebuilds $P$ from the lse, reads FlashAttention-2's tile loop in `flash_lib`, and
-# guards the empty row. {doc}`Chapter 13 <13_backward_cost>` writes it from scratch and counts
-# its cost.
+# Training needs gradients. The textbook backward keeps the softmax matrix $P$ from the
+# forward, $N_q \times N_k$ numbers per head per layer; FlashAttention keeps the output $O$ and
+# one number per row, the lse, and recomputes $P$ tile by tile. This chapter derives the
+# gradients from the output alone, rebuilds $P$ from the lse, reads FlashAttention-2's tile loop
+# in `flash_lib`, and guards the empty row. {doc}`Chapter 13 <13_backward_cost>` writes it from
+# scratch and counts its cost.
 
 # %%
 import inspect
@@ -49,12 +48,10 @@ ROUNDING = 1e-14
 #
 # $$S = \tau\, Q K^\top, \qquad P = \operatorname{softmax}(S) \text{ row by row}, \qquad O = P V .$$
 #
-# Training computes a scalar loss $L$ from $O$ (through the rest of the network) and needs its
-# gradients with respect to $Q$, $K$ and $V$. Backpropagation hands the attention layer
-# $dO = \partial L / \partial O$, a matrix of the shape of $O$, and asks for $dQ$, $dK$, $dV$
-# ($dX$ is always $\partial L / \partial X$, of the shape of $X$). The loss reaches $Q$, $K$, $V$
-# only through $O$, so these are also the gradients of $\sum (dO \circ O)$ with $dO$ held fixed:
-# what `flash_attention_backward(q, k, v, out, lse, dout)` returns.
+# Backpropagation hands the layer $dO = \partial L / \partial O$ for a scalar loss $L$ and asks
+# for $dQ$, $dK$, $dV$ ($dX$ is always $\partial L / \partial X$, of the shape of $X$). The loss
+# reaches $Q$, $K$, $V$ only through $O$, so these are the gradients of $\sum (dO \circ O)$ with
+# $dO$ held fixed: what `flash_attention_backward(q, k, v, out, lse, dout)` returns.
 #
 # ## One row: the softmax's Jacobian-vector product
 #
@@ -74,12 +71,9 @@ ROUNDING = 1e-14
 #    $$\sum_j P_j\, dP_j = \sum_j P_j\, (dO \cdot v_j) = dO \cdot \Big(\sum_j P_j v_j\Big) = dO \cdot o \;=:\; D .$$
 #
 # So $dS_j = P_j\,(dP_j - D)$ with $D = dO \cdot o$, the FlashAttention-2 paper's $D_i$
-# (arXiv 2307.08691, Algorithm 2): computed once per row from the output the forward returned.
-# That is what lets a tile of the backward compute its $dS$ without the rest of its row.
-#
-# The cell takes one query and 10 keys, builds the Jacobian $J$ as a matrix, and compares
-# $J\, dP$ ($J$ is symmetric, so $J^\top dP = J\, dP$) with $P \circ (dP - D)$ for $D$ computed
-# both ways.
+# (arXiv 2307.08691, Algorithm 2), computed once per row from the forward's output: a tile can
+# compute its $dS$ without the rest of its row. The cell builds $J$ for one query and 10 keys
+# and compares $J\, dP$ ($J$ is symmetric) with $P \circ (dP - D)$, $D$ computed both ways.
 
 # %%
 n_k, d, dv = 10, 8, 4
@@ -109,10 +103,8 @@ print(f"P ∘ (dP - D) against J dP: largest difference {below(jacobian_diff, RO
 # %% [markdown]
 # ## From $dS$ to $dQ$, $dK$, $dV$
 #
-# The rest is the chain rule through two matrix products. $O = PV$ gives $dV = P^\top dO$ and
-# $dP = dO\, V^\top$; $S = \tau\, Q K^\top$ gives $dQ = \tau\, dS\, K$ and
-# $dK = \tau\, dS^\top Q$. For all rows at once, with $D = \operatorname{rowsum}(dO \circ O)$ a
-# vector of $N_q$ numbers:
+# The rest is the chain rule through two matrix products, $O = PV$ and $S = \tau\, Q K^\top$.
+# For all rows at once, with $D = \operatorname{rowsum}(dO \circ O)$ a vector of $N_q$ numbers:
 #
 # $$
 # \begin{aligned}
@@ -172,18 +164,16 @@ print("dV, the formulas against naive, bit for bit (the same product of the same
 #
 # ## Why the forward saves the lse
 #
-# The forward pass of chapter 5 ends each row with $m$ (its largest score) and $l$
-# ($\sum_j e^{S_{ij} - m}$) and stores $\text{lse}_i = m + \log l$, the log of the softmax's
-# denominator. That one number is all the backward needs to rebuild any weight of the row:
+# Chapter 5's forward ends each row with $m$ and $l$ and stores $\text{lse}_i = m + \log l$, the
+# log of the softmax's denominator: all the backward needs to rebuild any weight of the row,
 #
 # $$P_{ij} = \frac{e^{S_{ij} - m_i}}{l_i} = e^{S_{ij} - m_i - \log l_i} = e^{S_{ij} - \text{lse}_i} .$$
 #
-# One exp per score; no max, no sum, no division. The tile loop below needs exactly that: it
-# visits tile $(i, j)$ without the rest of row block $i$, so a tile could find neither its rows'
-# max nor their sum. $P_{ij}$ comes out normalised, $\sum_j e^{S_{ij} - \text{lse}_i} = 1$, and
-# no exponent is positive, since $S_{ij} \le m_i \le \text{lse}_i$. (FlashAttention stores the
-# same natural-log lse, `softmax_lse`, in float32.) The cell rebuilds $P$ from
-# `flash_attention`'s lse and compares it with the textbook $P$ above.
+# one exp per score, no max, no sum, no division: what a tile that never sees the rest of its
+# rows needs. $P_{ij}$ comes out normalised, and no exponent is positive, since
+# $S_{ij} \le m_i \le \text{lse}_i$. (FlashAttention stores the same natural-log lse,
+# `softmax_lse`, in float32.) The cell rebuilds $P$ from `flash_attention`'s lse and compares it
+# with the textbook $P$ above.
 
 # %%
 # P_ij = exp(S_ij - lse_i)
@@ -241,14 +231,12 @@ print(inspect.getsource(flash_lib.attention_backward_block))
 
 # %% [markdown]
 # Against the box: `k_j`, `v_j` (and `k_s`, the keys in the scores' unit) are the **load** of
-# $K_j, V_j$; `dk_j`, `dv_j` the zeroed $dK_j$, $dV_j$. `for i, tile in
-# enumerate(problem.column(...))` walks every query block $i$ in order; a tile the forward
-# does not visit has `tile.allowed is False` and computes nothing, but the worker still takes its
-# turn at $dQ_i$. `attention_backward_tile(...)` is the inner body above, given $Q_i$, $dO_i$,
-# $\text{lse}_i$ (in the scores' unit) and $D_i$; `with turns.turn(i, j, cancelled)` then adds
-# its share `dq[...] += share`, the box's $dQ_i \mathrel{+}= \tau\, dS_{ij} K_j$ (the $\tau$ of
-# $dQ$ once, at the end, and of $dK_j$ after the loop). The last lines **store** $dK_j$, $dV_j$
-# (summed over the heads that share a key, for grouped queries: chapter 15).
+# $K_j, V_j$; `dk_j`, `dv_j` the zeroed $dK_j$, $dV_j$. The `for` loop walks every query block in
+# order; a tile the forward does not visit (`tile.allowed is False`) computes nothing, but the
+# worker still takes its turn at $dQ_i$. `attention_backward_tile(...)` is the inner body;
+# `with turns.turn(i, j, cancelled)` then adds its share, the box's
+# $dQ_i \mathrel{+}= \tau\, dS_{ij} K_j$ ($\tau$ applied once, at the end). The last lines
+# **store** $dK_j$, $dV_j$ (summed over the heads that share a key: chapter 15).
 #
 # Floating-point addition is not associative, so atomic adds in finishing order would make
 # $dQ$'s last bits depend on timing; added in key-block order, each worker waiting for its turn on
@@ -256,12 +244,10 @@ print(inspect.getsource(flash_lib.attention_backward_block))
 # deterministic mode does the same on a GPU, with a semaphore per query block (`store_dq` in
 # `hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp`, commit `0105a8f`).
 #
-# Which tiles the backward computes is taken from the kernel itself: the cell runs
-# `flash_attention_backward` on a causal problem ($N = 16$, 4 × 4 tiles) with its tile function
-# wrapped in one that records each tile it is given (identified by the first row of its `dout`
-# and `v`, which the kernel passes unscaled), and compares the record with the forward's
-# `tile_schedule`. The picture then shows one worker's traffic, for key block $j = 1$: what it
-# reads, what it writes, and the tiles it computes.
+# Which tiles the backward computes is taken from the kernel itself: the cell runs it on a
+# causal problem ($N = 16$, 4 × 4 tiles) with its tile function wrapped in one that records
+# each tile (by the first row of its `dout` and `v`, passed unscaled), and compares the record
+# with the forward's `tile_schedule`. The picture shows one worker's traffic, key block $j = 1$.
 
 # %%
 n_draw, b_draw, j_draw = 16, 4, 1
@@ -408,9 +394,9 @@ print("dq, dk, dv bit-identical on 1, 2 and 4 workers:", threads_identical)
 # %% [markdown]
 # ## The empty row
 #
-# A query row with no allowed key (a fully masked row: padding, or a mask that excludes
-# everything) has, in the forward, $l = 0$, output 0 and $\text{lse} = \log 0 = -\infty$
-# (chapter 6), and its scores are all $-\infty$. Recomputing its weights then asks for
+# A row with no allowed key has, in the forward, $l = 0$, output 0 and
+# $\text{lse} = \log 0 = -\infty$ (chapter 6), and its scores are all $-\infty$. Recomputing its
+# weights then asks for
 #
 # $$P_{ij} = e^{S_{ij} - \text{lse}_i} = e^{-\infty - (-\infty)} = e^{\text{NaN}} = \text{NaN},$$
 #

@@ -178,11 +178,10 @@ for causal, (flops, tiles) in cost.items():
 # ## Recompute rather than read back
 #
 # The textbook backward reads $P$, $N^2$ numbers, back from slow memory; FlashAttention's
-# recomputes it from $Q$, $K$ and the lse, one more matrix product per tile, and arXiv 2205.14135
-# (Section 3.1) argues that the extra flops cost less than the bytes they save. In
-# {doc}`chapter 9 <09_memory_traffic>`'s GPU model (float16; A100: 2.039 TB/s, 312 Tflop/s), per
-# score: recomputing costs $2d$ flops, reading $P$ once 2 bytes, and the textbook's forward had
-# to write it too.
+# recomputes it, one more matrix product per tile, which arXiv 2205.14135 (Section 3.1) argues
+# costs less than the bytes it saves. In {doc}`chapter 9 <09_memory_traffic>`'s A100 model
+# (float16), per score: recomputing costs $2d$ flops, reading $P$ once 2 bytes, and the
+# textbook's forward had to write it too.
 #
 # **Bytes.** The backward's HBM traffic, in chapter 9's model:
 #
@@ -198,9 +197,8 @@ for causal, (flops, tiles) in cost.items():
 # Theorem 5 of arXiv 2205.14135: for $d \le M \le Nd$, the standard backward requires
 # $\Theta(Nd + N^2)$ HBM accesses and FlashAttention's $\Theta(N^2 d^2 M^{-1})$, as its forward
 # (Theorem 2, chapter 9). The cell counts flash's bytes from what `flash_attention_backward`
-# itself hands its tile function (wrapped, as in chapter 12, to record the sizes of $Q_i$,
-# $dO_i$, $\text{lse}_i$, $D_i$, the share of $dQ_i$, and each key block's $K_j$, $V_j$), at
-# chapter 9's float16 and $d = 64$, with 128 × 128 tiles.
+# hands its tile function (wrapped, as in chapter 12, to record the sizes of what it gets), in
+# float16, $d = 64$, 128 × 128 tiles.
 
 # %%
 bandwidth, peak_rate = 2.039e12, 312e12  # chapter 9's A100: bytes/s, float16 flop/s
@@ -261,18 +259,13 @@ for n_io, (fb, tb, ff) in io_rows.items():
 # %% [markdown]
 # ## What training keeps for the backward
 #
-# Between the forward and the backward pass, every layer keeps what its backward will need: the
-# textbook attention keeps $P$, $N_q N_k$ numbers per head per layer ($dV = P^\top dO$ and
-# $dS = P \circ (dP - D)$ use it); FlashAttention keeps $O$ (usually kept anyway, as the next
-# layer's input) and the lse, $N_q$ numbers. During the backward itself,
-# `naive_attention_backward` holds $P$, $dP$ and $dS$ whole, `flash_attention_backward` one tile
-# of each, plus $D$ and the guarded lse, $N_q$ numbers each.
-#
-# The cell sets what the textbook keeps, $O$ and $P$, against what `flash_attention` returns for
-# its backward, in float32 with $d = d_v = 16$, $N = N_q = N_k$, and measures the scratch each
-# backward holds as {doc}`chapter 8 <08_memory>` measures the forward's (256 × 256 tiles, one
-# worker, BLAS on one thread). The naive kernel stops at $N = 4096$ (its $P$, $dP$, $dS$ then
-# weigh 64 MiB each).
+# Between the passes, each layer keeps what its backward needs: the textbook attention keeps
+# $P$, $N_q N_k$ numbers per head; FlashAttention keeps $O$ (usually kept anyway, as the next
+# layer's input) and the lse, $N_q$ numbers. During the backward, `naive_attention_backward`
+# holds $P$, $dP$ and $dS$ whole, `flash_attention_backward` one tile of each plus $D$ and the
+# lse. The cell sets what the textbook keeps against what `flash_attention` returns (float32,
+# $d = d_v = 16$), and measures each backward's scratch as {doc}`chapter 8 <08_memory>`
+# measures the forward's (256 × 256 tiles, one worker). The naive kernel stops at $N = 4096$.
 
 # %%
 d = dv = 16
@@ -354,9 +347,8 @@ plt.show()
 # %% [markdown]
 # ## Checking the gradient by finite differences
 #
-# All the checks so far compare one derivation with another. Finite differences check the
-# gradient against the forward pass alone. Along a random direction $(\delta_q, \delta_k,
-# \delta_v)$, let $f(\varepsilon) = \sum dO \circ \text{flash\_attention}(Q + \varepsilon
+# Finite differences check the gradient against the forward pass alone. Along a random direction
+# $(\delta_q, \delta_k, \delta_v)$, let $f(\varepsilon) = \sum dO \circ \text{flash\_attention}(Q + \varepsilon
 # \delta_q, K + \varepsilon \delta_k, V + \varepsilon \delta_v)$. Its derivative at 0 is the
 # directional derivative
 #
@@ -374,11 +366,9 @@ plt.show()
 # With an error $A\varepsilon^2 + B/\varepsilon$, the sum is least at $\varepsilon^* =
 # (B/2A)^{1/3}$; with $A$ of order 1 and $B$ of order $u$ that is near $u^{1/3} \approx 5
 # \times 10^{-6}$, where the error is of order $u^{2/3} \approx 2 \times 10^{-11}$: the
-# bottom of a V. A correct analytic gradient sits at that bottom; a wrong one flattens the V
-# at its own error, whatever $\varepsilon$ is. To show that, the cell also runs the loop written
-# above with $D$ omitted. The error is relative to $|f'(0)|$ and
-# averaged (root mean square) over 8 random directions; the problem is causal, $N_q = 13$,
-# $N_k = 17$, $d = 6$, $d_v = 4$, with 4 × 5 tiles.
+# bottom of a V. A correct gradient sits at that bottom; a wrong one (the loop above with $D$
+# omitted) flattens the V at its own error. The error is relative to $|f'(0)|$, root mean square
+# over 8 random directions; causal, $N_q = 13$, $N_k = 17$, $d = 6$, $d_v = 4$, 4 × 5 tiles.
 
 # %%
 n_q, n_k, d, dv = 13, 17, 6, 4
@@ -450,18 +440,15 @@ plt.show()
 # %% [markdown]
 # ## Training with it
 #
-# Last, the backward doing its job: gradient descent through `flash_attention` and
-# `flash_attention_backward`, on a task whose answer can be seen. Sixteen queries, sixteen keys,
-# and a target permutation $\pi$: query $i$ should retrieve key $\pi(i)$. The values are the
-# one-hot vectors $v_j = e_j$, so a row's output *is* its row of attention weights, and the loss
+# Last, gradient descent through `flash_attention` and `flash_attention_backward` on a task
+# whose answer can be seen: sixteen queries and keys, query $i$ to retrieve key $\pi(i)$ of a
+# permutation. With one-hot values $v_j = e_j$ a row's output *is* its row of weights, and
 #
 # $$L = \tfrac12 \sum_i \lVert o_i - e_{\pi(i)} \rVert^2, \qquad dO = O - V_\pi ,$$
 #
-# is zero exactly when every query puts all its weight on its target key. We learn $Q$ and $K$
-# ($d = 8$, starting small, so that every row starts near uniform) by plain gradient descent
-# with step 1.0 for 300 steps, with 4 × 4 tiles. At every step the gradients are also computed by
-# `naive_attention_backward` and compared; the largest difference over the run is checked
-# against $10^{-13}$.
+# is zero exactly when every query puts all its weight on its target. We learn $Q$ and $K$
+# ($d = 8$, starting small: rows near uniform) with step 1.0 for 300 steps, 4 × 4 tiles,
+# comparing the gradients with `naive_attention_backward`'s at every step.
 
 # %%
 n, d = 16, 8
@@ -522,11 +509,9 @@ fig.colorbar(image, ax=[ax_p0, ax_p1], label="weight $P_{ij}$ (dimensionless)")
 plt.show()
 
 # %% [markdown]
-# The loss sits on a plateau while every row is near uniform. The gradients are small there:
-# with $Q$ and $K$ small, every score is near 0, $dQ = \tau\, dS\, K$ and $dK = \tau\,
-# dS^\top Q$ carry a small factor each, and they grow as $Q$ and $K$ do. Once the rows start to
-# commit, the loss falls more than a hundredfold, and every query ends with its weight on its
-# target key.
+# The loss sits on a plateau while the rows are near uniform: $dQ = \tau\, dS\, K$ and
+# $dK = \tau\, dS^\top Q$ carry the small $K$ and $Q$ as factors, and grow with them. Once the
+# rows commit, the loss falls more than a hundredfold, every query on its target key.
 #
 # ## What we showed
 #

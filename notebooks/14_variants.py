@@ -15,12 +15,11 @@
 # %% [markdown]
 # # 14. Attention variants: window, softcap, ALiBi
 #
-# Production attention kernels take more than a boolean mask: a sliding window, a soft cap on
-# the scores, ALiBi's distance penalty, grouped-query heads, masks written as functions. Each is
-# one line in the score or in the mask, plus, for the masks, a rule for which tiles need not be
-# computed. This chapter places each in the computation of a score, then takes the window (and
-# its cost), softcap (and its gradient) and ALiBi; chapter 15 takes grouped-query heads and
-# masks written as functions.
+# Production kernels take more than a boolean mask: a sliding window, a soft cap on the scores,
+# ALiBi's distance penalty, grouped-query heads, masks written as functions. Each is one line in
+# the score or the mask, plus, for masks, a rule for which tiles need not be computed. This
+# chapter places each in a score, then takes the window (and its cost), softcap (and its
+# gradient) and ALiBi; chapter 15 takes grouped-query heads and masks written as functions.
 #
 # **Sources.** FlashAttention's conventions are quoted from Dao-AILab/flash-attention, read at
 # commit `0251105a`: the docstrings of `flash_attn_func` in `flash_attn/flash_attn_interface.py`,
@@ -47,13 +46,10 @@
 # $$
 #
 # then the softmax over $j$ and $O = P V$ as before. The order is FlashAttention's: its test
-# reference `attention_ref` scales, caps, then fills masked scores with $-\infty$; its CUDA
-# forward (`csrc/flash_attn/src/flash_fwd_kernel.h`) calls `apply_softcap` on the scores and then
-# `mask.apply_mask`, which adds the ALiBi bias and sets masked entries to $-\infty$
-# (`csrc/flash_attn/src/mask.h`). FlexAttention's reference (`_math_attention_inner` in
-# `torch/_higher_order_ops/flex_attention.py`) computes `scores * scale`, then
-# `torch.where(mask_mod(...), score_mod(scores, ...), -inf)`: its `score_mod` too sees scaled
-# scores, and the mask comes last.
+# reference `attention_ref` scales, caps, then masks; its CUDA forward
+# (`csrc/flash_attn/src/flash_fwd_kernel.h`) calls `apply_softcap`, then `mask.apply_mask`, which
+# adds the ALiBi bias and sets masked entries to $-\infty$ (`mask.h`). FlexAttention's reference
+# (`_math_attention_inner`) likewise applies `score_mod` to scaled scores and the mask last.
 #
 # In flash_lib the first three steps are the tile's scores (one matmul, then the cap and the bias
 # in place) and the fourth its allowed pairs; chapter 5's online softmax runs unchanged on what
@@ -87,12 +83,11 @@ print(inspect.getsource(_oracle))
 # ## The masks, as tile maps
 #
 # Three ways to say which keys a query may see, ANDed together: the boolean `mask` array,
-# `causal` and `window=(left, right)` (chapter 15 adds a fourth, `mask_mod`). The window is
+# `causal` and `window=(left, right)` (chapter 15 adds `mask_mod`). The window is
 # FlashAttention's `window_size`: "Query at position i will only attend to keys between
 # [i + seqlen_k - seqlen_q - window_size[0], i + seqlen_k - seqlen_q + window_size[1]]
-# inclusive" (the docstring of `flash_attn_func`), with $-1$ for an unbounded side, which
-# flash_lib writes `None`. Causal is the window $(\infty, 0)$; FlashAttention's own reference
-# turns `causal` into `window_size = (window_size[0], 0)`.
+# inclusive" (`flash_attn_func`'s docstring), $-1$ for an unbounded side (flash_lib: `None`).
+# Causal is the window $(\infty, 0)$, as FlashAttention's own reference treats it.
 #
 # The band that `causal` and `window` cut out is a diagonal strip, so a tile's two extreme
 # corners decide whether it holds an allowed pair (chapter 6's argument, with a second edge),
@@ -305,14 +300,11 @@ checks.run("softcap 5, causal, Nq = Nk", q_sc, k_sc[:n_q], v_sc[:n_q],
 # %% [markdown]
 # ### The backward pass through the cap
 #
-# The chain rule, written out densely for the causal example: $P = \operatorname{softmax}(S_c)$
-# on the capped, masked scores $S_c$, $dP = dO\, V^\top$,
-# $dS_c = P \circ (dP - \operatorname{rowsum}(P \circ dP))$, then the cap's factor
-# $dS = dS_c \circ (1 - \tanh^2(S / c))$ and $dQ = \tau\, dS\, K$, $dK = \tau\, dS^\top Q$,
-# $dV = P^\top dO$, written with $D = \operatorname{rowsum}(dO \circ O)$ (chapter 12's identity)
-# where naive uses $\operatorname{rowsum}(P \circ dP)$, so the two are computed differently.
-# `flash_attention_backward` must give the same, and both must match central differences of the
-# forward along a random direction.
+# The chain rule, written out densely for the causal example: chapter 12's
+# $dS_c = P \circ (dP - D)$ on the capped, masked scores, then the cap's factor
+# $dS = dS_c \circ (1 - \tanh^2(S / c))$, $dQ = \tau\, dS\, K$, $dK = \tau\, dS^\top Q$,
+# $dV = P^\top dO$ (with $D$ from $O$, where naive takes it from $P$).
+# `flash_attention_backward` must give the same, and all must match central differences.
 
 # %%
 def dense_softcap_backward(q, k, v, dout, scale, cap, allowed):
@@ -377,11 +369,10 @@ print(f"directional derivative: analytic {analytic:.6f}, central difference {num
 #                            = \text{slope}\cdot j - \text{slope}\,(i + o),
 # $$
 #
-# which differ only by terms that do not depend on $j$: a constant per row (for attention-gym's
-# form $\text{slope}\cdot o$ in every row). A softmax does not see a constant added to a whole
-# row, and masked keys stay at $-\infty$, so the outputs agree; the lse moves by the constant,
-# so a kernel that adds $\text{slope}\cdot j$ returns an lse $\text{slope}\,(i + o)$ above that
-# of the documented bias, which is flash_lib's. Without the causal mask, $|\cdot|$ folds at
+# which differ only by a constant per row ($\text{slope}\cdot o$ for attention-gym's form). A
+# softmax does not see a constant added to a row, so the outputs agree; the lse moves by the
+# constant: a kernel that adds $\text{slope}\cdot j$ returns an lse $\text{slope}\,(i + o)$
+# above the documented bias's, which is flash_lib's. Without the causal mask, $|\cdot|$ folds at
 # $j = i + o$ and the forms give different attention.
 #
 # The picture: the bias of head 0 of 8 (slope $2^{-1} = 1/2$) for $N_q = 12$ queries over

@@ -15,12 +15,11 @@
 # %% [markdown]
 # # 17. Dropout
 #
-# Training with FlashAttention-2's `dropout_p` zeroes each attention weight with probability
-# $p$, and the backward needs the very same zeros, yet no $N_q \times N_k$ mask is ever stored.
-# This chapter derives dropout as a function of a counter, writes out its generator, checks its
-# keep rate, weighs the memory a stored mask would take, and derives the gradient; `flash_lib`'s
-# kernels are checked against a dense construction written out here. {doc}`Chapter 18
-# <18_attention_sinks>` adds the other training feature, attention sinks.
+# FlashAttention-2's `dropout_p` zeroes each attention weight with probability $p$, and the
+# backward needs the very same zeros, yet no $N_q \times N_k$ mask is ever stored. This chapter
+# derives dropout as a function of a counter, writes out its generator, checks its keep rate and
+# memory, and derives the gradient, checking `flash_lib` against a dense construction.
+# {doc}`Chapter 18 <18_attention_sinks>` adds the other training feature, attention sinks.
 #
 # **Sources.** FlashAttention is quoted from Dao-AILab/flash-attention at commit `0251105a`
 # (`csrc/flash_attn/src/dropout.h`, `philox.cuh`, `softmax.h`, `csrc/flash_attn/flash_api.cpp`),
@@ -88,16 +87,12 @@ def dense(q, k, v, *, allowed=None, keep=None, p=0.0):
 # \ \Rightarrow\ \mathbb E[O] = P V ,
 # $$
 #
-# so training sees the undropped attention on average. The lse stays that of the undropped
-# scores: dropout acts after the normalisation, and the backward rebuilds $P = e^{S - \text{lse}}$
-# from it as in chapter 12. FlashAttention does the same: it multiplies the normalised output by
-# `rp_dropout` $= 1/(1-p)$ (`normalize_softmax_lse` in `softmax.h`) and returns the undropped
-# `softmax_lse`.
-#
-# `flash_lib`'s keywords are `dropout_p` and `dropout_seed`; `dropout_keep(seed, p, shape)`
-# materialises the mask $Z$ the kernels use. The cell checks `flash_attention` and
-# `naive_attention` against the dense construction built with that mask (two batches of two
-# heads, bottom-right causal), and that `dropout_p=0` is the kernel without dropout, bit for bit.
+# so training sees the undropped attention on average. The lse stays the undropped one: dropout
+# acts after the normalisation, and the backward rebuilds $P = e^{S - \text{lse}}$ from it as in
+# chapter 12. FlashAttention does the same (`rp_dropout` $= 1/(1-p)$ in `normalize_softmax_lse`,
+# `softmax.h`). `flash_lib`'s keywords are `dropout_p` and `dropout_seed`;
+# `dropout_keep(seed, p, shape)` materialises the kernels' mask $Z$. The cell checks the kernels
+# against the dense construction with that mask, and `dropout_p=0` against no dropout.
 
 # %%
 B, H, n_q, n_k, d = 2, 2, 40, 56, 16
@@ -129,22 +124,17 @@ print("dropout_p=0 against no dropout, bit for bit:", p_zero_identical)
 # ## Why not a stateful generator
 #
 # The textbook mask is `rng.random(shape) >= p` from one generator whose state advances with
-# each number drawn. A tiled kernel cannot do that:
+# each number drawn. A tiled kernel cannot do that: **a generator per tile**, seeded with the
+# tile's index, makes the mask change with `block_q` and `block_k` (a speed setting); **one
+# generator for the call** makes it depend on the visiting order, which threads change and the
+# backward changes for certain (key blocks outside, chapter 12). A counter-based generator has
+# no state: the number of element $(b, i, j)$ is a function of the seed and $(b, i, j)$ alone.
 #
-# - **a generator per tile**, seeded with the seed and the tile's index, makes a tile's numbers
-#   depend on where the tile starts, so the mask changes with `block_q` and `block_k` (a speed
-#   setting);
-# - **one generator for the call**, consumed tile after tile, makes the mask depend on the
-#   visiting order, which threads change, and which the backward changes for certain: it visits
-#   key blocks in the outer loop (chapter 12).
-#
-# A counter-based generator has no state: the random number of element $(b, i, j)$ is a fixed
-# function of the seed and of $(b, i, j)$ alone, the same in every tile, thread and loop order.
-# The cell reads the mask the kernel applied from its output: with $V = I$,
-# $O = P \circ Z / (1 - p)$, and $P > 0$ on every pair here, so the kept pairs are the nonzero
-# entries of $O$. It does that for four tilings of one head ($N_q = 64$, $N_k = 128$) and builds
-# the first attempt's masks with the same tilings; then it consumes one generator in the
-# forward's and in the backward's tile order.
+# The cell reads the mask the kernel applied off its output: with $V = I$,
+# $O = P \circ Z / (1 - p)$ and $P > 0$ here, so the kept pairs are the nonzero entries of $O$.
+# It does that for four tilings of one head ($N_q = 64$, $N_k = 128$), builds the per-tile
+# generator's masks for the same tilings, and consumes one generator in the forward's and the
+# backward's tile order.
 
 # %%
 n_q1, n_k1, P_FIG = 64, 128, 0.25
@@ -219,13 +209,11 @@ fig.suptitle(f"The keep mask of another tiling XOR that of 16 × 16 tiles (p = {
 plt.show()
 
 # %% [markdown]
-# The top row is empty: the kernel's mask does not see the tiles. Below, each tiling restarts its
-# generators at its own boundaries, and about $2p(1-p) = 37.5\%$ of the pairs change. With the
-# same mask, different tilings differ only by the rounding of their merge orders (chapter 5), and
-# the number of worker threads changes no bit at all, since every thread computes the same
-# numbers for the same elements. The cell checks both, forward and backward, on a problem large
-# enough for `flash_lib` to use threads ($2^{20}$ scores and more), and records which threads ran
-# the tiles (`flash_bench.threads_seen`): a count of workers that ran is part of the claim.
+# The top row is empty: the kernel's mask does not see the tiles. Below, about
+# $2p(1-p) = 37.5\%$ of the pairs change. With the same mask, tilings differ only by the rounding
+# of their merge orders (chapter 5), and the number of worker threads changes no bit. The cell
+# checks both, forward and backward, on a problem large enough for threads, and counts the
+# threads that ran tiles (`flash_bench.threads_seen`), as chapter 12 does.
 
 # %%
 q2, k2, v2, dout2 = (rng.standard_normal((n, 16)) for n in (1100, 1000, 1000, 1100))
@@ -251,11 +239,10 @@ print(f"out with 256 x 200 tiles against 128 x 96: {below(tiling_diff, ROUNDING)
 # %% [markdown]
 # ## Philox, written out
 #
-# `flash_lib` uses Philox4x32 (Salmon et al. 2011), the generator of cuRAND's `Philox4_32_10`
-# and Triton's `tl.randint`, with the seven rounds FlashAttention-2 runs: its `philox`
-# (`philox.cuh`) applies `philox_single_round` six times in a loop and once after it. It maps a
-# 128-bit counter $(c_0, c_1, c_2, c_3)$ and a 64-bit key $(k_0, k_1)$ to four 32-bit words by
-# rounds of
+# `flash_lib` uses Philox4x32 (Salmon et al. 2011; cuRAND's `Philox4_32_10`, Triton's
+# `tl.randint`) with the seven rounds FlashAttention-2 runs (`philox.cuh`: six in a loop, one
+# after). It maps a 128-bit counter $(c_0, c_1, c_2, c_3)$ and a 64-bit key $(k_0, k_1)$ to four
+# 32-bit words by rounds of
 #
 # $$
 # (c_0, c_1, c_2, c_3) \leftarrow \big(\mathrm{hi}(M_1 c_2) \oplus c_1 \oplus k_0,\ \mathrm{lo}(M_1 c_2),\
@@ -282,13 +269,12 @@ print(f"out with 256 x 200 tiles against 128 x 96: {below(tiling_diff, ROUNDING)
 # 0.8984375, $1/640$ below $0.9$, which the keep-rate test below sees. Its counters are laid out
 # by thread, so its masks are not `flash_lib`'s; the construction is the same.
 #
-# The cell writes Philox from the formula above, checks that ten rounds give Random123's known
-# answers (`tests/kat_vectors` in DEShawResearch/random123) and seven give Triton 3.9's
-# `tl.randint4x(seed, offset, n_rounds=7)` (run under `TRITON_INTERPRET=1` by
-# `tests/test_training.py`; counter `(offset mod 2³², offset // 2³², 0, 0)`, key the seed's
-# halves), and builds the keep mask from seven rounds, which must be `dropout_keep`'s bit for
-# bit: for a batch of heads, and with an offset (a shard whose first query is row 5 and first key
-# is key 9 of the whole, as `flash_dask` calls it, gets that window of the whole mask).
+# The cell writes Philox from the formula, checks ten rounds against Random123's known answers
+# (`tests/kat_vectors` in DEShawResearch/random123) and seven against Triton 3.9's
+# `tl.randint4x(seed, offset, n_rounds=7)` (run by `tests/test_training.py`), and builds the keep
+# mask from seven rounds, which must be `dropout_keep`'s bit for bit, for a batch of heads and
+# with an offset (a shard starting at row 5, key 9, as `flash_dask` calls it, gets that window
+# of the whole mask).
 
 # %%
 M0, M1, W0, W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
@@ -404,12 +390,11 @@ for p, kept_p, n, q_keep, sigma, z_score, fa2_keep, fa2_z in rate_rows:
 # $d_{\text{model}} = 4096$). A counter-based kernel stores the seed and the offset: 16 bytes,
 # FlashAttention's `rng_state` (two int64, `flash_attn/flash_attn_interface.py`).
 #
-# The cell measures with `measure_peak_bytes` on one worker (chapter 8's setting) the scratch
-# (peak bytes minus the returned arrays) of `flash_attention` without and with dropout and of
-# `flash_attention_backward` with dropout against $N$ (float32, $d = 32$, 512 × 512 tiles), and
-# the mask `dropout_keep` materialises. The kernels draw the masks of two adjoining tiles in one
-# call (half the NumPy calls, `_flash_dropout.py`), so their scratch holds two tiles' Philox
-# buffers, whatever $N$. The output is this machine's; the next cell states what it shows.
+# The cell measures with `measure_peak_bytes` on one worker (chapter 8's setting) the scratch of
+# `flash_attention` without and with dropout and of its backward with dropout against $N$
+# (float32, $d = 32$, 512 × 512 tiles), and the mask `dropout_keep` materialises. The kernels
+# draw two adjoining tiles' masks per call, so their scratch holds two tiles' Philox buffers,
+# whatever $N$. The output is this machine's; the next cell states what it shows.
 
 # %% tags=["nbval-ignore-output"]
 sizes = [512, 1024, 2048, 4096]
@@ -466,11 +451,10 @@ print("at N = 4096 the stored mask alone is larger than either kernel's whole sc
 #     = dO_i \cdot \sum_j \tilde P_{ij} v_j = dO_i \cdot O_i ,
 # $$
 #
-# with $O$ the dropped output the forward returned. So the tile loop is chapter 12's with two
-# multiplications by the tile's $Z/(1-p)$, regenerated from the counter. The cell compares
-# flash's and naive's backward with these formulas, then central differences of the forward
-# at the same seed along a random direction with what three backwards predict: the right one,
-# one that regenerates the mask from another seed, and one that forgets $1/(1-p)$.
+# with $O$ the dropped output. So the tile loop is chapter 12's with two multiplications by the
+# tile's $Z/(1-p)$, regenerated from the counter. The cell compares flash's and naive's backward
+# with these formulas, then central differences at the same seed with three backwards: the
+# right one, one with another seed's mask, and one that forgets $1/(1-p)$.
 
 # %%
 dout = rng.standard_normal(q.shape)

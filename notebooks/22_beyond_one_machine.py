@@ -19,7 +19,7 @@
 # sequence length; its time still grows as $N_q N_k$, and its inputs must still fit on one
 # machine. The way out is the one {doc}`chapter 3 <03_merging_states>` prepared: attention over
 # disjoint sets of keys merges exactly through $(\mathrm{out}, \mathrm{lse})$, so the work can
-# be cut into pieces that run anywhere. In this chapter:
+# be cut into pieces that run anywhere.
 #
 # `flash_dask.dask_attention` runs one `flash_attention` task per (query shard, key shard) pair
 # and folds each query shard's partials with `merge_attention` in chains: `tile_schedule` one
@@ -365,11 +365,10 @@ print("blocks computed by device 0, 1, 2, 3:", work_per_device.tolist(),
 # $$dQ_i = \tau \sum_j dS_{ij} K_j, \qquad dK_j = \tau \sum_i dS_{ij}^\top Q_i, \qquad
 #   dV_j = \sum_i P_{ij}^\top dO_i .$$
 #
-# With the *global* $\mathrm{lse}_i$ and $O_i$ (from the forward over all key shards), $P_{ij}$
-# and $D_i$ are the global ones, so each shard pair's terms are exactly its share of the three
-# sums. `flash_dask.dask_attention_backward` builds that graph: one `flash_attention_backward`
-# task per shard pair of the forward, $dQ_i$ summed along the forward's chains (its running sum
-# stays on its worker), $dK_j$, $dV_j$ by trees of fan-in `split_every`.
+# With the forward's *global* $\mathrm{lse}_i$ and $O_i$, each shard pair's terms are exactly its
+# share of the three sums. `flash_dask.dask_attention_backward` builds that graph: one
+# `flash_attention_backward` task per shard pair, $dQ_i$ summed along the forward's chains,
+# $dK_j$, $dV_j$ by trees of fan-in `split_every`.
 #
 # A small model: one causal attention layer over $N = 2048$ tokens of width 32, projections
 # $Q = XW_q$, $K = XW_k$, $V = XW_v$ (width 16), loss $L = \tfrac12 \lVert O - T \rVert^2$. On the

@@ -42,14 +42,12 @@ rng = np.random.default_rng(15)
 # %% [markdown]
 # ## A kernel to break
 #
-# Here is FlashAttention's forward pass (chapters 4 to 6) in twenty lines, one query block at a
-# time over key blocks of 16, with `m`, `l` and the accumulator `o`, the guard for rows whose
-# running max is still $-\infty$, and float32 accumulation for float16 inputs. One line is new:
-# keys that no query of a tile may attend (the padding of a key-value cache) have their values
-# zeroed before $P V$, because $0 \cdot \text{NaN} = \text{NaN}$ and padding may hold garbage.
-#
-# Each `bug == ...` marks the one line a classic bug changes. The kernel returns `(out, lse)`.
-# It is `flash_check.bugs.tiled_attention`, the same kernel the project's tests break bug by bug.
+# FlashAttention's forward (chapters 4 to 6) in twenty lines: key blocks of 16, `m`, `l` and the
+# accumulator `o`, the guard for rows whose running max is still $-\infty$, float32 accumulation
+# for float16, and the values of keys no query of a tile may attend zeroed before $P V$
+# ($0 \cdot \text{NaN} = \text{NaN}$, and padding may hold garbage). Each `bug == ...` marks the
+# one line a classic bug changes. It is `flash_check.bugs.tiled_attention`, which the project's
+# tests break bug by bug.
 
 # %%
 for name, what in BUGS.items():
@@ -86,10 +84,9 @@ for bug in [None, *BUGS]:
 # `flash_check.check_kernel(fn, features=..., dtypes=..., lse_empty=...)` calls
 # `fn(q, k, v, mask=..., causal=..., scale=...)` (only the keywords a case uses) and returns a
 # `Report`. `features` says what the kernel supports ("mask", "causal", "lse", "dv" for
-# $d_v \ne d$, "memory" for kernels whose allocations `tracemalloc` can see, and the variants of
-# chapters 14, 15, 17 and 18, `flash_check.VARIANTS`: "window", "softcap", "alibi", "gqa",
-# "mask_mod", "sinks", "dropout"); a case that needs another feature is skipped and listed as
-# skipped. Each registered case says why it is there:
+# $d_v \ne d$, "memory", and the variants of chapters 14, 15, 17 and 18,
+# `flash_check.VARIANTS`); a case that needs another feature is listed as skipped. Each case
+# says why it is there:
 
 # %%
 for case in flash_check.CASES.values():
@@ -266,13 +263,12 @@ for bug, (case, words) in signature.items():
           f"  diagnosis: {shown(failure.diagnosis)}\n")
 
 # %% [markdown]
-# How the diagnoses are found: the report compares the output with what known mistakes would
-# produce on the same inputs (attention over the first $n$ keys for each common block size, a
-# top-left causal mask, the default scale, the mean of all values for an empty row), and where
-# that is not enough it probes the kernel. The rescale probe is the neatest: attention does not
-# depend on the order of the keys, so it calls the kernel on one row twice, the keys sorted with
-# the largest score first and then last. A kernel that forgets the rescale is right the first
-# time and wrong the second, whatever its block size. On plain random inputs:
+# The report compares the output with what known mistakes would produce on the same inputs
+# (attention over the first $n$ keys for common block sizes, a top-left causal mask, the default
+# scale, the mean of all values for an empty row), and where that is not enough it probes the
+# kernel. The rescale probe: attention does not depend on the keys' order, so it calls the kernel
+# on one row twice, the largest score first and then last. A kernel that forgets the rescale is
+# right the first time and wrong the second, whatever its block size. On plain random inputs:
 
 # %%
 rescale_report = flash_check.check_kernel(functools.partial(tiled_attention,
@@ -324,13 +320,11 @@ except ImportError:
 
 # %% [markdown]
 # The kernels: PyTorch's math and flash backends through the bottom-right wrapper; the math
-# backend once more with `is_causal=True` passed straight through (`causal_alignment="top-left"`);
-# PyTorch's private CPU flash op, the one behind the flash backend, which also returns the lse
-# (its lse of an empty row is 0.0, so `lse_empty=0.0`); JAX's `dot_product_attention` with a
-# bottom-right mask and with its own `is_causal=True`. The flash backend and JAX require
-# $d_v = d$, so they are checked without "dv". XLA compiles JAX's kernel for every new shape and
-# dtype, a second or so each on this machine, so JAX runs two cases in two dtypes here, and
-# `is_causal=True` the one case that shows its alignment.
+# backend with `is_causal=True` passed straight through; PyTorch's private CPU flash op, which
+# also returns the lse (0.0 for an empty row, so `lse_empty=0.0`); JAX's `dot_product_attention`
+# with a bottom-right mask and with its own `is_causal=True`. The flash backend and JAX need
+# $d_v = d$ (no "dv"). XLA compiles JAX's kernel per shape and dtype, so JAX runs two cases in two
+# dtypes, and `is_causal=True` the one case that shows its alignment.
 
 # %%
 # XLA compiles per shape and dtype: JAX runs these cases, and its is_causal=True only causal_wide.
@@ -403,16 +397,12 @@ for name, report in real.items():
 # ## What we showed
 #
 # - On random 128 × 128 inputs, `allclose(atol=1e-2)` passes seven of the nine classic bugs;
-#   `check_kernel` fails every one of them, and for each the diagnosis of its signature case
-#   names the cause: a missing rescale, the missing $-\infty$ guard, $O(N^2)$ memory (scratch
-#   growing as $N^2$ between $N = 512$ and $4096$), top-left causal, a base-2 lse, a dropped
-#   partial block, float16 accumulation (failing in float16 only), uniform weights for empty
-#   rows, a stale running max.
-# - flash_lib, at 512 × 512 tiles (memory included) and 16 × 16 tiles, and the clean tiled kernel
-#   pass every case in every dtype.
+#   `check_kernel` fails every one, and the diagnosis of its signature case names the cause.
+# - flash_lib, at 512 × 512 and 16 × 16 tiles, and the clean tiled kernel pass every case in
+#   every dtype.
 # - The bound, twice naive's error in the same dtype plus a floor of 8 eps (float64, float32) or
-#   1 eps (float16), holds on every case run of the four correct kernels measured, on every CPU
-#   configuration we tried; neither part alone would.
+#   1 eps (float16), holds on every case run of the four correct kernels; neither part alone
+#   would.
 # - Where installed: PyTorch SDPA (math, flash) passes everything but garbage at padded keys,
 #   its `is_causal=True` is flagged top-left when $N_q \ne N_k$; JAX's empty rows are flagged as
 #   uniform weights and its float64 as float32-accurate.
