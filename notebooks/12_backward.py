@@ -159,8 +159,9 @@ print("dV, the formulas against naive, bit for bit (the same product of the same
       matrix_diffs["dv"][0] == 0)
 
 # %% [markdown]
-# The three computations agree to rounding. The formulas needed $P$ from the forward (for $dV$
-# and $dS$) and $O$ (for $D$); the next section removes the need to keep $P$.
+# The three computations agree to rounding (the appendix on how this tutorial is tested draws
+# the differences measured). The formulas needed $P$ from the forward (for $dV$ and $dS$) and $O$
+# (for $D$); the next section removes the need to keep $P$.
 #
 # ## Why the forward saves the lse
 #
