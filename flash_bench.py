@@ -2,7 +2,8 @@
 floor of one tile.
 
 Public, beside ``flash_lib`` (which does not import it): chapters 9 and 10 and the scripts in
-``bench/`` import it, so that a chapter's figure and ``make bench``'s come from the same code.
+``bench/`` import it, so that a chapter's figure and ``make bench``'s come from the same code,
+and the later chapters take their comparisons and thread counts from it.
 
 **Timing kernels side by side** (:func:`best_times`)::
 
