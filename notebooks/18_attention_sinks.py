@@ -12,7 +12,6 @@
 #     name: python3
 # ---
 
-
 # %% [markdown]
 # # 18. Attention sinks
 #
