@@ -32,6 +32,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 import flash_lib
+from _oracle import worst  # chapter 7's metric, the worst row (chapters 14 and 15's module)
 from flash_bench import below, threads_seen
 from flash_lib import (
     dropout_keep,
@@ -40,7 +41,6 @@ from flash_lib import (
     measure_peak_bytes,
     naive_attention,
     naive_attention_backward,
-    rowwise_relative_error,
     tile_schedule,
 )
 
@@ -52,11 +52,6 @@ SEED = 20240917  # the dropout seed of every example below
 # with OpenBLAS's Haswell kernel (CONTRIBUTING.md); a kernel off by one part in a million or a
 # missing 1/(1 - p) is far above it.
 ROUNDING = 1e-14
-
-
-def worst(a, b):
-    """chapter 7's metric, the worst row"""
-    return float(rowwise_relative_error(a, b).max())
 
 
 def swap(x):

@@ -30,6 +30,7 @@
 import matplotlib.pyplot as plt
 import numpy as np
 
+from _oracle import worst  # chapter 7's metric, the worst row (chapters 14 and 15's module)
 from flash_bench import below
 from flash_lib import (
     dropout_keep,
@@ -38,7 +39,6 @@ from flash_lib import (
     merge_attention,
     naive_attention,
     naive_attention_backward,
-    rowwise_relative_error,
 )
 
 rng = np.random.default_rng(18)
@@ -48,11 +48,6 @@ SEED, P_DROP = 20240917, 0.3  # chapter 17's dropout, for the case that combines
 # Every such difference below was at most 2.3e-15 at every NPY_DISABLE_CPU_FEATURES level
 # (CONTRIBUTING.md); a kernel off by one part in a million or a sink counted twice is far above.
 ROUNDING = 1e-14
-
-
-def worst(a, b):
-    """chapter 7's metric, the worst row"""
-    return float(rowwise_relative_error(a, b).max())
 
 
 def dense(q, k, v, *, allowed=None, softcap=None, sinks=None, keep=None, p=0.0):

@@ -1,6 +1,6 @@
 """The oracle of chapters 14 and 15: the variants' dense construction, and the two checks.
 
-Chapter 14 prints this file; chapter 15 imports it. Every variant is checked twice:
+Chapter 14 prints this file; chapter 15 imports it, and chapters 17 and 18 its ``worst``. Every variant is checked twice:
 `flash_attention` against `naive_attention` with the same keywords, and `naive_attention`
 against `dense_attention`, written here from the formulas in its own order of operations, so
 that the oracle itself is pinned.
