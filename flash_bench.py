@@ -2,7 +2,8 @@
 floor of one tile.
 
 Public, beside ``flash_lib`` (which does not import it): chapters 9 and 10 and the scripts in
-``bench/`` import it, so that a chapter's figure and ``make bench``'s come from the same code.
+``bench/`` import it, so that a chapter's figure and ``make bench``'s come from the same code,
+and the later chapters take their comparisons and thread counts from it.
 
 **Timing kernels side by side** (:func:`best_times`)::
 
@@ -38,15 +39,24 @@ guessed; :func:`floor_at_level` measures the floor again with NumPy's faster loo
 ``bench/tile_ops.py`` times the alternatives to the kernel's tile (the variants of
 :func:`forward_ops` and :func:`backward_ops`), flash_lib's own tile, and the floor on two
 threads at once, with these instruments.
+
+**Differences and threads, as the chapters show them.** :func:`relative_difference` is the one
+way a chapter compares two arrays whose rows may be 0 (gradients); :func:`below` prints a
+rounding-level difference as the limit it is under, so that no CPU changes a stored output
+(CONTRIBUTING.md); :func:`threads_seen` records which threads ran a kernel's tiles, so that a
+chapter that shows "the same bits on 1, 2 and 4 workers" also shows that they ran.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -57,7 +67,8 @@ import flash_lib
 __all__ = ["SETTLE", "run_untimed", "load_average", "best_times", "MATMULS", "EXPONENTIALS",
            "numpy_loops", "loop_name", "openblas_kernel", "cpu_name", "describe",
            "kernel_exponential", "forward_ops", "backward_ops", "forward_floor",
-           "backward_floor", "workers", "floor_seconds", "floor_at_level", "floor_here"]
+           "backward_floor", "workers", "floor_seconds", "floor_at_level", "floor_here",
+           "relative_difference", "below", "threads_seen"]
 
 # --------------------------------------------------------------------------------------------
 # Timing kernels side by side
@@ -502,3 +513,61 @@ def floor_here(dtypes=("float64", "float32"), seconds=0.5):
     return {"loops": numpy_loops(), "cpu": cpu_name(), "load": list(os.getloadavg()),
             "exponential": {name: kernel_exponential(DTYPES[name]) for name in dtypes},
             "forward": {name: forward_floor(DTYPES[name], seconds=seconds) for name in dtypes}}
+
+
+# --------------------------------------------------------------------------------------------
+# Differences and threads, as the chapters show them
+# --------------------------------------------------------------------------------------------
+
+
+def relative_difference(x, ref):
+    """``max|x - ref| / max|ref|`` over the whole arrays, as a float: the difference relative to
+    the reference's largest entry. For arrays whose rows may be exactly 0 (the gradient of a key
+    no query attends), where ``flash_lib.rowwise_relative_error`` asks those rows to match
+    exactly. NaN when either array holds a NaN (``np.max`` keeps it)."""
+    x, ref = np.asarray(x, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    return float(np.max(np.abs(x - ref)) / np.max(np.abs(ref)))
+
+
+def below(x, limit):
+    """A rounding-level difference printed so that no CPU changes the text: ``"below 1e-14"``
+    when ``x < limit`` (an exact 0 included: whether a difference is 0 is the CPU's rounding),
+    else, for a real error, the number and the limit it is above. Equalities that hold bit for
+    bit by construction are printed as such by the chapter, not through this."""
+    return f"below {limit:.0e}" if x < limit else f"{x:.1e}, above {limit:.0e}"
+
+
+@contextlib.contextmanager
+def threads_seen(*names, pause=0.1):
+    """Within the ``with`` block, record the threads that call ``flash_lib``'s functions
+    ``names`` (the tile functions its loops look up at each call: ``"online_softmax_update"``
+    in the forward, ``"attention_backward_tile"`` in the backward); yields the set of their
+    ``threading.get_ident()``, filled as the calls come.
+
+    Each thread waits ``pause`` seconds at its first call, so that the workers a call starts all
+    take a block before the first of them could finish every block alone (left alone, one fast
+    worker can, and a count of one thread would then show nothing about threads). The wait
+    changes no bit: the functions are called with the same arguments, in each thread's order.
+    """
+    seen, lock = set(), threading.Lock()
+    originals = {name: getattr(flash_lib, name) for name in names}
+
+    def recorded(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            me = threading.get_ident()
+            with lock:
+                first = me not in seen
+                seen.add(me)
+            if first and pause:
+                time.sleep(pause)
+            return fn(*args, **kwargs)
+        return call
+
+    try:
+        for name, fn in originals.items():
+            setattr(flash_lib, name, recorded(fn))
+        yield seen
+    finally:
+        for name, fn in originals.items():
+            setattr(flash_lib, name, fn)

@@ -424,7 +424,7 @@ class KillWorkerAt(SchedulerPlugin):
     ``client.register_plugin(KillWorkerAt(prefix, after))`` before computing, and
     ``client.run_on_scheduler(KillWorkerAt.report)`` after, which returns ``(victim address,
     results it held, tasks finished when it struck)`` (the address None if it never struck) and
-    removes the plugin. Chapter 19 kills a worker with it; ``tests/test_dask.py`` too.
+    removes the plugin. Chapter 22 kills a worker with it; ``tests/test_dask.py`` too.
     """
 
     name = "flash-dask-kill-worker-at"

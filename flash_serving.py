@@ -2,7 +2,7 @@
 
 Two interfaces of FlashAttention's, built on flash_lib's public kernels only (this module names
 no private flash_lib attribute, so it is not part of the algorithm and flash_lib does not import
-it; chapter 18 explains both):
+it; chapter 21 explains both):
 
 * :func:`flash_attention_varlen` / :func:`flash_attention_varlen_backward`, FlashAttention's
   ``flash_attn_varlen_func``: sequences packed end to end along the token axis, delimited by

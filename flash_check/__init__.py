@@ -40,7 +40,7 @@ the very inputs the kernel got, with ``flash_lib.rowwise_relative_error`` (each 
 the rule of FlashAttention's own tests (``FACTOR`` = 2 there): a kernel may be as inexact as the
 textbook computation in its dtype, twice over, not more. The floor covers cases where naive is
 exact (a single key, ties). ``lse`` likewise, with the error ``|lse - truth| / (1 + |truth|)``.
-Chapter 20 of the tutorial measures flash_lib, PyTorch and JAX against this rule and justifies
+Chapter 23 of the tutorial measures flash_lib, PyTorch and JAX against this rule and justifies
 the values of ``FACTOR``, ``OUT_FLOOR`` and ``LSE_FLOOR`` (``_core.py``).
 
 Adding cases
@@ -118,7 +118,7 @@ built-in cases, which register themselves. Each module imports only modules list
 - ``adapters.py``: PyTorch and JAX as kernels, and FlashAttention's layouts;
 - ``_cli.py``: the command line, :func:`main` (``__main__.py`` runs it);
 - ``bugs.py``, which no other module imports: small tiled kernels with one classic bug each, for
-  the tests and chapter 20.
+  the tests and chapter 23.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ DEFAULT_FEATURES = ("mask", "causal", "lse")
 #: The dtypes a kernel can be checked in, in the order they are checked.
 DTYPES = ("float64", "float32", "float16")
 
-#: The bound: ``error <= FACTOR * naive's error + floor``. 2 is FlashAttention's factor. Chapter 20
+#: The bound: ``error <= FACTOR * naive's error + floor``. 2 is FlashAttention's factor. Chapter 23
 #: measures the largest ratio of a correct kernel's error to naive's (flash_lib at three tile
 #: shapes, PyTorch SDPA math and flash, JAX), over the cases where naive's error exceeds 4 eps:
 #: 1.2-1.4 with NumPy's AVX-512, AVX2 and baseline loops and OpenBLAS's SkylakeX and Haswell

@@ -1,7 +1,7 @@
 """The bug zoo: small tiled attention kernels, each able to make one classic mistake on request.
 
 Imported by ``tests/test_check.py`` (every bug must fail with its cause named) and printed by
-chapter 20 with ``inspect.getsource``, as chapters 5 and 12 print theirs; flash_check itself does
+chapter 23 with ``inspect.getsource``, as chapters 5 and 12 print theirs; flash_check itself does
 not use it. Written from FlashAttention's conventions, independently of flash_lib, so that a
 kernel passing the cases is evidence about the cases and not about flash_lib's code.
 

@@ -15,13 +15,12 @@
 # %% [markdown]
 # # 12. The backward pass
 #
-# FlashAttention exists for training, and training needs gradients. The textbook backward needs
-# the softmax matrix $P$, $N_q \times N_k$ numbers per head per layer, kept from the forward
-# pass; FlashAttention keeps only the output $O$ and one number per row, the lse, and recomputes
-# $P$ tile by tile. This chapter derives the gradients and the backward's $D$ from the output
-# alone, rebuilds $P$ from the lse, reads FlashAttention-2's tile loop in `flash_lib`, and
-# handles the empty row. {doc}`Chapter 13 <13_backward_cost>` writes the backward from scratch and
-# counts its cost and memory.
+# Training needs gradients. The textbook backward keeps the softmax matrix $P$ from the
+# forward, $N_q \times N_k$ numbers per head per layer; FlashAttention keeps the output $O$ and
+# one number per row, the lse, and recomputes $P$ tile by tile. This chapter derives the
+# gradients from the output alone, rebuilds $P$ from the lse, reads FlashAttention-2's tile loop
+# in `flash_lib`, and guards the empty row. {doc}`Chapter 13 <13_backward_cost>` writes it from
+# scratch and counts its cost.
 
 # %%
 import inspect
@@ -32,20 +31,10 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 import flash_lib
+from flash_bench import below, relative_difference, threads_seen
 from flash_lib import rowwise_relative_error
 
 rng = np.random.default_rng(12)
-
-
-def below(x, limit):
-    """A rounding-level difference, printed so that no CPU changes the text: 0 when the two
-    sides are equal bit for bit, else the stated limit it is under (each limit below was
-    checked at every NPY_DISABLE_CPU_FEATURES level, CONTRIBUTING.md, with a margin of at
-    least 5x), else, for a real error, the number itself."""
-    if x == 0:
-        return "0 (bit for bit)"
-    return f"below {limit:.0e}" if x < limit else f"{x:.1e}, above {limit:.0e}"
-
 
 # The limit for float64 agreements "to rounding" in this chapter: 1e-14 is 45 machine epsilons;
 # the differences measured below are at most 1e-15 on every CPU tried, and any real error (a
@@ -59,13 +48,10 @@ ROUNDING = 1e-14
 #
 # $$S = \tau\, Q K^\top, \qquad P = \operatorname{softmax}(S) \text{ row by row}, \qquad O = P V .$$
 #
-# Training computes a scalar loss $L$ from $O$ (through the rest of the network) and needs its
-# gradients with respect to $Q$, $K$ and $V$. Backpropagation hands the attention layer
-# $dO = \partial L / \partial O$, a matrix of the shape of $O$, and asks for $dQ$, $dK$, $dV$.
-# Throughout, $dX$ means $\partial L / \partial X$, an array of the shape of $X$. The loss
-# reaches $Q$, $K$, $V$ only through $O$, so these are also the gradients of the scalar
-# $\sum (dO \circ O)$ with $dO$ held fixed: what `flash_attention_backward(q, k, v, out, lse,
-# dout)` returns for `dout` $= dO$.
+# Backpropagation hands the layer $dO = \partial L / \partial O$ for a scalar loss $L$ and asks
+# for $dQ$, $dK$, $dV$ ($dX$ is always $\partial L / \partial X$, of the shape of $X$). The loss
+# reaches $Q$, $K$, $V$ only through $O$, so these are the gradients of $\sum (dO \circ O)$ with
+# $dO$ held fixed: what `flash_attention_backward(q, k, v, out, lse, dout)` returns.
 #
 # ## One row: the softmax's Jacobian-vector product
 #
@@ -85,12 +71,9 @@ ROUNDING = 1e-14
 #    $$\sum_j P_j\, dP_j = \sum_j P_j\, (dO \cdot v_j) = dO \cdot \Big(\sum_j P_j v_j\Big) = dO \cdot o \;=:\; D .$$
 #
 # So $dS_j = P_j\,(dP_j - D)$ with $D = dO \cdot o$, the FlashAttention-2 paper's $D_i$
-# (arXiv 2307.08691, Algorithm 2): computed once per row from the output the forward returned.
-# That is what lets a tile of the backward compute its $dS$ without the rest of its row.
-#
-# The cell takes one query and 10 keys, builds the Jacobian $J$ as a matrix, and compares
-# $J\, dP$ ($J$ is symmetric, so $J^\top dP = J\, dP$) with $P \circ (dP - D)$ for $D$ computed
-# both ways.
+# (arXiv 2307.08691, Algorithm 2), computed once per row from the forward's output: a tile can
+# compute its $dS$ without the rest of its row. The cell builds $J$ for one query and 10 keys
+# and compares $J\, dP$ ($J$ is symmetric) with $P \circ (dP - D)$, $D$ computed both ways.
 
 # %%
 n_k, d, dv = 10, 8, 4
@@ -120,10 +103,8 @@ print(f"P ∘ (dP - D) against J dP: largest difference {below(jacobian_diff, RO
 # %% [markdown]
 # ## From $dS$ to $dQ$, $dK$, $dV$
 #
-# The rest is the chain rule through two matrix products. $O = PV$ gives $dV = P^\top dO$ and
-# $dP = dO\, V^\top$; $S = \tau\, Q K^\top$ gives $dQ = \tau\, dS\, K$ and
-# $dK = \tau\, dS^\top Q$. For all rows at once, with $D = \operatorname{rowsum}(dO \circ O)$ a
-# vector of $N_q$ numbers:
+# The rest is the chain rule through two matrix products, $O = PV$ and $S = \tau\, Q K^\top$.
+# For all rows at once, with $D = \operatorname{rowsum}(dO \circ O)$ a vector of $N_q$ numbers:
 #
 # $$
 # \begin{aligned}
@@ -132,19 +113,13 @@ print(f"P ∘ (dP - D) against J dP: largest difference {below(jacobian_diff, RO
 # \end{aligned}
 # $$
 #
-# Where flash_lib applies $\tau$ (on the inputs, as powers of two) is its own choice, not
-# FlashAttention's; appendix 22 explains it. In this chapter $\tau$ is a power of two
-# ($1/8$ for $d = 64$), so where it is applied changes no bit. The cell computes the six formulas
-# above densely, for two heads with $N_q = 37$, $N_k = 53$, $d = 64$ and a causal mask, and
-# compares them with `naive_attention_backward` (which builds the softmax Jacobian's product
-# from $P$ as $\operatorname{rowsum}(P \circ dP)$, not from $O$) and `flash_attention_backward`.
-# Gradients are compared relative to their largest entry.
+# In this chapter $\tau$ is a power of two ($1/8$ for $d = 64$), so where flash_lib applies it
+# (appendix 25) changes no bit. The cell computes the six formulas densely, for two heads with
+# $N_q = 37$, $N_k = 53$, $d = 64$ and a causal mask, and compares them, relative to each
+# gradient's largest entry, with `naive_attention_backward` (which takes
+# $\operatorname{rowsum}(P \circ dP)$ from $P$, not $D$ from $O$) and `flash_attention_backward`.
 
 # %%
-def rel_diff(x, ref):
-    return float(np.abs(x - ref).max() / np.abs(ref).max())
-
-
 n_q, n_k, d, dv = 37, 53, 64, 16
 q = rng.standard_normal((2, n_q, d))
 k = rng.standard_normal((2, n_k, d))
@@ -177,38 +152,29 @@ flash = flash_lib.flash_attention_backward(q, k, v, out, lse, dout, causal=True,
 print("      the formulas vs naive   vs flash")
 matrix_diffs = {}
 for name, mine, n, f in zip(("dq", "dk", "dv"), (dQ, dK, dV), naive, flash):
-    matrix_diffs[name] = (rel_diff(mine, n), rel_diff(mine, f))
+    matrix_diffs[name] = (relative_difference(mine, n), relative_difference(mine, f))
     print(f"{name}:   {below(matrix_diffs[name][0], ROUNDING):>22}   "
           f"{below(matrix_diffs[name][1], ROUNDING)}")
+print("dV, the formulas against naive, bit for bit (the same product of the same P):",
+      matrix_diffs["dv"][0] == 0)
 
 # %% [markdown]
-# Differences below $10^{-14}$, a few tens of machine epsilons at most, are rounding: the three
-# computations agree. $dV = P^\top dO$ is the same product of the same $P$ in `naive_attention_backward`,
-# so there it agrees bit for bit. Notice what the
-# formulas needed from the forward pass: $P$ (for $dV$ and $dS$) and $O$ (for $D$). The next
-# section removes the need to keep $P$.
+# The three computations agree to rounding (the appendix on how this tutorial is tested draws
+# the differences measured). The formulas needed $P$ from the forward (for $dV$ and $dS$) and $O$
+# (for $D$); the next section removes the need to keep $P$.
 #
 # ## Why the forward saves the lse
 #
-# The forward pass of chapter 5 ends each row with $m$ (its largest score) and $l$
-# ($\sum_j e^{S_{ij} - m}$) and stores $\text{lse}_i = m + \log l$, the log of the softmax's
-# denominator. That one number is all the backward needs to rebuild any weight of the row:
+# Chapter 5's forward ends each row with $m$ and $l$ and stores $\text{lse}_i = m + \log l$, the
+# log of the softmax's denominator: all the backward needs to rebuild any weight of the row,
 #
 # $$P_{ij} = \frac{e^{S_{ij} - m_i}}{l_i} = e^{S_{ij} - m_i - \log l_i} = e^{S_{ij} - \text{lse}_i} .$$
 #
-# One exp per score; no max, no sum, no division. This matters for the tile loop below: the
-# backward visits tile $(i, j)$ without the rest of row block $i$ (other key blocks are other
-# workers' business), so a tile could neither find its rows' max nor their sum. With
-# $\text{lse}_i$ from the forward it needs neither, and $P_{ij}$ is already normalised:
-# $\sum_j e^{S_{ij} - \text{lse}_i} = 1$. No exponent is positive, since $S_{ij} \le m_i \le
-# \text{lse}_i$, so nothing overflows either. (FlashAttention stores the same natural-log lse,
-# `softmax_lse`, in float32.)
-#
-# The cell rebuilds $P$ from `flash_attention`'s lse and the scores, with one exp, and compares
-# it with the textbook $P$ above (a max-subtracted softmax: a max, an exp, a sum and a division).
-# The figure then shows the differences measured in this and the two cells before, in machine
-# epsilons: the text above prints only the limit each is under, because their last digits are
-# the CPU's (another machine's loops round differently).
+# one exp per score, no max, no sum, no division: what a tile that never sees the rest of its
+# rows needs. $P_{ij}$ comes out normalised, and no exponent is positive, since
+# $S_{ij} \le m_i \le \text{lse}_i$. (FlashAttention stores the same natural-log lse,
+# `softmax_lse`, in float32.) The cell rebuilds $P$ from `flash_attention`'s lse and compares it
+# with the textbook $P$ above.
 
 # %%
 # P_ij = exp(S_ij - lse_i)
@@ -220,31 +186,6 @@ largest_exponent = (S - lse[..., None]).max()
 print(f"exp(S - lse) against the textbook softmax: largest row error {below(err_p, ROUNDING)}")
 print(f"its rows' sums minus 1: {below(np.abs(row_sums - 1).max(), ROUNDING)}; largest exponent "
       f"{largest_exponent:.2f}")
-
-eps64 = np.finfo(np.float64).eps
-measured = {"one row: P ∘ (dP - D) vs J dP": jacobian_diff}
-for name, (vs_naive, vs_flash) in matrix_diffs.items():
-    measured[f"{name}: the formulas vs naive"] = vs_naive
-    measured[f"{name}: the formulas vs flash"] = vs_flash
-measured["exp(S - lse) vs the textbook P"] = err_p
-measured["rows of exp(S - lse): sum - 1"] = np.abs(row_sums - 1).max()
-fig, ax = plt.subplots(figsize=(8, 3.8))
-rows = np.arange(len(measured))[::-1]
-values = np.array(list(measured.values())) / eps64
-ax.barh(rows, np.where(values > 0, values, np.nan), color="C0", height=0.6)
-for row, value in zip(rows, values):
-    ax.text(value * 1.1 if value > 0 else 0.06, row, f"{value:.1f} eps" if value > 0 else
-            "0: bit for bit", va="center", fontsize=8)
-ax.axvline(ROUNDING / eps64, color="C3", ls="--", label=f"the limit asserted, {ROUNDING:.0e}")
-ax.set_xscale("log")
-ax.set_xlim(0.05, 200)
-ax.set_yticks(rows, list(measured), fontsize=8)
-ax.set_xlabel("largest relative difference (machine epsilons, 2.2e-16), measured on this machine")
-ax.set_title("Rounding-level differences of the three cells above")
-ax.legend(fontsize=8, loc="lower right")
-ax.grid(True, axis="x", which="major", alpha=0.3)
-fig.tight_layout()
-plt.show()
 
 # %% [markdown]
 # ## The tile loop
@@ -265,22 +206,20 @@ plt.show()
 # >     atomic add)
 # > - **store** $dK_j$, $dV_j$ to HBM
 #
-# The loops are the forward's, swapped. $dK_j$ and $dV_j$ are sums over query blocks, so with key
-# blocks outside they stay in fast memory for the whole inner loop and are written once, and
-# different key blocks run in parallel with no sharing. $dQ_i$ is a sum over key blocks, so
-# every key block adds a share to it. FlashAttention-2 adds those shares with atomic adds, in
-# whatever order the thread blocks finish; Triton's fused
-# attention tutorial (`python/tutorials/06-fused-attention.py`) instead runs a second loop, one
-# query block against all key blocks, that recomputes $P$ once more for $dQ$.
+# The loops are the forward's, swapped. $dK_j$ and $dV_j$ are sums over query blocks: with key
+# blocks outside they stay in fast memory for the whole inner loop, are written once, and
+# different key blocks run in parallel with no sharing. $dQ_i$ is a sum over key blocks, so every
+# key block adds a share to it: FlashAttention-2 with atomic adds, in whatever order the thread
+# blocks finish; Triton's fused attention tutorial (`python/tutorials/06-fused-attention.py`)
+# with a second loop, one query block against all key blocks, that recomputes $P$ once more.
 #
-# One tile's work is `flash_lib.attention_backward_tile`, the tile math and nothing else.
-# Here is its source, straight from the module:
+# One tile's work is `flash_lib.attention_backward_tile`, the tile math and nothing else:
 
 # %%
 print(inspect.getsource(flash_lib.attention_backward_tile))
 
 # %% [markdown]
-# `q` and `k` arrive already scaled (appendix 22), so `q @ kᵀ` is the forward's $S_{ij}$ bit for
+# `q` and `k` arrive already scaled (appendix 25), so `q @ kᵀ` is the forward's $S_{ij}$ bit for
 # bit; what is left of $\tau$ is applied once per block afterwards. The `matmul` argument and the
 # `np.copyto` lines keep an inf or NaN at a masked pair out of the sums (chapter 6); `scores` is
 # for the score variants (chapter 14).
@@ -293,28 +232,23 @@ print(inspect.getsource(flash_lib.attention_backward_block))
 
 # %% [markdown]
 # Against the box: `k_j`, `v_j` (and `k_s`, the keys in the scores' unit) are the **load** of
-# $K_j, V_j$; `dk_j`, `dv_j` the zeroed $dK_j$, $dV_j$. `for i, tile in
-# enumerate(problem.column(...))` walks every query block $i$ in order; a tile the forward
-# does not visit has `tile.allowed is False` and computes nothing, but the worker still takes its
-# turn at $dQ_i$. `attention_backward_tile(...)` is the inner body above, given $Q_i$, $dO_i$,
-# $\text{lse}_i$ (in the scores' unit) and $D_i$; `with turns.turn(i, j, cancelled)` then adds
-# its share `dq[...] += share`, the box's $dQ_i \mathrel{+}= \tau\, dS_{ij} K_j$ (the $\tau$ of
-# $dQ$ once, at the end, and of $dK_j$ after the loop). The last lines **store** $dK_j$, $dV_j$
-# (summed over the heads that share a key, for grouped queries: chapter 15).
+# $K_j, V_j$; `dk_j`, `dv_j` the zeroed $dK_j$, $dV_j$. The `for` loop walks every query block in
+# order; a tile the forward does not visit (`tile.allowed is False`) computes nothing, but the
+# worker still takes its turn at $dQ_i$. `attention_backward_tile(...)` is the inner body;
+# `with turns.turn(i, j, cancelled)` then adds its share, the box's
+# $dQ_i \mathrel{+}= \tau\, dS_{ij} K_j$ ($\tau$ applied once, at the end). The last lines
+# **store** $dK_j$, $dV_j$ (summed over the heads that share a key: chapter 15).
 #
-# Each worker keeps its $dK_j$, $dV_j$ and walks the query blocks in order; the shares of
-# $dQ_i$ are added in key-block order, each worker waiting for its turn on $dQ_i$. Floating-point addition is not
-# associative, so atomic adds in finishing order would make $dQ$'s last bits depend on timing;
-# in key-block order they do not depend on how many threads ran or which finished first.
-# FlashAttention 3's deterministic mode does the same on a GPU, with a semaphore per query block
-# (`store_dq` in `hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp`, commit `0105a8f`).
+# Floating-point addition is not associative, so atomic adds in finishing order would make
+# $dQ$'s last bits depend on timing; added in key-block order, each worker waiting for its turn on
+# $dQ_i$, they do not depend on how many threads ran or which finished first. FlashAttention 3's
+# deterministic mode does the same on a GPU, with a semaphore per query block (`store_dq` in
+# `hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp`, commit `0105a8f`).
 #
-# The picture shows one worker's traffic, for key block $j = 1$ of a causal problem with
-# $N = 16$ and 4 × 4 tiles: what it reads, what it writes, and the tiles it computes. Which
-# tiles those are is taken from the kernel itself: the cell runs `flash_attention_backward`
-# with its tile function wrapped in one that records each tile it is given (identified by the
-# first row of its `dout` and `v`, which the kernel passes unscaled), and compares the record
-# with the forward's `tile_schedule`.
+# Which tiles the backward computes is taken from the kernel itself: the cell runs it on a
+# causal problem ($N = 16$, 4 × 4 tiles) with its tile function wrapped in one that records
+# each tile (by the first row of its `dout` and `v`, passed unscaled), and compares the record
+# with the forward's `tile_schedule`. The picture shows one worker's traffic, key block $j = 1$.
 
 # %%
 n_draw, b_draw, j_draw = 16, 4, 1
@@ -343,7 +277,9 @@ visited_rows = [(q0, q1) for q0, q1, k0, _ in computed if k0 == j_draw * b_draw]
 k_blk = (j_draw * b_draw, (j_draw + 1) * b_draw)
 print(f"tiles the backward computed: {len(computed)} of {(n_draw // b_draw) ** 2}; "
       f"the forward's schedule, each once: {sorted(computed) == sorted(schedule)}")
+print("query blocks key block 1 visits:", visited_rows)
 
+# %% tags=["hide-input"]
 read, write, both, compute = "#9ecae1", "#fc9272", "#bc80bd", "#fdd49e"
 fig, ax = plt.subplots(figsize=(8, 8))
 # the score matrix's tiles: computed by this worker, by other workers, or skipped (causal)
@@ -389,15 +325,12 @@ ax.set_title(f"One worker of the backward: key block j = {j_draw}, causal, N = {
              f"{b_draw}×{b_draw} tiles")
 fig.tight_layout()
 plt.show()
-print("query blocks key block 1 visits:", visited_rows)
 
 # %% [markdown]
-# The query block above the diagonal is skipped; the backward computes exactly the forward's
-# tiles, each once. With no mask, that loop is short enough to write out around the real tile
-# function: one worker, BLAS on one thread (as `flash_lib` holds it), $D$ from $O$, $dQ_i$'s
-# shares added in key-block order, $\tau = 1/8$ on the queries (a power of two: flash_lib's
-# bits). It is compared bit for bit with `flash_attention_backward`, then run with the shares
-# added in reverse order.
+# With no mask, the loop is short enough to write out around the real tile function: one
+# worker, BLAS on one thread (as `flash_lib` holds it), $D$ from $O$, $dQ_i$'s shares added in
+# key-block order, $\tau = 1/8$ on the queries (a power of two: flash_lib's bits). It is compared
+# bit for bit with `flash_attention_backward`, then run with the shares added in reverse order.
 
 # %%
 def backward_loop(q, k, v, out, lse, dout, block_q, block_k, D=None, reverse_dq=False):
@@ -432,53 +365,53 @@ with threadpool_limits(limits=1, user_api="blas"):
     reversed_dq = backward_loop(q, k, v, out, lse, dout, 64, 48, reverse_dq=True)[0]
 loop_identical = [np.array_equal(a, b) for a, b in zip(mine, flash)]
 reversed_differs = int((reversed_dq != flash[0]).sum())
-reversed_rel = rel_diff(reversed_dq, flash[0])
+reversed_rel = relative_difference(reversed_dq, flash[0])
 print("the loop above against flash_attention_backward, bit for bit (dq, dk, dv):", loop_identical)
 print(f"dQ's shares added in reverse key-block order: bits differ in some entries: "
       f"{reversed_differs > 0}; largest difference {below(reversed_rel, ROUNDING)} (relative)")
 
 # %% [markdown]
-# Reordering changes nothing but the last bits, but it does change them: a sum in finishing
-# order would differ from run to run. `flash_attention_backward` adds in key-block order
-# whatever the number of worker threads. The cell checks that with 1, 2 and 4 workers on a
-# problem large enough for threads to be used (`flash_lib` uses them from $2^{20}$ scores on);
-# it sets the count with `flash_lib.threads(n)`, which holds for the calls made inside it.
+# Reordering changes the last bits, so a sum in finishing order would differ from run to run.
+# `flash_attention_backward` adds in key-block order whatever the number of worker threads. The
+# cell checks that with 1, 2 and 4 workers (`flash_lib.threads(n)`) on a problem large enough
+# for threads ($2^{20}$ scores and more), and counts the threads that called the tile function
+# (`flash_bench.threads_seen`): the same bits from workers that did not run would prove nothing.
 
 # %%
 q, k, v, dout = (rng.standard_normal((1100, c)) for c in (16, 16, 16, 16))
 out, lse = flash_lib.flash_attention(q, k, v, causal=True, return_lse=True)
-by_workers = {}
+by_workers, ran_on = {}, {}
 for workers in (1, 2, 4):
-    with flash_lib.threads(workers):
+    with flash_lib.threads(workers), threads_seen("attention_backward_tile") as seen:
         by_workers[workers] = flash_lib.flash_attention_backward(q, k, v, out, lse, dout,
                                                                  causal=True, block_q=128,
                                                                  block_k=96)
+    ran_on[workers] = len(seen)
 threads_identical = all(np.array_equal(a, b) for w in (2, 4)
                         for a, b in zip(by_workers[1], by_workers[w]))
+print("threads that computed tiles with 1, 2, 4 workers:", ran_on)
 print("dq, dk, dv bit-identical on 1, 2 and 4 workers:", threads_identical)
 
 # %% [markdown]
 # ## The empty row
 #
-# A query row with no allowed key (a fully masked row: padding, or a mask that excludes
-# everything) has, in the forward, $l = 0$, output 0 and $\text{lse} = \log 0 = -\infty$
-# (chapter 6). Its scores are all $-\infty$ too. Recomputing its weights then asks for
+# A row with no allowed key has, in the forward, $l = 0$, output 0 and
+# $\text{lse} = \log 0 = -\infty$ (chapter 6), and its scores are all $-\infty$. Recomputing its
+# weights then asks for
 #
 # $$P_{ij} = e^{S_{ij} - \text{lse}_i} = e^{-\infty - (-\infty)} = e^{\text{NaN}} = \text{NaN},$$
 #
-# and the NaN spreads through $dV_j \mathrel{+}= P_{ij}^\top dO_i$ into every key's $dv$, and
-# through $dS_{ij}$ into $dQ_i$ and every $dK_j$ (`attention_backward_tile` zeroes $dS$ at masked
-# pairs, so there only $dv$ shows it; pytorch/pytorch#41508 reports such NaN gradients). The
-# guard in `flash_attention_backward`: replace an lse of $-\infty$ by $+\infty$ before the tile
-# loop. Then $e^{S_{ij} - \infty} = 0$ for every score the row could hold: its weights, its $dS$
-# and its $dq$ row are exactly 0, and it adds nothing to $dk$, $dv$. Which lse other libraries
-# store for an empty row, and how each one's backward copes, is in
-# {doc}`chapter 21 <21_other_libraries>`.
+# and the NaN spreads through $dV_j \mathrel{+}= P_{ij}^\top dO_i$ into every key's $dv$ (and
+# would through $dS_{ij}$ into $dQ_i$ and $dK_j$, but `attention_backward_tile` zeroes $dS$ at
+# masked pairs; pytorch/pytorch#41508 reports such NaN gradients). The guard in
+# `flash_attention_backward`: an lse of $-\infty$ becomes $+\infty$ before the tile loop. Then
+# $e^{S_{ij} - \infty} = 0$ for every score the row could hold: its weights, its $dS$ and its
+# $dq$ row are exactly 0, and it adds nothing to $dk$, $dv$. The lse other libraries store for
+# an empty row, and how their backwards cope, are in {doc}`chapter 24 <24_other_libraries>`.
 #
-# The cell shows the NaN (NumPy's "invalid value" warning silenced for these lines), then runs
-# the real tile function on one tile covering a masked problem whose row 3 is empty, with the raw
-# lse and with the guarded one, then `flash_attention_backward` on the same problem with every
-# floating-point warning turned into an error.
+# The cell shows the NaN, then runs the real tile function on one tile covering a masked problem
+# whose row 3 is empty, with the raw lse and the guarded one, then `flash_attention_backward` on
+# the same problem with every floating-point warning turned into an error.
 
 # %%
 with np.errstate(invalid="ignore"):  # the NaN is the point here
@@ -536,7 +469,8 @@ print("flash_attention_backward: dq row 3 exactly 0:", empty_row_zero,
 # %%
 # one row: D from O equals D from P; P ∘ (dP - D) equals the explicit Jacobian's product
 # (ROUNDING = 1e-14, 45 eps: every difference "to rounding" below was at most 1e-15 at every
-# NPY_DISABLE_CPU_FEATURES level and with OpenBLAS's Haswell and Sandybridge kernels)
+# NPY_DISABLE_CPU_FEATURES level and with OpenBLAS's Haswell and Sandybridge kernels; the
+# appendix draws them)
 assert abs(D_from_p - D_from_o) <= ROUNDING * abs(D_from_o)
 assert jacobian_diff < ROUNDING
 # the dense formulas, naive and flash agree to rounding; dV is naive's own product of the same P
@@ -546,12 +480,13 @@ assert matrix_diffs["dv"][0] == 0
 assert err_p < ROUNDING and np.abs(row_sums - 1).max() < ROUNDING
 assert largest_exponent <= 0
 # the tile loop: the real tile function in a key-blocks-outside loop is flash, bit for bit;
-# another order of dQ's shares changes bits; threads do not
+# another order of dQ's shares changes bits; 1, 2 and 4 worker threads, each seen to compute
+# tiles, do not
 assert sorted(computed) == sorted(schedule)  # the forward's tiles, each once
 assert visited_rows == [(4, 8), (8, 12), (12, 16)]
 assert all(loop_identical), loop_identical
 assert reversed_differs > 0 and reversed_rel < ROUNDING
-assert threads_identical
+assert ran_on == {1: 1, 2: 2, 4: 4} and threads_identical, ran_on
 # the empty row: NaN without the guard, exactly 0 with it, nothing added to dk, dv, no warning
 assert tile_nan["raw lse (-inf)"][2] == tile_sizes[2] and tile_nan["guarded lse (+inf)"] == [0, 0, 0]
 assert empty_forward[1] == -np.inf and np.all(empty_forward[0] == 0)

@@ -32,21 +32,10 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 import flash_lib
+from flash_bench import below, relative_difference
 
 assert flash_lib.thread_count() == 1, "flash_lib was imported before FLASH_LIB_THREADS was set: restart"
 rng = np.random.default_rng(13)
-
-
-def below(x, limit):
-    """A rounding-level difference, printed so that no CPU changes the text: the stated limit it
-    is under (each limit below was checked at every NPY_DISABLE_CPU_FEATURES level,
-    CONTRIBUTING.md, with a margin of at least 5x), else, for a real error, the number itself."""
-    return f"below {limit:.0e}" if x < limit else f"{x:.1e}, above {limit:.0e}"
-
-
-def rel_diff(x, ref):
-    return float(np.abs(x - ref).max() / np.abs(ref).max())
-
 
 # The limit for float64 agreements "to rounding" in this chapter: 1e-14 is 45 machine epsilons;
 # the differences measured below are at most 2e-15 on every CPU tried, and any real error (a
@@ -101,11 +90,11 @@ def backward_from_scratch(q, k, v, out, lse, dout, *, causal=False, block_q=16, 
 # %% [markdown]
 # The check: against `flash_lib.flash_attention_backward` on a problem the blocks do not divide
 # ($N_q = 150$, $N_k = 100$, $d = 24$, 32 × 48 tiles; $\tau$ is not a power of two, and
-# flash_lib places it differently, appendix 22), without and with the causal mask, which leaves
-# the first 50 rows empty (bottom-right alignment), so that the guard is tested too. They agree to
-# rounding, not bit for bit: the operations differ in order. Then the same check on the loop
-# with $D$ omitted, the classic slip of a backward written from the Jacobian's first term alone:
-# the check must fail, and it does, by a margin no rounding could close.
+# flash_lib places it differently, appendix 25), without and with the causal mask, which leaves
+# the first 50 rows empty, so that the guard is tested too. They agree to rounding, not bit for
+# bit: the operations differ in order. Then the loop with $D$ omitted, the classic slip of a
+# backward written from the Jacobian's first term alone: the check must fail, by a margin no
+# rounding could close.
 
 # %%
 def check_backward(backward, q, k, v, dout, causal):
@@ -113,7 +102,7 @@ def check_backward(backward, q, k, v, dout, causal):
     out, lse = flash_lib.flash_attention(q, k, v, causal=causal, return_lse=True)
     ref = flash_lib.flash_attention_backward(q, k, v, out, lse, dout, causal=causal)
     mine = backward(q, k, v, out, lse, dout, causal=causal, block_q=32, block_k=48)
-    return float(np.max([rel_diff(a, b) for a, b in zip(mine, ref)]))  # np.max keeps a NaN
+    return float(np.max([relative_difference(a, b) for a, b in zip(mine, ref)]))
 
 
 def backward_without_D(*args, **kwargs):
@@ -137,13 +126,11 @@ for causal in (False, True):
 # $b_q \times b_k$ the forward does two, $S = \tau Q_i K_j^\top$ and $P V_j$:
 # $2 b_q b_k (d + d_v)$. The backward does five, $S$ again, $P^\top dO_i$, $dO_i V_j^\top$,
 # $dS^\top Q_i$ and $dS\, K_j$: $2 b_q b_k (3d + 2d_v)$. With $d_v = d$ that is $10 b_q b_k d$
-# against $4 b_q b_k d$, **2.5 times the forward** (the elementwise work, an exp per score in each,
-# is of lower order). The cell counts the flops of the loop above through its `matmul` hook.
-#
-# **Causal.** With tiles skipped when no row may see them, a square problem of $n = N/b$ blocks
-# computes $n(n + 1)/2$ of its $n^2$ tiles: the fraction $(n+1)/2n$, a half plus the diagonal's
-# tiles, which are computed whole and masked inside. The pairs that are needed are
-# $N(N+1)/2$, the fraction $(N+1)/2N$. The same holds for the forward: the ratio stays 2.5.
+# against $4 b_q b_k d$, **2.5 times the forward** (the exp per score in each is of lower order).
+# Causal attention visits the $n(n+1)/2$ tiles of chapter 6 in both passes, so the ratio stays
+# 2.5. The cell counts the backward's flops through the loop's `matmul` hook, and the forward's
+# from the tiles `flash_attention` itself folds in (its `online_softmax_update` wrapped in one
+# that records each tile's shape: two products of that tile's size).
 
 # %%
 def counted_flops(n, d, block, causal):
@@ -160,27 +147,41 @@ def counted_flops(n, d, block, causal):
     return flops[0], tiles
 
 
+def forward_flops_of(n, d, block, causal):
+    """The forward's flops, 2 (d + d_v) per score of each tile flash_attention folds in."""
+    shapes, update = [], flash_lib.online_softmax_update
+
+    def recording_update(m, l, acc, s, v, *args):
+        shapes.append(s.shape[-2:])  # (rows, keys) of this tile
+        return update(m, l, acc, s, v, *args)
+
+    q, k, v = (rng.standard_normal((n, d)) for _ in range(3))
+    try:
+        flash_lib.online_softmax_update = recording_update  # the kernel looks it up per tile
+        flash_lib.flash_attention(q, k, v, causal=causal, block_q=block, block_k=block)
+    finally:
+        flash_lib.online_softmax_update = update
+    return sum(2 * rows * keys * (d + d) for rows, keys in shapes)
+
+
 n_c, d_c, b_c = 1024, 64, 128
 blocks = n_c // b_c
 cost = {causal: counted_flops(n_c, d_c, b_c, causal) for causal in (False, True)}
-forward_flops = {causal: 4 * b_c * b_c * d_c * len(cost[causal][1]) for causal in cost}
+forward_flops = {causal: forward_flops_of(n_c, d_c, b_c, causal) for causal in cost}
 print(f"N = {n_c}, d = d_v = {d_c}, {b_c} x {b_c} tiles")
 print(f"{'':>7} {'tiles':>7} {'backward flops':>15} {'forward flops':>14} {'ratio':>6}")
 for causal, (flops, tiles) in cost.items():
     print(f"{'causal' if causal else 'full':>7} {len(tiles):>7} {flops:>15,} "
           f"{forward_flops[causal]:>14,} {flops / forward_flops[causal]:>6.2f}")
-print(f"causal / full: {cost[True][0] / cost[False][0]:.4f} = (n+1)/2n for n = {blocks}; "
-      f"pairs needed: (N+1)/2N = {(n_c + 1) / (2 * n_c):.4f}")
 
 # %% [markdown]
 # ## Recompute rather than read back
 #
 # The textbook backward reads $P$, $N^2$ numbers, back from slow memory; FlashAttention's
-# recomputes it from $Q$, $K$ and the lse, one more matrix product per tile, and arXiv 2205.14135
-# (Section 3.1) argues that the extra flops cost less than the bytes they save. In
-# {doc}`chapter 9 <09_memory_traffic>`'s GPU model (float16; A100: 2.039 TB/s, 312 Tflop/s), per
-# score: recomputing costs $2d$ flops, reading $P$ once 2 bytes, and the textbook's forward had
-# to write it too.
+# recomputes it, one more matrix product per tile, which arXiv 2205.14135 (Section 3.1) argues
+# costs less than the bytes it saves. In {doc}`chapter 9 <09_memory_traffic>`'s A100 model
+# (float16), per score: recomputing costs $2d$ flops, reading $P$ once 2 bytes, and the
+# textbook's forward had to write it too.
 #
 # **Bytes.** The backward's HBM traffic, in chapter 9's model:
 #
@@ -188,15 +189,16 @@ print(f"causal / full: {cost[True][0] / cost[False][0]:.4f} = (n+1)/2n for n = {
 #   $dV = P^\top dO$ reads $P$; $dP = dO V^\top$ writes $dP$; $dS = P \circ (dP - D)$ reads $P$,
 #   $dP$ and writes $dS$; $dQ = \tau dS K$ and $dK = \tau dS^\top Q$ each read $dS$: $7N^2$
 #   elements, plus $8Nd$ for the $N \times d$ inputs and outputs (and $D$);
-# - flash, the loop above: per key block, $K_j, V_j$ in and $dK_j, dV_j$ out once; per tile,
-#   $Q_i$, $dO_i$, $\text{lse}_i$, $D_i$ in and $dQ_i$ in and out; plus the pass for $D$. About
+# - flash: per key block, $K_j, V_j$ in and $dK_j, dV_j$ out once; per tile, $Q_i$, $dO_i$,
+#   $\text{lse}_i$, $D_i$ in and $dQ_i$ in and out; plus the pass for $D$. About
 #   $4 N^2 d / b_k$ elements, twice the forward's $2N^2 d / b_q$: $\Theta(N^2 d^2 / M)$, since
 #   $b_k$ can grow as $M/d$.
 #
 # Theorem 5 of arXiv 2205.14135: for $d \le M \le Nd$, the standard backward requires
 # $\Theta(Nd + N^2)$ HBM accesses and FlashAttention's $\Theta(N^2 d^2 M^{-1})$, as its forward
-# (Theorem 2, chapter 9). The cell counts flash's bytes from the tiles the loop visits (recorded
-# through its `visit` hook), at chapter 9's float16 and $d = 64$, with 128 × 128 tiles.
+# (Theorem 2, chapter 9). The cell counts flash's bytes from what `flash_attention_backward`
+# hands its tile function (wrapped, as in chapter 12, to record the sizes of what it gets), in
+# float16, $d = 64$, 128 × 128 tiles.
 
 # %%
 bandwidth, peak_rate = 2.039e12, 312e12  # chapter 9's A100: bytes/s, float16 flop/s
@@ -209,14 +211,27 @@ for d_head in (64, 128):
 ITEM, ITEM_STATS = 2, 4  # float16 arrays; lse and D in float32
 
 
-def flash_backward_traffic(n, d, tiles):
-    """Chapter 9's model, for the tiles the loop visited."""
-    key_blocks = {(k0, k1) for _, _, k0, k1 in tiles}
-    per_key = sum(4 * (k1 - k0) * d * ITEM for k0, k1 in key_blocks)  # K, V in; dK, dV out
-    per_tile = sum((4 * (q1 - q0) * d) * ITEM + 2 * (q1 - q0) * ITEM_STATS
-                   for q0, q1, _, _ in tiles)  # Q, dO in; dQ in and out; lse, D in
+def flash_backward_traffic(n, d, block):
+    """Chapter 9's model of flash_attention_backward's HBM bytes, from what it hands each tile."""
+    per_tile, key_blocks, tile = [], {}, flash_lib.attention_backward_tile
+
+    def recording_tile(q_t, k_t, v_t, *, dout, lse, D, **kwargs):
+        share = tile(q_t, k_t, v_t, dout=dout, lse=lse, D=D, **kwargs)
+        # Q_i, dO_i in; dQ_i's share read and written; lse_i, D_i in
+        per_tile.append((q_t.size + dout.size + 2 * share.size) * ITEM
+                        + (lse.size + D.size) * ITEM_STATS)
+        key_blocks[v_t[0].tobytes()] = 2 * (k_t.size + v_t.size) * ITEM  # K_j, V_j in; dK_j, dV_j out
+        return share
+
+    q, k, v, dout = (rng.standard_normal((n, d)) for _ in range(4))
+    out, lse = flash_lib.flash_attention(q, k, v, return_lse=True)
+    try:
+        flash_lib.attention_backward_tile = recording_tile  # the kernel looks it up per tile
+        flash_lib.flash_attention_backward(q, k, v, out, lse, dout, block_q=block, block_k=block)
+    finally:
+        flash_lib.attention_backward_tile = tile
     d_pass = 2 * n * d * ITEM + n * ITEM_STATS  # O, dO in; D out
-    return per_key + per_tile + d_pass
+    return sum(per_tile) + sum(key_blocks.values()) + d_pass
 
 
 def textbook_backward_traffic(n, d):
@@ -227,15 +242,8 @@ def flash_forward_bytes(n, d, b_q):  # chapter 9's formula
     return ITEM * (2 * n * d + -(-n // b_q) * 2 * n * d) + 4 * n
 
 
-io_rows = {}
-for n in (1024, 2048, 4096):
-    tiles = []
-    q, k, v, dout = (rng.standard_normal((n, 64)) for _ in range(4))
-    out, lse = flash_lib.flash_attention(q, k, v, return_lse=True)
-    backward_from_scratch(q, k, v, out, lse, dout, block_q=128, block_k=128,
-                          visit=lambda *t: tiles.append(t))
-    io_rows[n] = (flash_backward_traffic(n, 64, tiles), textbook_backward_traffic(n, 64),
-                  flash_forward_bytes(n, 64, 128))
+io_rows = {n: (flash_backward_traffic(n, 64, 128), textbook_backward_traffic(n, 64),
+               flash_forward_bytes(n, 64, 128)) for n in (1024, 2048, 4096)}
 print(f"\n{'N':>6} {'flash bwd bytes':>16} {'textbook bwd':>14} {'textbook/flash':>15} "
       f"{'flash bwd/fwd':>14}")
 for n_io, (fb, tb, ff) in io_rows.items():
@@ -251,18 +259,13 @@ for n_io, (fb, tb, ff) in io_rows.items():
 # %% [markdown]
 # ## What training keeps for the backward
 #
-# Between the forward and the backward pass, every layer keeps what its backward will need: the
-# textbook attention keeps $P$, $N_q N_k$ numbers per head per layer ($dV = P^\top dO$ and
-# $dS = P \circ (dP - D)$ use it); FlashAttention keeps $O$ (usually kept anyway, as the next
-# layer's input) and the lse, $N_q$ numbers. During the backward itself,
-# `naive_attention_backward` holds $P$, $dP$ and $dS$ whole, `flash_attention_backward` one tile
-# of each, plus $D$ and the guarded lse, $N_q$ numbers each.
-#
-# The cell measures both, in float32 with $d = d_v = 16$, $N = N_q = N_k$: what each forward
-# returns for its backward (`(O, P)` from a textbook forward, `(O, lse)` from `flash_attention`),
-# and the scratch each backward holds, measured as {doc}`chapter 8 <08_memory>` measures the
-# forward's (256 × 256 tiles, one worker, BLAS on one thread). The naive kernel stops at
-# $N = 4096$ (its $P$, $dP$, $dS$ then weigh 64 MiB each).
+# Between the passes, each layer keeps what its backward needs: the textbook attention keeps
+# $P$, $N_q N_k$ numbers per head; FlashAttention keeps $O$ (usually kept anyway, as the next
+# layer's input) and the lse, $N_q$ numbers. During the backward, `naive_attention_backward`
+# holds $P$, $dP$ and $dS$ whole, `flash_attention_backward` one tile of each plus $D$ and the
+# lse. The cell sets what the textbook keeps against what `flash_attention` returns (float32,
+# $d = d_v = 16$), and measures each backward's scratch as {doc}`chapter 8 <08_memory>`
+# measures the forward's (256 × 256 tiles, one worker). The naive kernel stops at $N = 4096$.
 
 # %%
 d = dv = 16
@@ -274,17 +277,9 @@ def problem(n):
     return [rng.standard_normal((n, c), dtype=dtype) for c in (d, d, dv, dv)]
 
 
-def textbook_forward(q, k, v):
-    """The forward a textbook backward needs: O and the whole P."""
-    s = (q @ k.T) * dtype(1 / np.sqrt(d))
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    return p @ v, p
-
-
 def naive_backward_bytes(n):
     q, k, v, do = problem(n)
-    kept = sum(x.nbytes for x in textbook_forward(q, k, v))
+    kept = (n * dv + n * n) * np.dtype(dtype).itemsize  # O and P: what a textbook forward keeps
     grads, peak = flash_lib.measure_peak_bytes(flash_lib.naive_attention_backward, q, k, v, do)
     return kept, peak - sum(g.nbytes for g in grads)
 
@@ -325,7 +320,7 @@ print(f"flash backward holds under 1 MiB at every N from 256 to 8192: {flash_hel
 print(f"for scale: P at N = 8192 in bfloat16 is {8192**2 * 2 / 2**20:.0f} MiB per head per layer, "
       f"O and lse (d = 128, lse in float32) {8192 * (128 * 2 + 4) / 2**20:.1f} MiB")
 
-# %%
+# %% tags=["hide-input"]
 fig, (ax_kept, ax_held) = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
 ax_kept.loglog(sizes_naive, naive_kept, "s-", color="C3", label="textbook: O and P")
 ax_kept.loglog(sizes_flash, flash_kept, "o-", color="C0", label="flash: O and lse")
@@ -352,9 +347,8 @@ plt.show()
 # %% [markdown]
 # ## Checking the gradient by finite differences
 #
-# All the checks so far compare one derivation with another. Finite differences check the
-# gradient against the forward pass alone. Along a random direction $(\delta_q, \delta_k,
-# \delta_v)$, let $f(\varepsilon) = \sum dO \circ \text{flash\_attention}(Q + \varepsilon
+# Finite differences check the gradient against the forward pass alone. Along a random direction
+# $(\delta_q, \delta_k, \delta_v)$, let $f(\varepsilon) = \sum dO \circ \text{flash\_attention}(Q + \varepsilon
 # \delta_q, K + \varepsilon \delta_k, V + \varepsilon \delta_v)$. Its derivative at 0 is the
 # directional derivative
 #
@@ -372,11 +366,9 @@ plt.show()
 # With an error $A\varepsilon^2 + B/\varepsilon$, the sum is least at $\varepsilon^* =
 # (B/2A)^{1/3}$; with $A$ of order 1 and $B$ of order $u$ that is near $u^{1/3} \approx 5
 # \times 10^{-6}$, where the error is of order $u^{2/3} \approx 2 \times 10^{-11}$: the
-# bottom of a V. A correct analytic gradient sits at that bottom; a wrong one flattens the V
-# at its own error, whatever $\varepsilon$ is. To show that, the cell also runs the loop written
-# above with $D$ omitted. The error is relative to $|f'(0)|$ and
-# averaged (root mean square) over 8 random directions; the problem is causal, $N_q = 13$,
-# $N_k = 17$, $d = 6$, $d_v = 4$, with 4 × 5 tiles.
+# bottom of a V. A correct gradient sits at that bottom; a wrong one (the loop above with $D$
+# omitted) flattens the V at its own error. The error is relative to $|f'(0)|$, root mean square
+# over 8 random directions; causal, $N_q = 13$, $N_k = 17$, $d = 6$, $d_v = 4$, 4 × 5 tiles.
 
 # %%
 n_q, n_k, d, dv = 13, 17, 6, 4
@@ -424,7 +416,7 @@ print(f"smallest error {below(err[best], 1e-9)}, at most twice the two sides' pr
       f"{u ** (1 / 3):.0e}: {u ** (1 / 3) / 10 < steps[best] < 10 * u ** (1 / 3)}")
 print(f"without D: smallest error {errors['without D'].min():.1f}")
 
-# %%
+# %% tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(8, 6))
 ax.loglog(steps, err, "o-", ms=4, color="C0", label="flash_attention_backward")
 ax.loglog(steps, errors["without D"], "s-", ms=3, color="C3", label="backward_from_scratch, D omitted")
@@ -448,18 +440,15 @@ plt.show()
 # %% [markdown]
 # ## Training with it
 #
-# Last, the backward doing its job: gradient descent through `flash_attention` and
-# `flash_attention_backward`, on a task whose answer can be seen. Sixteen queries, sixteen keys,
-# and a target permutation $\pi$: query $i$ should retrieve key $\pi(i)$. The values are the
-# one-hot vectors $v_j = e_j$, so a row's output *is* its row of attention weights, and the loss
+# Last, gradient descent through `flash_attention` and `flash_attention_backward` on a task
+# whose answer can be seen: sixteen queries and keys, query $i$ to retrieve key $\pi(i)$ of a
+# permutation. With one-hot values $v_j = e_j$ a row's output *is* its row of weights, and
 #
 # $$L = \tfrac12 \sum_i \lVert o_i - e_{\pi(i)} \rVert^2, \qquad dO = O - V_\pi ,$$
 #
-# is zero exactly when every query puts all its weight on its target key. We learn $Q$ and $K$
-# ($d = 8$, starting small, so that every row starts near uniform) by plain gradient descent
-# with step 1.0 for 300 steps, with 4 × 4 tiles. At every step the gradients are also computed by
-# `naive_attention_backward` and compared; the largest difference over the run is checked
-# against $10^{-13}$.
+# is zero exactly when every query puts all its weight on its target. We learn $Q$ and $K$
+# ($d = 8$, starting small: rows near uniform) with step 1.0 for 300 steps, 4 × 4 tiles,
+# comparing the gradients with `naive_attention_backward`'s at every step.
 
 # %%
 n, d = 16, 8
@@ -478,7 +467,7 @@ for step in range(300):
     losses.append(0.5 * float((dout**2).sum()))
     dq, dk, dv = flash_lib.flash_attention_backward(q, k, v, out, lse, dout, block_q=4, block_k=4)
     reference = flash_lib.naive_attention_backward(q, k, v, dout)
-    step_diffs.append(max(rel_diff(g, r) for g, r in zip((dq, dk, dv), reference)))
+    step_diffs.append(max(relative_difference(g, r) for g, r in zip((dq, dk, dv), reference)))
     grad_norms.append(float(np.sqrt((dq**2).sum() + (dk**2).sum())))
     q -= 1.0 * dq
     k -= 1.0 * dk
@@ -495,7 +484,7 @@ print(f"queries whose largest weight is on their target key: {int((retrieved == 
 print(f"flash's gradients against naive's, largest relative difference over all steps: "
       f"{below(max(step_diffs), 1e-13)}")
 
-# %%
+# %% tags=["hide-input"]
 # The loss across the top, the two weight maps below it: three panels in one row would be drawn
 # at two thirds of their size in the page's column.
 fig, axd = plt.subplot_mosaic([["loss", "loss"], ["p0", "p1"]], figsize=(10, 9),
@@ -520,18 +509,16 @@ fig.colorbar(image, ax=[ax_p0, ax_p1], label="weight $P_{ij}$ (dimensionless)")
 plt.show()
 
 # %% [markdown]
-# The loss sits on a plateau while every row is near uniform. The gradients are small there:
-# with $Q$ and $K$ small, every score is near 0, $dQ = \tau\, dS\, K$ and $dK = \tau\,
-# dS^\top Q$ carry a small factor each, and they grow as $Q$ and $K$ do. Once the rows start to
-# commit, the loss falls more than a hundredfold, and every query ends with its weight on its
-# target key.
+# The loss sits on a plateau while the rows are near uniform: $dQ = \tau\, dS\, K$ and
+# $dK = \tau\, dS^\top Q$ carry the small $K$ and $Q$ as factors, and grow with them. Once the
+# rows commit, the loss falls more than a hundredfold, every query on its target key.
 #
 # ## What we showed
 #
 # - The backward from scratch matches `flash_attention_backward` to rounding; with $D$ omitted
 #   the same check fails by order 1.
-# - It does 2.5 times the forward's flops (five matrix products per tile to two); causal computes
-#   $(n+1)/2n$ of them.
+# - It does 2.5 times the forward's flops (five matrix products per tile to two), full or
+#   causal, both counted.
 # - Recomputing $P$ beats reading it back; the backward moves about $4N^2 d/b_k$ elements, twice
 #   the forward's, against the textbook's $7N^2$: $\Theta(N^2 d^2/M)$, Theorem 5.
 # - Flash keeps $N(d_v + 1)$ numbers for the backward against $N^2$, and its scratch is flat in
@@ -544,12 +531,14 @@ for causal in (False, True):
     assert scratch_check[causal] < ROUNDING, (causal, scratch_check[causal])
     assert no_D_check[causal] > 1e-2, (causal, no_D_check[causal])
 # flops counted through the loop's matmul: 2 b² (3d + 2d) per visited tile, n² tiles in full,
-# n(n+1)/2 causal (the loop skips exactly the tiles above the diagonal)
+# n(n+1)/2 causal (the loop skips exactly the tiles above the diagonal); against the forward's,
+# counted from flash_attention's own tiles: 5/2, full and causal
 assert len(cost[False][1]) == blocks**2 and len(cost[True][1]) == blocks * (blocks + 1) // 2
 for causal, (flops, tiles) in cost.items():
     assert flops == 2 * b_c * b_c * (3 * d_c + 2 * d_c) * len(tiles)
-    assert 2 * flops == 5 * forward_flops[causal]
-# bytes from the visited tiles: the closed form 8Nd + (N/b)(8Nd + 8N) + 4Nd + 4N
+    assert 2 * flops == 5 * forward_flops[causal], (causal, flops, forward_flops[causal])
+# bytes from flash_attention_backward's own tiles: the closed form 8Nd + (N/b)(8Nd + 8N) + 4Nd + 4N;
+# the textbook's 3 to 3.5 times more, the forward's about half
 for n_io, (fb, tb, ff) in io_rows.items():
     assert fb == 8 * n_io * 64 + (n_io // 128) * (8 * n_io * 64 + 8 * n_io) + 4 * n_io * 64 + 4 * n_io
     assert 3 < tb / fb < 3.5 and 1.9 < fb / ff < 2.2
@@ -559,7 +548,7 @@ assert 1.9 < slope_naive < 2.1 and 3 <= n_by_n <= 5
 assert tiles_part.max() <= 1.02 * tiles_part.min(), tiles_part
 assert flash_held[-1] <= 1.3 * flash_held[0] and flash_held.max() < 2**20
 assert naive_held[-1] > 100 * flash_held[sizes_flash.index(4096)]
-assert np.all(naive_kept >= np.array(sizes_naive) ** 2 * itemsize)
+# what flash_attention returns for its backward: O and a float32 lse, (dv + 1) numbers a row
 assert np.array_equal(flash_kept, np.array(sizes_flash) * kept_per_row)
 # finite differences: slopes 2 ± 0.1 on the right, -1 ± 0.3 on the left (rounding is noisy;
 # within these the printed integers cannot change); the minimum at most twice what the two

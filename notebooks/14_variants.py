@@ -15,12 +15,11 @@
 # %% [markdown]
 # # 14. Attention variants: window, softcap, ALiBi
 #
-# Production attention kernels take more than a boolean mask: a sliding window, a soft cap on
-# the scores, ALiBi's distance penalty, grouped-query heads, masks written as functions. Each is
-# one line in the score or in the mask, plus, for the masks, a rule for which tiles need not be
-# computed. This chapter places each variant in the computation of a score, then takes the
-# window (and its cost), softcap (and its gradient) and ALiBi; chapter 15 takes grouped-query
-# heads and masks written as functions.
+# Production kernels take more than a boolean mask: a sliding window, a soft cap on the scores,
+# ALiBi's distance penalty, grouped-query heads, masks written as functions. Each is one line in
+# the score or the mask, plus, for masks, a rule for which tiles need not be computed. This
+# chapter places each in a score, then takes the window (and its cost), softcap (and its
+# gradient) and ALiBi; chapter 15 takes grouped-query heads and masks written as functions.
 #
 # **Sources.** FlashAttention's conventions are quoted from Dao-AILab/flash-attention, read at
 # commit `0251105a`: the docstrings of `flash_attn_func` in `flash_attn/flash_attn_interface.py`,
@@ -47,21 +46,17 @@
 # $$
 #
 # then the softmax over $j$ and $O = P V$ as before. The order is FlashAttention's: its test
-# reference `attention_ref` scales, caps, then fills masked scores with $-\infty$; its CUDA
-# forward (`csrc/flash_attn/src/flash_fwd_kernel.h`) calls `apply_softcap` on the scores and then
-# `mask.apply_mask`, which adds the ALiBi bias and sets masked entries to $-\infty$
-# (`csrc/flash_attn/src/mask.h`). FlexAttention's reference (`_math_attention_inner` in
-# `torch/_higher_order_ops/flex_attention.py`) computes `scores * scale`, then
-# `torch.where(mask_mod(...), score_mod(scores, ...), -inf)`: its `score_mod` too sees scaled
-# scores, and the mask comes last.
+# reference `attention_ref` scales, caps, then masks; its CUDA forward
+# (`csrc/flash_attn/src/flash_fwd_kernel.h`) calls `apply_softcap`, then `mask.apply_mask`, which
+# adds the ALiBi bias and sets masked entries to $-\infty$ (`mask.h`). FlexAttention's reference
+# (`_math_attention_inner`) likewise applies `score_mod` to scaled scores and the mask last.
 #
-# In flash_lib the first three steps are `_scores` (one matmul per tile, then the cap and the
-# bias in place) and the fourth is `_allowed`; chapter 5's online softmax runs unchanged on what
+# In flash_lib the first three steps are the tile's scores (one matmul, then the cap and the bias
+# in place) and the fourth its allowed pairs; chapter 5's online softmax runs unchanged on what
 # they produce. Every variant is checked twice: `flash_attention` against `naive_attention`, and
 # `naive_attention` against `dense_attention`, the four steps written out for the whole matrix
-# in another order of operations, so that the oracle itself is pinned. That oracle, the checks
-# and their limit are a small module, `notebooks/_oracle.py`, printed below; chapter 15 imports
-# it.
+# in another order of operations, so that the oracle itself is pinned. The oracle, the checks
+# and their limit are `notebooks/_oracle.py`, printed below; chapter 15 imports it.
 
 # %%
 import inspect
@@ -88,25 +83,23 @@ print(inspect.getsource(_oracle))
 # ## The masks, as tile maps
 #
 # Three ways to say which keys a query may see, ANDed together: the boolean `mask` array,
-# `causal` and `window=(left, right)` (chapter 15 adds a fourth, `mask_mod`). The window is
+# `causal` and `window=(left, right)` (chapter 15 adds `mask_mod`). The window is
 # FlashAttention's `window_size`: "Query at position i will only attend to keys between
 # [i + seqlen_k - seqlen_q - window_size[0], i + seqlen_k - seqlen_q + window_size[1]]
-# inclusive" (the docstring of `flash_attn_func`), with $-1$ for an unbounded side, which
-# flash_lib writes `None`. Causal is the window $(\infty, 0)$; FlashAttention's own reference
-# turns `causal` into `window_size = (window_size[0], 0)`.
+# inclusive" (`flash_attn_func`'s docstring), $-1$ for an unbounded side (flash_lib: `None`).
+# Causal is the window $(\infty, 0)$, as FlashAttention's own reference treats it.
 #
 # The band that `causal` and `window` cut out is a diagonal strip, so a tile's two extreme
-# corners decide whether it holds an allowed pair (chapter 6's argument, with a second edge): the
-# kernel skips the tiles outside the strip without looking at them. Two masks over $N = 64$
-# tokens with 8 × 8 tiles:
+# corners decide whether it holds an allowed pair (chapter 6's argument, with a second edge),
+# and the kernel skips the tiles outside it unseen. Two masks over $N = 64$ tokens, 8 × 8 tiles:
 #
 # - **causal**: $j \le i$;
 # - **sliding window**, `window=(12, 0)`: $i - 12 \le j \le i$, attention-gym's
 #   `generate_sliding_window(12)` (`q_idx - kv_idx <= 12` ANDed with causal).
 #
-# Each mask is also written out as a dense boolean matrix from its definition. The cell checks
-# that the tiles `tile_schedule` returns are exactly the ones holding an allowed pair, and runs
-# both checks; chapter 15 draws the window's tile map beside the masks written as functions.
+# Each is also written out as a dense boolean matrix from its definition. The cell checks that
+# the tiles `tile_schedule` returns are exactly those holding an allowed pair, and runs both
+# checks; chapter 15 draws the window's tile map beside the masks written as functions.
 
 # %%
 N, BLOCK = 64, 8
@@ -138,7 +131,7 @@ for name in masks:
 # \text{tiles} = \sum_{r=0}^{n-1} \big(\min(r, w) + 1\big) = n(w + 1) - \frac{w(w+1)}{2},
 # $$
 #
-# linear in $N$, against $n(n+1)/2$ for causal attention and $n^2$ for none. Each tile costs
+# linear in $N$, against chapter 6's $n(n+1)/2$ for causal attention and $n^2$ for none. Each tile costs
 # $b^2$ score pairs, so away from the start the window computes
 # $N b\,(\lceil \text{left}/b \rceil + 1)$ pairs where it needs about $N (\text{left} + 1)$:
 # rounded up to whole key blocks, plus one block of slack. At left = 256 and $b = 512$ that is
@@ -180,6 +173,7 @@ for b in (512, 128):
 lefts = [0, 256, 512, 1024, 2048, 4096, 8192]
 by_left = [len(tile_schedule(n_window, n_window, 512, 512, window=(w, 0))) for w in lefts]
 
+# %% tags=["hide-input"]
 fig, (ax_n, ax_left) = plt.subplots(1, 2, figsize=(11, 4))
 for (name, counts), marker in zip(tile_counts.items(), "os^v"):
     ax_n.plot(lengths, counts, marker=marker, label=name)
@@ -219,14 +213,13 @@ plt.show()
 # \frac{d}{ds}\, c \tanh(s/c) = 1 - \tanh^2(s/c),
 # $$
 #
-# so the backward pass multiplies $dS$ by $1 - \tanh^2(s/c)$ after the softmax's Jacobian and
-# before $dQ = \tau\, dS\, K$ and $dK = \tau\, dS^\top Q$. The kernel keeps $\tanh(s/c)$ from the
-# recomputed tile (one more elementwise pass) rather than storing anything new, as FlashAttention
-# does (`calculate_dtanh` in `csrc/flash_attn/src/utils.h`); its forward too caps the *scaled*
-# score, $c \tanh(\tau\, q \cdot k / c)$ (`flash_api.cpp`).
+# so the backward multiplies $dS$ by $1 - \tanh^2(s/c)$ after the softmax's Jacobian and before
+# $dQ = \tau\, dS\, K$ and $dK = \tau\, dS^\top Q$, from $\tanh(s/c)$ of the recomputed tile
+# rather than anything stored, as FlashAttention does (`calculate_dtanh` in
+# `csrc/flash_attn/src/utils.h`); its forward too caps the *scaled* score (`flash_api.cpp`).
 #
-# The example: 64 queries over 256 keys with scores of spread about 4 (the queries are scaled up
-# so that the cap $c = 5$ bites). The figure shows the map and its derivative for three caps.
+# The example: 64 queries over 256 keys with scores of spread about 4 (the queries scaled up so
+# that the cap $c = 5$ bites). The figure shows the map and its derivative for three caps.
 
 # %%
 n_q, n_k, d = 64, 256, 16
@@ -260,6 +253,7 @@ print(f"median over rows of the largest weight: {peak_raw:.2f} without the cap, 
       f"{peak_capped:.2f} with it")
 print(f"scores whose gradient the cap damps below half (1 - tanh² < 0.5): {damped:.0%}")
 
+# %% tags=["hide-input"]
 s_axis = np.linspace(-25, 25, 501)
 fig, (ax_map, ax_grad) = plt.subplots(1, 2, figsize=(11, 4))
 ax_map.plot(s_axis, s_axis, color="grey", linestyle=":", label="no cap")
@@ -306,14 +300,11 @@ checks.run("softcap 5, causal, Nq = Nk", q_sc, k_sc[:n_q], v_sc[:n_q],
 # %% [markdown]
 # ### The backward pass through the cap
 #
-# The chain rule, written out densely for the causal example: $P = \operatorname{softmax}(S_c)$
-# on the capped, masked scores $S_c$, $dP = dO\, V^\top$,
-# $dS_c = P \circ (dP - \operatorname{rowsum}(P \circ dP))$, then the cap's factor
-# $dS = dS_c \circ (1 - \tanh^2(S / c))$ and $dQ = \tau\, dS\, K$, $dK = \tau\, dS^\top Q$,
-# $dV = P^\top dO$, written with $D = \operatorname{rowsum}(dO \circ O)$ (chapter 12's identity)
-# where naive uses $\operatorname{rowsum}(P \circ dP)$, so the two are computed differently.
-# `flash_attention_backward` must give the same, and both must match central differences of the
-# forward along a random direction.
+# The chain rule, written out densely for the causal example: chapter 12's
+# $dS_c = P \circ (dP - D)$ on the capped, masked scores, then the cap's factor
+# $dS = dS_c \circ (1 - \tanh^2(S / c))$, $dQ = \tau\, dS\, K$, $dK = \tau\, dS^\top Q$,
+# $dV = P^\top dO$ (with $D$ from $O$, where naive takes it from $P$).
+# `flash_attention_backward` must give the same, and all must match central differences.
 
 # %%
 def dense_softcap_backward(q, k, v, dout, scale, cap, allowed):
@@ -378,11 +369,10 @@ print(f"directional derivative: analytic {analytic:.6f}, central difference {num
 #                            = \text{slope}\cdot j - \text{slope}\,(i + o),
 # $$
 #
-# which differ only by terms that do not depend on $j$: a constant per row (for attention-gym's
-# form $\text{slope}\cdot o$ in every row). A softmax does not see a constant added to a whole
-# row, and masked keys stay at $-\infty$, so the outputs agree; the lse moves by the constant,
-# so a kernel that adds $\text{slope}\cdot j$ returns an lse $\text{slope}\,(i + o)$ above that
-# of the documented bias, which is flash_lib's. Without the causal mask, $|\cdot|$ folds at
+# which differ only by a constant per row ($\text{slope}\cdot o$ for attention-gym's form). A
+# softmax does not see a constant added to a row, so the outputs agree; the lse moves by the
+# constant: a kernel that adds $\text{slope}\cdot j$ returns an lse $\text{slope}\,(i + o)$
+# above the documented bias's, which is flash_lib's. Without the causal mask, $|\cdot|$ folds at
 # $j = i + o$ and the forms give different attention.
 #
 # The picture: the bias of head 0 of 8 (slope $2^{-1} = 1/2$) for $N_q = 12$ queries over
@@ -401,7 +391,15 @@ ours = -slope * np.abs(ia + offset - ja)
 gym = slope * (ja - ia)
 fa_causal = slope * ja + 0 * ia  # FlashAttention's causal CUDA path: the same vector per row
 print("slopes of 8 heads:", ", ".join(f"1/{1 / s:g}" for s in slopes))
+row_spread = [np.ptp((fa_causal - ours)[r][causal_a[r]]) for r in range(n_qa)]
+row_value = np.array([(fa_causal - ours)[r][causal_a[r]][0] for r in range(n_qa)])
+print(f"attention-gym − ours on the causal pairs: {np.unique((gym - ours)[causal_a])} "
+      f"(slope·o = {slope * offset:g}) in every row")
+print(f"FlashAttention's causal form − ours: spread within a row {max(row_spread):g}; the row "
+      f"constants {', '.join(f'{x:g}' for x in row_value[:3])}, ..., {row_value[-1]:g} = "
+      f"slope·(i + o)")
 
+# %% tags=["hide-input"]
 fig, axes = plt.subplots(2, 2, figsize=(11, 8))
 axes = axes.ravel()
 panels = [(ours, "ours / FlashAttention's docstring: −slope·|i + o − j|"),
@@ -433,14 +431,6 @@ ax.grid(True, alpha=0.3)
 fig.suptitle(f"ALiBi, slope {slope}, Nq = {n_qa}, Nk = {n_ka} (offset o = {offset}; dashed: j = i + o)")
 fig.tight_layout()
 plt.show()
-
-row_spread = [np.ptp((fa_causal - ours)[r][causal_a[r]]) for r in range(n_qa)]
-row_value = np.array([(fa_causal - ours)[r][causal_a[r]][0] for r in range(n_qa)])
-print(f"attention-gym − ours on the causal pairs: {np.unique((gym - ours)[causal_a])} "
-      f"(slope·o = {slope * offset:g}) in every row")
-print(f"FlashAttention's causal form − ours: spread within a row {max(row_spread):g}; the row "
-      f"constants {', '.join(f'{x:g}' for x in row_value[:3])}, ..., {row_value[-1]:g} = "
-      f"slope·(i + o)")
 
 # %% [markdown]
 # The checks: naive with `alibi_slopes` against softmax with the explicit bias matrix, per head,
@@ -487,19 +477,11 @@ print(f"lse of attention-gym's form minus ours, by head: "
       f"{', '.join(f'{x:.4g}' for x in slopes * offset)})")
 
 # %% [markdown]
-# ## All the checks
-#
-# What each comparison of flash_lib's kernel against `naive_attention` measured on this machine.
-
-# %%
-checks.plot({f"softcap 5, causal: {name}": e_flash for name, (e_flash, _) in grad_errors.items()},
-            height=4.2)
-
-# %% [markdown]
 # ## What we showed
 #
 # - Each variant is one step of a score, in FlashAttention's order: scale, cap, ALiBi, masks.
-#   flash equals naive, and naive the dense construction, to below $10^{-14}$ (table above).
+#   flash equals naive, and naive the dense construction, to below $10^{-14}$ (the appendix on
+#   how this tutorial is tested draws the differences measured).
 # - The tiles `tile_schedule` lists are exactly those holding an allowed pair. A (left, 0) window
 #   computes about $N b\,(\lceil \text{left}/b \rceil + 1)$ pairs: 3.95 times the pairs needed
 #   at left = 256 with 512-wide tiles, 1.49 with 128-wide.

@@ -21,7 +21,7 @@
 # `flash_triton.py`, beside `flash_lib.py`. No GPU is needed: Triton's **interpreter**
 # (`TRITON_INTERPRET=1`) runs the same `@triton.jit` functions on the CPU, one thread block after
 # another, with NumPy doing the arithmetic; slow, but the kernel, line for line, which chapter
-# 20's conformance suite can check. In this chapter: the GPU's execution model, drawn; the
+# 23's conformance suite can check. In this chapter: the GPU's execution model, drawn; the
 # forward kernel read against chapter 5's algorithm box, the backward against chapter 12's;
 # `exp2`; causal tiles counted; what the softmax costs beside the matmuls (its exponential runs
 # on a unit far slower than the tensor cores, the fact behind FlashAttention-2's, -3's and -4's
@@ -246,7 +246,7 @@ for dtype in (np.float32, np.float16):
 # the kernel multiplies once by $\tau \log_2 e$ and works in base 2 from there ($m$, $\alpha$,
 # the lse), and $e^{\tau x - \tau m} = 2^{\tau x \log_2 e - \tau m \log_2 e}$ makes it exact
 # mathematics, not an approximation. Per tile that removes one multiply per score, and the lse
-# costs one multiply by $\ln 2$ per *row* at the very end. Forgetting it (chapter 20's
+# costs one multiply by $\ln 2$ per *row* at the very end. Forgetting it (chapter 23's
 # `lse_base2` bug) returns every lse times $1 / \ln 2$, which the lse check above fails by far
 # more than its bound. flash_lib does the same on a CPU where NumPy's `exp2` is faster than its
 # `exp` ({doc}`chapter 5 <05_tiling>`).
@@ -540,7 +540,7 @@ for dtype in (np.float32, np.float16):
 # %% [markdown]
 # ## Checked by flash_check
 #
-# Chapter 20's conformance suite runs a kernel through cases built to expose the classic bugs
+# Chapter 23's conformance suite runs a kernel through cases built to expose the classic bugs
 # (a late-rising maximum, empty rows, $N_q \ne N_k$ under causal, float16 overflow, scales far
 # from $1/\sqrt d$) and bounds its error by twice the textbook computation's in the same dtype.
 # Its `lse` feature wants `(out, lse)` back, so it gets `flash_triton.attention_with_lse` (from a
@@ -563,7 +563,7 @@ for options in (dict(features=("causal", "lse"), dtypes=("float32", "float16")),
 #
 # `flash_triton.with_bug("missing_rescale")` is the same kernel launched with `RESCALE=False`:
 # when a later key tile raises a row's maximum, `l` and `acc` keep terms measured against the
-# old maximum. On random inputs the rows' maxima rise often, and chapter 20's diagnosis finds the
+# old maximum. On random inputs the rows' maxima rise often, and chapter 23's diagnosis finds the
 # cause by shuffling the keys (attention does not depend on their order; this bug does):
 
 # %% tags=["needs-triton"]
@@ -596,5 +596,5 @@ assert all("not rescaled by exp(m - m')" in f.diagnosis for f in buggy.failures)
 # runs), timing, and the order of the programs (the kernels use no atomics). So a pass under the
 # interpreter says the kernel's *logic* is right (indexing, masks, the online softmax, the
 # skipped tiles, the lse, the backward's algebra) in float32 and float16; compiled, the same code
-# adds the hardware's rounding (`ex2.approx`, the tensor cores' order), which chapter 20's bound,
+# adds the hardware's rounding (`ex2.approx`, the tensor cores' order), which chapter 23's bound,
 # twice the textbook error, leaves room for.

@@ -1,12 +1,11 @@
 """The oracle of chapters 14 and 15: the variants' dense construction, and the two checks.
 
-Chapter 14 prints this file; chapter 15 imports it. Every variant is checked twice:
+Chapter 14 prints this file; chapter 15 imports it, and chapters 17 and 18 its ``worst``. Every variant is checked twice:
 `flash_attention` against `naive_attention` with the same keywords, and `naive_attention`
 against `dense_attention`, written here from the formulas in its own order of operations, so
 that the oracle itself is pinned.
 """
 
-import matplotlib.pyplot as plt
 import numpy as np
 
 from flash_lib import flash_attention, naive_attention, rowwise_relative_error, tile_schedule
@@ -70,26 +69,3 @@ class Checks(dict):
             dense = dense_attention(q, k, v, scale=1 / np.sqrt(q.shape[-1]), allowed=allowed)
             self.run(name, q, k, v, dense, block_q=block, block_k=block, **keywords)
         return schedules, holding
-
-    def plot(self, gradients, height):
-        """Every flash-vs-naive difference (the outputs', then `gradients`: name -> error) in
-        machine epsilons, as measured on this machine: their last digits are its rounding, so
-        they are drawn; the chapter printed the limit they are under."""
-        eps64 = np.finfo(np.float64).eps
-        measured = {f"{name}: out": e_flash for name, (e_flash, _) in self.items()}
-        measured.update(gradients)
-        fig, ax = plt.subplots(figsize=(8, height))
-        rows = np.arange(len(measured))[::-1]
-        ax.plot(np.array(list(measured.values())) / eps64, rows, "o", color="C0",
-                label="flash vs naive, this machine")
-        ax.axvline(ROUNDING / eps64, color="C3", ls="--",
-                   label=f"the limit asserted, {ROUNDING:.0e}")
-        ax.set_xscale("log")
-        ax.set_xlim(0.5, 100)
-        ax.set_yticks(rows, list(measured), fontsize=8)
-        ax.set_xlabel("largest error of a row, relative (machine epsilons, 2.2e-16)")
-        ax.set_title("flash_attention(_backward) against naive, every variant of this chapter")
-        ax.legend(fontsize=8, loc="lower right")
-        ax.grid(True, axis="x", which="major", alpha=0.3)
-        fig.tight_layout()
-        plt.show()

@@ -5,7 +5,7 @@ message: nbval then has no kernel at all, and reports every cell of the chapter 
 This happened once, in one fresh-clone CI run, to chapter 10, whose cells all pass when run
 again. The likely cause is a known race in starting kernels: jupyter_client picks a kernel's
 TCP ports by binding port 0 and closing the socket. Another process can take that port before
-the new kernel binds it (under xdist, chapter 19's Dask cluster is opening its own), and the
+the new kernel binds it (under xdist, chapter 22's Dask cluster is opening its own), and the
 kernel then exits ("Address already in use": jupyter/jupyter_client#154, jupyter/nbconvert#1066).
 Only the start is retried, with fresh ports; a cell that fails is never run again.
 """

@@ -2,7 +2,7 @@
 and real kernels (PyTorch SDPA, JAX) get the results the README states.
 
 The broken kernels are flash_check.bugs' small tiled kernels with a switch per bug (the ones
-chapter 20 prints), written independently of flash_lib.
+chapter 23 prints), written independently of flash_lib.
 """
 
 import ast

@@ -13,24 +13,17 @@
 # ---
 
 # %% [markdown]
-# # 20. Conformance: checking someone else's kernel
+# # 23. Conformance: checking someone else's kernel
 #
 # You have written an attention kernel, in CUDA, Triton, C++ or JAX, and it agrees with a
 # reference to `allclose(atol=1e-2)` on random inputs. Is it right? Not necessarily: the classic
 # attention bugs are invisible on random inputs. A missing online-softmax rescale shows only when
 # a row's maximum rises in a later key block; the NaN of a fully masked row only when a row is
 # fully masked; the wrong causal diagonal only when $N_q \ne N_k$. This project began as the fix
-# of exactly such a kernel, whose three root causes were a broken rescale, NaN on fully masked
-# rows, and $O(N^2)$ working memory. In this chapter:
-#
-# - random inputs and `allclose` pass most of the classic bugs, measured;
-# - `flash_check.check_kernel` runs a kernel through cases built to expose each bug, in float64,
-#   float32 and float16, and bounds each error by what the textbook computation achieves in the
-#   same dtype; we justify that bound from measurements;
-# - a gallery of small, deliberately broken kernels, each caught, with the diagnosis the report
-#   gives;
-# - real kernels that no one here wrote, PyTorch's `scaled_dot_product_attention` and JAX's
-#   `dot_product_attention`, run through the same checks.
+# of exactly such a kernel (a broken rescale, NaN on fully masked rows, $O(N^2)$ memory). In this
+# chapter: what random inputs and `allclose` miss; `flash_check.check_kernel`, cases built to
+# expose each bug, in float64, float32 and float16, with a bound measured here; a gallery of
+# broken kernels, each caught and diagnosed; and PyTorch's and JAX's kernels run through it.
 
 # %%
 import functools
@@ -50,17 +43,12 @@ rng = np.random.default_rng(15)
 # %% [markdown]
 # ## A kernel to break
 #
-# Here is FlashAttention's forward pass (chapters 4 to 6) in twenty lines, one query block at a
-# time over key blocks of 16, with `m`, `l` and the accumulator `o`, the guard for rows whose
-# running max is still $-\infty$, and float32 accumulation for float16 inputs. One step is new:
-# $P V$ runs over the allowed pairs only (`allowed_matmul`, printed after the kernel). A masked
-# pair's weight is exactly 0, but $0 \cdot \text{NaN} = \text{NaN}$, and the unused slots of a
-# key-value cache (padding, or the slots past a row's causal diagonal) may hold anything: the
-# keys whose values hold inf or NaN are left out of the matmul and added pair by pair where
-# allowed.
-#
-# Each `bug == ...` marks the one line a classic bug changes. The kernel returns `(out, lse)`.
-# It is `flash_check.bugs.tiled_attention`, the same kernel the project's tests break bug by bug.
+# FlashAttention's forward (chapters 4 to 6) in twenty lines: key blocks of 16, `m`, `l` and the
+# accumulator `o`, the guard for rows whose running max is still $-\infty$, float32 accumulation
+# for float16, and $P V$ over the allowed pairs only (`allowed_matmul`, printed after it): a
+# masked pair weighs 0, but $0 \cdot \text{NaN} = \text{NaN}$, and padding or the slots past a
+# causal diagonal may hold anything. Each `bug == ...` marks the one line a classic bug changes.
+# It is `flash_check.bugs.tiled_attention`, which the project's tests break bug by bug.
 
 # %%
 for name, what in BUGS.items():
@@ -99,10 +87,9 @@ for bug in [None, *BUGS]:
 # `flash_check.check_kernel(fn, features=..., dtypes=..., lse_empty=...)` calls
 # `fn(q, k, v, mask=..., causal=..., scale=...)` (only the keywords a case uses) and returns a
 # `Report`. `features` says what the kernel supports ("mask", "causal", "lse", "dv" for
-# $d_v \ne d$, "memory" for kernels whose allocations `tracemalloc` can see, and the variants of
-# chapters 14, 15 and 17, `flash_check.VARIANTS`: "window", "softcap", "alibi", "gqa",
-# "mask_mod", "sinks", "dropout"); a case that needs another feature is skipped and listed as
-# skipped. Each registered case says why it is there:
+# $d_v \ne d$, "memory", and the variants of chapters 14, 15, 17 and 18,
+# `flash_check.VARIANTS`); a case that needs another feature is listed as skipped. Each case
+# says why it is there:
 
 # %%
 for case in flash_check.CASES.values():
@@ -111,9 +98,8 @@ for case in flash_check.CASES.values():
 
 # %% [markdown]
 # Every accuracy case is measured against `flash_lib.precise_attention` (extended precision) on
-# the very inputs the kernel received, with `rowwise_relative_error` (each row's
-# $\max_c |o_{ic} - t_{ic}| / \max_c |t_{ic}|$, its largest value over the rows). The bound is
-# the rule of FlashAttention's own tests:
+# the very inputs the kernel received, with chapter 7's `rowwise_relative_error`. The bound is
+# chapter 7's rule, FlashAttention's own, with a floor:
 #
 # $$
 # \text{err}(\text{kernel}) \le \text{FACTOR} \cdot \text{err}(\text{naive\_attention in the same dtype}) + \text{floor}_{\text{dtype}},
@@ -125,10 +111,9 @@ for case in flash_check.CASES.values():
 #
 # flash_lib passes, with its default 512 × 512 tiles (memory and the variants included) and with
 # 16 × 16 tiles (which exercise the recurrence on these small cases), and so does the clean kernel
-# above, which has no variants (their cases are skipped for it). The serving cases (chapter 18) are
-# skipped for all three: they call a kernel that takes packed batches or a KV cache. (The
-# memory case runs $N = 4096$; the kernel above, with its 16 × 16 tiles in Python loops, would take
-# half a minute there, so only the kernels whose memory is in question run it.)
+# above (its missing variants skipped). The serving cases (chapter 21) are skipped for all three:
+# they need a kernel that takes packed batches or a KV cache. (The memory case, $N = 4096$, would
+# take the kernel above half a minute in its Python loops, so it runs where memory is in question.)
 
 # %%
 flash_kernel = functools.partial(flash_lib.flash_attention, return_lse=True)
@@ -157,15 +142,13 @@ print("\n".join(str(clean_reports["flash_lib, 16 x 16 tiles"]).splitlines()[:12]
 # %% [markdown]
 # ### Where FACTOR and the floor come from
 #
-# The factor 2 is FlashAttention's. Whether it is right here is a measurement: for the clean
-# kernels we have (flash_lib at three tile shapes and the tiled kernel; PyTorch and JAX, below,
-# are held to the same bound), the ratio of each one's error to naive's on every case where
-# naive's error is above a few eps, and the floor each case would need,
-# $\max(\text{err} - 2 \cdot \text{err}_\text{naive})$, in units of the dtype's eps. The tile
-# shape $7 \times 1$ (one key per block, a thousand rescales in a row for the 1000-key cases) is
-# the worst case for rounding that a correct kernel can produce. Both numbers are rounding, whose
-# last bits depend on the CPU (chapter 7), so the cell prints whether every case run met the
-# bound, and the plot below shows the measurements themselves.
+# The factor 2 is FlashAttention's. Whether it suffices here is a measurement: for the clean
+# kernels we have (flash_lib at three tile shapes and the tiled kernel), the ratio of each one's
+# error to naive's where naive's is above a few eps, and the floor each case would need,
+# $\max(\text{err} - 2 \cdot \text{err}_\text{naive})$, in the dtype's eps. The tile shape
+# $7 \times 1$ (one key per block: a thousand rescales in a row) is the worst rounding a correct
+# kernel can produce. Both numbers are the CPU's rounding, so the cell prints whether every case
+# run met the bound, and the plot shows the measurements.
 
 # %%
 measured_kernels = {
@@ -200,19 +183,15 @@ for dtype, (runs, within, ratio, floor) in flash_stats.items():
           f"{flash_check.FACTOR:g} x naive's + {floor_eps:.0f} eps: {within}")
 
 # %% [markdown]
-# Every case run met the bound. The plot below shows each kernel's error against naive's, with
-# the bound as a line, and in each panel's title the largest ratio and the floor needed on the
-# machine that built this page. Over NumPy's AVX-512, AVX2 and baseline loops and OpenBLAS's
-# SkylakeX and Haswell kernels, the largest ratio was 1.2 to 1.4 and the floor needed at most
-# 5.3 eps (float64; 3.8 in float32), from the 7 × 1 tiles' thousand rescales. With OpenBLAS's
-# older Sandybridge kernel (no fused multiply-add) the ratio reached 2.0 (float64) and 2.3
-# (float32), and the floor of 8 eps carried the difference (47 eps against 2 × 20.7 + 8):
-# neither the factor nor the floor is the bound alone; their sum is. In float16 every kernel's
-# error is, nearly everywhere, the final rounding to float16 (half an ulp), the same for naive,
-# so a floor of one eps suffices; where it is more (`float16_overflow`, up to 19 eps with the
-# Haswell kernel), naive's error is just as large.
+# Every case run met the bound. The plot shows each kernel's error against naive's, the bound as
+# a line, and in each title the largest ratio and the floor needed on the machine that built
+# this page. Neither the factor nor the floor is the bound alone: with OpenBLAS's older
+# Sandybridge kernel the ratio reached 2.0 (float64) and 2.3 (float32), and the floor of 8 eps
+# carried the difference; in float16 the error is nearly everywhere the final rounding, the same
+# for naive, so a floor of one eps suffices. The appendix on how this tutorial is tested lists
+# what each CPU configuration measured.
 
-# %%
+# %% tags=["hide-input"]
 # One dtype per row: three panels side by side would be drawn at two thirds of their size.
 fig, axes = plt.subplots(3, 1, figsize=(8, 12), sharex=True)
 # the x axis ends just past the largest naive error of any panel, not at an arbitrary 10^3
@@ -289,13 +268,12 @@ for bug, (case, words) in signature.items():
           f"  diagnosis: {shown(failure.diagnosis)}\n")
 
 # %% [markdown]
-# How the diagnoses are found: the report compares the output with what known mistakes would
-# produce on the same inputs (attention over the first $n$ keys for each common block size, a
-# top-left causal mask, the default scale, the mean of all values for an empty row), and where
-# that is not enough it probes the kernel. The rescale probe is the neatest: attention does not
-# depend on the order of the keys, so it calls the kernel on one row twice, the keys sorted with
-# the largest score first and then last. A kernel that forgets the rescale is right the first
-# time and wrong the second, whatever its block size. On plain random inputs:
+# The report compares the output with what known mistakes would produce on the same inputs
+# (attention over the first $n$ keys for common block sizes, a top-left causal mask, the default
+# scale, the mean of all values for an empty row), and where that is not enough it probes the
+# kernel. The rescale probe: attention does not depend on the keys' order, so it calls the kernel
+# on one row twice, the largest score first and then last. A kernel that forgets the rescale is
+# right the first time and wrong the second, whatever its block size. On plain random inputs:
 
 # %%
 rescale_report = flash_check.check_kernel(functools.partial(tiled_attention,
@@ -370,7 +348,7 @@ for claim in (None, "flash_lib"):
 # `scaled_dot_product_attention`: it forces the backend with `sdpa_kernel` (so the call fails
 # rather than silently falling back to another), and for `causal=True` passes PyTorch's own
 # bottom-right bias `torch.nn.attention.bias.causal_lower_right`, since `is_causal=True` is
-# top-left ({doc}`chapter 21 <21_other_libraries>` cites each library's conventions). Pass
+# top-left ({doc}`chapter 24 <24_other_libraries>` cites each library's conventions). Pass
 # `device="cuda"` to check the GPU backends.
 
 # %%
@@ -394,13 +372,11 @@ except ImportError:
 
 # %% [markdown]
 # The kernels: PyTorch's math and flash backends through the bottom-right wrapper; the math
-# backend once more with `is_causal=True` passed straight through (`causal_alignment="top-left"`);
-# PyTorch's private CPU flash op, the one behind the flash backend, which also returns the lse
-# (its lse of an empty row is 0.0, so `lse_empty=0.0`); JAX's `dot_product_attention` with a
-# bottom-right mask and with its own `is_causal=True`. The flash backend and JAX require
-# $d_v = d$, so they are checked without "dv". XLA compiles JAX's kernel for every new shape and
-# dtype, a second or so each on this machine, so JAX runs two cases in two dtypes here, and
-# `is_causal=True` the one case that shows its alignment.
+# backend with `is_causal=True` passed straight through; PyTorch's private CPU flash op, which
+# also returns the lse (0.0 for an empty row, so `lse_empty=0.0`); JAX's `dot_product_attention`
+# with a bottom-right mask and with its own `is_causal=True`. The flash backend and JAX need
+# $d_v = d$ (no "dv"). XLA compiles JAX's kernel per shape and dtype, so JAX runs two cases in two
+# dtypes, and `is_causal=True` the one case that shows its alignment.
 
 # %%
 # XLA compiles per shape and dtype: JAX runs these cases, and its is_causal=True only causal_wide.
@@ -461,18 +437,11 @@ for name, report in real.items():
 # - **`is_causal=True`**: flagged on every case with $N_q \ne N_k$ (decoding, the wide and tall
 #   causal cases), right on the square one, where the conventions agree.
 # - **PyTorch's CPU flash op with its lse** (0.0 for an empty row): its outputs pass. In
-#   float16, where PyTorch 2.13 computes in float32 and stores the weights in float16, its lse
-#   can be up to about $5 \cdot 10^{-5}$ off (relative), far beyond float32 rounding (naive's
-#   lse, computed in float32, is within $10^{-7}$): harmless for a float16 backward, whose
-#   $P = e^{s - \text{lse}}$ is rounded to $10^{-3}$ anyway. Which cases fail depends on the
-#   CPU. Measured here (with `ATEN_CPU_CAPABILITY` to choose PyTorch's code path), the error
-#   comes from the vector loop that computes the weights $e^{s - m}$ to within about $10^{-4}$,
-#   in 8 lanes with AVX2 and 16 with AVX-512; the keys past the last full vector of a 512-key
-#   block are done one at a time, exactly, and the scalar build (`default`) passes every case.
-#   So `late_max`, whose weight sits on its last 8 keys (of 1100: 76 in the last block), fails
-#   with AVX2, whose exact tail is the last 4 keys, and passes with AVX-512, whose tail is the
-#   last 12; cases whose weight is spread over many keys fail on both.
-# - **JAX**: a fully masked row gets uniform weights ({doc}`chapter 21 <21_other_libraries>`
+#   float16 its lse can be up to about $5 \cdot 10^{-5}$ off (relative), far beyond float32
+#   rounding: harmless for a float16 backward, whose $P = e^{s - \text{lse}}$ is rounded to
+#   $10^{-3}$ anyway. Which cases fail depends on the CPU's vector width (the testing appendix
+#   traces it to the vector loop's lanes).
+# - **JAX**: a fully masked row gets uniform weights ({doc}`chapter 24 <24_other_libraries>`
 #   says why); float64 inputs come out only as exact as float32, because
 #   `jax.nn.dot_product_attention` always computes its softmax in float32 (the comment "Softmax
 #   and it is always carried out in fp32" in `_dot_product_attention_core`,
@@ -482,20 +451,16 @@ for name, report in real.items():
 # ## What we showed
 #
 # - On random 128 × 128 inputs, `allclose(atol=1e-2)` passes nine of the eleven classic bugs;
-#   `check_kernel` fails every one of them, and for each the diagnosis of its signature case
-#   names the cause: a missing rescale, the missing $-\infty$ guard, $O(N^2)$ memory (scratch
-#   growing as $N^2$ between $N = 512$ and $4096$), top-left causal, a base-2 lse, a dropped
-#   partial block, float16 accumulation (failing in float16 only), uniform weights for empty
-#   rows, a stale running max, and garbage let into rows that may not attend it (the rows and
-#   the key named; per tile, with the tile's size, or past the causal diagonal), in the
-#   backward too.
+#   `check_kernel` fails every one, and the diagnosis of its signature case names the cause,
+#   garbage let into rows that may not attend it included (the rows and the key named, in the
+#   backward too).
 # - A dropout mask that repeats with a tile's period is named as such, by its statistics or,
 #   for a kernel that claims flash_lib's generator, pair for pair.
-# - flash_lib, at 512 × 512 tiles (memory included) and 16 × 16 tiles, and the clean tiled kernel
-#   pass every case in every dtype.
+# - flash_lib, at 512 × 512 and 16 × 16 tiles, and the clean tiled kernel pass every case in
+#   every dtype.
 # - The bound, twice naive's error in the same dtype plus a floor of 8 eps (float64, float32) or
-#   1 eps (float16), holds on every case run of the four correct kernels measured, on every CPU
-#   configuration we tried; neither part alone would.
+#   1 eps (float16), holds on every case run of the four correct kernels; neither part alone
+#   would.
 # - Where installed: PyTorch SDPA (math, flash) passes everything but garbage at padded keys,
 #   its `is_causal=True` is flagged top-left when $N_q \ne N_k$; JAX's empty rows are flagged as
 #   uniform weights and its float64 as float32-accurate.

@@ -13,21 +13,20 @@
 # ---
 
 # %% [markdown]
-# # 21. Appendix: what other libraries do
+# # 24. Appendix: what other libraries do
 #
 # `flash_lib` fixes three conventions that real libraries do not share: what a row with no
 # allowed key returns (its output, and its lse), and where the causal diagonal sits when
-# $N_q \ne N_k$. This appendix says what FlashAttention, PyTorch (SDPA, its CPU flash kernel,
-# FlexAttention) and JAX do, each with its source, and why the differences matter when results
-# are merged ({doc}`chapter 3 <03_merging_states>`) or fed to a backward pass
-# ({doc}`chapter 12 <12_backward>`); the summary table is at the end.
+# $N_q \ne N_k$. This appendix, the one place the tutorial compares them, says what
+# FlashAttention, PyTorch (SDPA, its CPU flash kernel, FlexAttention) and JAX do, each with its
+# source, and why it matters when results are merged ({doc}`chapter 3 <03_merging_states>`) or
+# fed to a backward pass ({doc}`chapter 12 <12_backward>`); the summary table is at the end.
 #
 # **How the statements are checked.** FlashAttention needs a CUDA GPU, so its behaviour is quoted
-# from its source (Dao-AILab/flash-attention, read at commit `0251105a`, August 2026). PyTorch and
-# JAX are tested here, against the real libraries, whenever they are importable: those cells
-# follow chapter 10's pattern (their output is exempt from the notebook's test because it depends
-# on what is installed), and their `assert`s fail if the library disagrees with what this page
-# says. `make` installs the PyTorch release the project pins; JAX is the optional `jax` extra.
+# from its source (Dao-AILab/flash-attention, commit `0251105a`). PyTorch and JAX are tested
+# against the real libraries whenever they are importable: those cells' output is exempt from
+# the notebook's test (it depends on what is installed), and their `assert`s fail if the library
+# disagrees with this page. `make` installs PyTorch; JAX is the optional `jax` extra.
 
 # %%
 import math
@@ -56,11 +55,10 @@ except ImportError:
 # %% [markdown]
 # ## The inputs
 #
-# Five queries over six keys, float32, with query 1 allowed no key at all (an empty row) and the
-# other rows a random mask with at least one allowed key each. flash_lib's answer: an empty row
-# has output 0 and lse $-\infty$ (chapter 6). The other rows are what every library below is
-# compared with, so the cell also checks them against `naive_attention` on the same inputs in
-# float64, where rounding is $10^{-16}$.
+# Five queries over six keys, float32, query 1 allowed no key (an empty row), the others a random
+# mask with at least one allowed key each. flash_lib's answer: an empty row has output 0 and lse
+# $-\infty$ (chapter 6). Every library below is compared with the other rows, so the cell also
+# checks them against `naive_attention` in float64.
 
 # %%
 n_q, n_k, d = 5, 6, 8
@@ -123,17 +121,16 @@ print(f"lse = -inf, mapped to 0 before use (FlashAttention-3's backward):   P = 
 
 # %% [markdown]
 # With $+\infty$ or 0 the recomputed weights are 0 without a branch; with $-\infty$ they are NaN
-# unless the backward guards, as FlashAttention-3 and FlexAttention do (below). flash_lib keeps
-# $-\infty$ because it is the exact value, $\log \sum_{j \in \emptyset} e^{s_j} = \log 0$, and
-# because it merges correctly, which the others do not.
+# unless the backward guards, as flash_lib's (chapter 12), FlashAttention-3's and FlexAttention's
+# do. flash_lib keeps $-\infty$ because it is the exact value, $\log 0$, and because it merges
+# correctly, which the others do not.
 #
 # **Why the sign matters: merging.** Chapter 3's merge weights each part by $e^{\text{lse}}$. A
-# part with lse $-\infty$ weighs nothing (chapter 6 merged one). A part with lse $+\infty$ claims
-# infinite weight: a plain merge would return lse $+\infty$ and a NaN output, so
-# `flash_lib.merge_attention` refuses it with a `ValueError` that says how to convert. A part
-# with lse 0 weighs $e^0 = 1$ and is merged as if it were a real part with output 0: **silently
-# wrong**, and no merge can tell. Below, row 0 of our inputs merged with an "empty" part carrying
-# each convention's lse.
+# part with lse $-\infty$ weighs nothing. A part with lse $+\infty$ claims infinite weight (lse
+# $+\infty$, a NaN output), so `flash_lib.merge_attention` refuses it with a `ValueError` that
+# says how to convert. A part with lse 0 weighs $e^0 = 1$, merged as a real part with output 0:
+# **silently wrong**. Below, row 0 of our inputs merged with an "empty" part carrying each
+# convention's lse.
 
 # %%
 out_part, lse_part = out_ours[:1], lse_ours[:1]  # row 0: a real part
