@@ -48,7 +48,7 @@ import numpy as np
 import flash_lib
 from flash_check._core import (FACTOR, FEATURE_KEYWORDS, FEATURES, LSE_FLOOR, OUT_FLOOR, Case,
                                Result, _call, _lse_error, _max_error, _split, register_case)
-from flash_check.training import DROPOUT_P, SIGMAS
+from flash_check.training import DROPOUT_P
 
 FEATURES.update({
     "varlen": "takes q (H, total_q, d), k, v (H, total_k, ·) packed end to end with "
@@ -60,6 +60,9 @@ FEATURES.update({
     "paged": "with kvcache: takes block_table= (B, max_pages) over k_cache (num_pages, H, "
              "page_size, ·), vLLM's paged cache",
 })
+#: Half-width of the varlen dropout case's binomial intervals, in standard deviations: a correct
+#: generator falls outside one with probability below 6e-7 (two intervals per case run).
+SIGMAS = 5.0
 FEATURE_KEYWORDS.update({"varlen": ("cu_seqlens_q", "cu_seqlens_k"),
                          "kvcache": ("cache_seqlens", "k_new", "v_new"),
                          "paged": ("block_table",)})
