@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import numpy as np
 
@@ -80,7 +81,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 __all__ = ["attention", "attention_with_lse", "attention_backward", "with_bug", "BUGS",
            "INTERPRETED", "DEVICE", "BLOCK_M", "BLOCK_N", "LOG2E",
            # the kernels themselves, public so that chapter 16 can print and read them
-           "forward_kernel", "where_allowed", "backward_preprocess_kernel", "load_row_stats",
+           "forward_kernel", "allowed_pairs", "dot_allowed", "backward_preprocess_kernel", "load_row_stats",
            "backward_dkdv_kernel", "backward_dq_kernel"]
 
 #: True when the kernels run under Triton's interpreter (on the CPU), False when compiled.
@@ -102,14 +103,25 @@ BUGS = {"missing_rescale":
 
 
 @triton.jit
-def where_allowed(s, offs_m, offs_n, n_k, shift, CAUSAL: tl.constexpr):
-    # Keys past Nk were loaded as zeros (their score 0 is not "masked"), and under causal a key
-    # beyond the bottom-right diagonal i + (Nk - Nq) is not allowed: both become -inf, so
-    # exp2 gives exactly 0 for them.
-    allowed = offs_n[None, :] < n_k
+def allowed_pairs(offs_m, offs_k, n_k, shift, CAUSAL: tl.constexpr):
+    # Which (row, key) pairs of the tile may attend: keys past Nk were loaded as zeros (their
+    # score 0 is not "masked"), and under causal a key beyond the bottom-right diagonal
+    # i + (Nk - Nq) is not allowed. (BLOCK_M, BLOCK_N), whatever CAUSAL is.
+    allowed = (offs_k[None, :] < n_k) & (offs_m[:, None] >= 0)
     if CAUSAL:
-        allowed = allowed & (offs_n[None, :] <= offs_m[:, None] + shift)
-    return tl.where(allowed, s, float("-inf"))
+        allowed = allowed & (offs_k[None, :] <= offs_m[:, None] + shift)
+    return allowed
+
+
+@triton.jit
+def dot_allowed(a, b, allowed):
+    # a @ b over the allowed pairs only: sum_j a_ij b_jc with j allowed for i. A masked pair's
+    # weight is exactly 0, but IEEE makes 0 · inf = NaN, so when b may hold inf or NaN a plain
+    # tl.dot would let a key's (or a row's) garbage into rows that may not see it. One product
+    # per pair, selected: (M, N, C) values, so only for inputs that hold such numbers
+    # (NONFINITE), as flash_lib's _flash_masked does for its rare key blocks.
+    terms = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
+    return tl.sum(tl.where(allowed[:, :, None], terms, 0.0), 1)
 
 
 @triton.jit
@@ -120,7 +132,7 @@ def forward_kernel(
     n_q, n_k, d, dv, qk_scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    RESCALE: tl.constexpr,
+    NONFINITE: tl.constexpr, RESCALE: tl.constexpr,
 ):
     # One program = one block of BLOCK_M query rows of one (batch, head): FlashAttention-2's grid.
     # Its q tile, m, l and acc stay in registers for the whole key loop; only K and V stream in.
@@ -162,15 +174,13 @@ def forward_kernel(
         # below is exp2, the one the hardware computes (MUFU.EX2), with no extra multiply.
         # "ieee": fp32 inputs would otherwise be rounded to TF32 on NVIDIA GPUs.
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        if start_n + BLOCK_N > full:
-            s = where_allowed(s, offs_m, offs_k, n_k, shift, CAUSAL)
+        allowed = allowed_pairs(offs_m, offs_k, n_k, shift, CAUSAL)
         if HAS_MASK:
             keep = tl.load(Mask + bh * stride_mb + offs_m[:, None] * stride_mm + offs_k[None, :],
                            mask=row_ok[:, None] & (offs_k[None, :] < n_k), other=0)
-            s = tl.where(keep != 0, s, float("-inf"))
-            # A key no row of this tile may see adds nothing, even if its value is inf or NaN
-            # (p = 0 times inf would be NaN): its row of v is zeroed.
-            v = tl.where(tl.max(keep, 0)[:, None] != 0, v, 0.0)
+            allowed = allowed & (keep != 0)
+        if HAS_MASK or NONFINITE or start_n + BLOCK_N > full:
+            s = tl.where(allowed, s, float("-inf"))
 
         # The online softmax (chapter 2), in base 2: the new max, the tile's probabilities
         # against it, and the factor alpha that brings the old l and acc to the new max.
@@ -185,7 +195,10 @@ def forward_kernel(
             acc = acc * alpha[:, None]
         l = l + tl.sum(p, 1)
         # P · V on the tensor cores: p rounded to v's dtype (fp16 in, fp32 accumulate).
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+        if NONFINITE:  # v may hold inf or NaN: keep every masked pair out of the product
+            acc += dot_allowed(p.to(v.dtype), v, allowed)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         m = m_new
 
     # The epilogue, once per row: divide by l (an empty row has l = 0 and acc = 0: out 0, not
@@ -230,6 +243,7 @@ def backward_dkdv_kernel(
     n_q, n_k, d, dv, qk_scale, scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    NONFINITE: tl.constexpr,
 ):
     # Key blocks outside (chapter 12): this program owns one key block's dK_j and dV_j in
     # registers and walks the query blocks, so no two programs ever write the same dk, dv row.
@@ -262,16 +276,23 @@ def backward_dkdv_kernel(
         lse2, delta = load_row_stats(Lse2, Delta, bh, offs_m, n_q)
         # Recompute S and P from the saved lse: one exp2 per score, no max, no sum.
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        s = where_allowed(s, offs_m, offs_k, n_k, shift, CAUSAL)
+        allowed = allowed_pairs(offs_m, offs_k, n_k, shift, CAUSAL)
         if HAS_MASK:
             keep = tl.load(Mask + bh * stride_mb + offs_m[:, None] * stride_mm + offs_k[None, :],
                            mask=row_ok[:, None] & key_ok[None, :], other=0)
-            s = tl.where(keep != 0, s, float("-inf"))
+            allowed = allowed & (keep != 0)
+        s = tl.where(allowed, s, float("-inf"))
         p = tl.math.exp2(s - lse2[:, None])
-        dv_acc += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision="ieee")
         dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        ds = p * (dp - delta[:, None])  # the gradient with respect to the scaled scores
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision="ieee")
+        # the gradient with respect to the scaled scores; exactly 0 at a masked pair, even where
+        # v's inf or NaN made its dp NaN
+        ds = tl.where(allowed, p * (dp - delta[:, None]), 0.0)
+        if NONFINITE:  # q or dout may hold inf or NaN at rows that may not see these keys
+            dv_acc += dot_allowed(tl.trans(p.to(do.dtype)), do, tl.trans(allowed))
+            dk += dot_allowed(tl.trans(ds.to(q.dtype)), q, tl.trans(allowed))
+        else:
+            dv_acc += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision="ieee")
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision="ieee")
 
     # S = scale · q k^T, so dK = scale · dS^T Q: one multiply per element, at the end.
     tl.store(DK + bh * stride_kb + offs_k[:, None] * stride_kn + offs_d[None, :],
@@ -288,6 +309,7 @@ def backward_dq_kernel(
     n_q, n_k, d, dv, qk_scale, scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    NONFINITE: tl.constexpr,
 ):
     # dQ_i = scale · Σ_j dS_ij K_j needs every key block's share. FlashAttention-2 adds them with
     # atomic adds from the key-block programs; a second pass over query blocks (this kernel, as
@@ -318,15 +340,19 @@ def backward_dq_kernel(
         v = tl.load(V + bh * stride_vb + offs_k[:, None] * stride_vn + offs_dv[None, :],
                     mask=(offs_k[:, None] < n_k) & (offs_dv[None, :] < dv), other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        s = where_allowed(s, offs_m, offs_k, n_k, shift, CAUSAL)
+        allowed = allowed_pairs(offs_m, offs_k, n_k, shift, CAUSAL)
         if HAS_MASK:
             keep = tl.load(Mask + bh * stride_mb + offs_m[:, None] * stride_mm + offs_k[None, :],
                            mask=row_ok[:, None] & (offs_k[None, :] < n_k), other=0)
-            s = tl.where(keep != 0, s, float("-inf"))
+            allowed = allowed & (keep != 0)
+        s = tl.where(allowed, s, float("-inf"))
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
+        ds = tl.where(allowed, p * (dp - delta[:, None]), 0.0)
+        if NONFINITE:  # k may hold inf or NaN at keys these rows may not see
+            dq += dot_allowed(ds.to(k.dtype), k, allowed)
+        else:
+            dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
 
     tl.store(DQ + bh * stride_qb + offs_m[:, None] * stride_qm + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < d))
@@ -361,9 +387,26 @@ def _check(q, k, v, mask, causal, scale):
 
 def _flat(x):
     """A contiguous (batch·heads, rows, cols) tensor on DEVICE (on the CPU, x's own memory)."""
-    x = x.reshape((-1,) + x.shape[-2:])
+    x = x.reshape((math.prod(x.shape[:-2]),) + x.shape[-2:])  # not -1: rows or cols may be 0
     # torch refuses to wrap a read-only array (a broadcast view) without a warning: copy it.
     return torch.from_numpy(x if x.flags.writeable else x.copy()).to(DEVICE)
+
+
+def _nonfinite(*arrays):
+    """Whether any of the arrays holds inf or NaN: the kernels then keep every masked pair out
+    of their products (``dot_allowed``), one pass over the inputs to spare every other call."""
+    return not all(np.isfinite(x).all() for x in arrays)
+
+
+def _launch(kernel, grid, *args, **meta):
+    """``kernel[grid](*args, **meta)``. Under the interpreter the kernel's arithmetic is NumPy's,
+    which warns where IEEE arithmetic is defined and the kernel expects it (exp2(-inf), inf - inf
+    on an input's NaN or inf, a NaN's comparisons; ``tl.max`` is ``np.nanmax``, which warns on
+    a row of NaN scores): the answer is the kernel's, so no warning leaves the call. Compiled,
+    there is nothing to silence."""
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "All-NaN slice encountered", RuntimeWarning)
+        kernel[grid](*args, **meta)
 
 
 def _common_args(q, k, v, mask, causal, scale):
@@ -377,7 +420,8 @@ def _common_args(q, k, v, mask, causal, scale):
     n_q, d, n_k, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
     strides = (tq.stride(0), tq.stride(1), tk.stride(0), tk.stride(1), tv.stride(0), tv.stride(1),
                stride_mb, stride_mm)
-    meta = dict(CAUSAL=causal, HAS_MASK=mask is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+    meta = dict(CAUSAL=causal, HAS_MASK=mask is not None, NONFINITE=_nonfinite(k, v),
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                 BLOCK_D=triton.next_power_of_2(max(d, 16)),
                 BLOCK_DV=triton.next_power_of_2(max(dv, 16)))
     return (tq, tk, tv, tm), strides, (n_q, n_k, d, dv, scale * LOG2E), meta
@@ -390,8 +434,8 @@ def _forward(q, k, v, mask, causal, scale, rescale=True):
     lse2 = torch.empty((n_bh, n_q), dtype=torch.float32, device=DEVICE)
     if n_bh and n_q:
         grid = (triton.cdiv(n_q, BLOCK_M), n_bh)
-        forward_kernel[grid](tq, tk, tv, tm, out, lse2, *strides, out.stride(0), out.stride(1),
-                              *sizes, RESCALE=rescale, **meta)
+        _launch(forward_kernel, grid, tq, tk, tv, tm, out, lse2, *strides, out.stride(0),
+                out.stride(1), *sizes, RESCALE=rescale, **meta)
     return out, lse2
 
 
@@ -499,13 +543,16 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=False, mask=None, scal
     dq, dk, dvv = torch.empty_like(tq), torch.empty_like(tk), torch.empty_like(tv)
     if n_bh and n_q and k.shape[-2]:
         o_strides = (tout.stride(0), tout.stride(1))
-        backward_preprocess_kernel[(triton.cdiv(n_q, BLOCK_M), n_bh)](
-            tout, tdout, delta, *o_strides, n_q, dv, BLOCK_M=BLOCK_M, BLOCK_DV=meta["BLOCK_DV"])
+        _launch(backward_preprocess_kernel, (triton.cdiv(n_q, BLOCK_M), n_bh),
+                tout, tdout, delta, *o_strides, n_q, dv, BLOCK_M=BLOCK_M,
+                BLOCK_DV=meta["BLOCK_DV"])
+        # the products with q and dout keep masked pairs out too when those hold inf or NaN
+        meta["NONFINITE"] = _nonfinite(q, k, v, dout)
         tensors = (tq, tk, tv, tm, tdout, lse2, delta)
-        backward_dkdv_kernel[(triton.cdiv(k.shape[-2], BLOCK_N), n_bh)](
-            *tensors, dk, dvv, *strides, *o_strides, *sizes, scale, **meta)
-        backward_dq_kernel[(triton.cdiv(n_q, BLOCK_M), n_bh)](
-            *tensors, dq, *strides, *o_strides, *sizes, scale, **meta)
+        _launch(backward_dkdv_kernel, (triton.cdiv(k.shape[-2], BLOCK_N), n_bh),
+                *tensors, dk, dvv, *strides, *o_strides, *sizes, scale, **meta)
+        _launch(backward_dq_kernel, (triton.cdiv(n_q, BLOCK_M), n_bh),
+                *tensors, dq, *strides, *o_strides, *sizes, scale, **meta)
     else:  # nothing to attend, or no one attending: every gradient is 0
         dq.zero_(), dk.zero_(), dvv.zero_()
     grads = [t.cpu().numpy().reshape(x.shape) for t, x in ((dq, q), (dk, k), (dvv, v))]

@@ -162,20 +162,17 @@ plt.show()
 # | `acc += p @ v` | `tl.dot(p.to(v.dtype), v, acc)` | tensor cores |
 # | `out = acc / l`, `lse = m + log(l)` | the epilogue, once per row | registers → HBM |
 #
-# On the CPU, flash_lib runs the outer loop on a few threads and the inner one in NumPy; the
-# GPU runs thousands of programs at once, each an inner loop of its own.
-#
 # ## The forward kernel, whole
 #
 # Here it is, as `flash_triton.py` holds it (`.fn` is the Python function under `@triton.jit`).
 # `Q + offsets` is pointer arithmetic: `tl.load` reads a whole tile at once, `mask=` guards the
 # rows and columns past the array's end (loaded as `other=0.0`), and the `tl.constexpr`
-# arguments are compile-time constants: each combination of `CAUSAL`, `HAS_MASK`, the block
-# sizes and `RESCALE` compiles to its own kernel on a GPU, so `if CAUSAL:` costs nothing.
+# arguments are compile-time constants: each combination of `CAUSAL`, `HAS_MASK`, `NONFINITE`,
+# the block sizes and `RESCALE` compiles to its own kernel on a GPU, so `if CAUSAL:` is free.
 
 # %% tags=["needs-triton"]
-print(inspect.getsource(flash_triton.where_allowed.fn))
-print(inspect.getsource(flash_triton.forward_kernel.fn))
+for fn in (flash_triton.allowed_pairs, flash_triton.dot_allowed, flash_triton.forward_kernel):
+    print(inspect.getsource(fn.fn))
 
 # %% [markdown]
 # ### Read line by line against chapter 5
@@ -194,8 +191,9 @@ print(inspect.getsource(flash_triton.forward_kernel.fn))
 # 4. `s = tl.dot(q, tl.trans(k)) * qk_scale`: $S$, but in **base 2**: `qk_scale` is
 #    $\tau \log_2 e$, so `s` holds $\tau\, q k^\top \log_2 e$ and every exponential after it is an
 #    `exp2`.
-# 5. `where_allowed` and the `HAS_MASK` block: chapter 6's masks, as $-\infty$ scores. Only the
-#    tiles that can hold a disallowed pair pay for it.
+# 5. `allowed_pairs`, `HAS_MASK`: chapter 6's masks as $-\infty$ scores, paid for only in tiles
+#    that can hold a disallowed pair. If `k` or `v` holds inf or NaN (`NONFINITE`), `dot_allowed`
+#    keeps masked pairs out of $P V_j$ (their weight 0 times inf is NaN).
 # 6. `m_new`, `m_use`, `p`, `alpha`: the online softmax of chapter 2, with chapter 6's guard for a
 #    row that has seen no allowed key yet (`m_use = 0` where `m_new = -inf`, so that
 #    $2^{-\infty - 0} = 0$ rather than $2^{-\infty + \infty} = $ NaN).
@@ -257,7 +255,7 @@ for dtype in (np.float32, np.float16):
 # $j \le i + N_k - N_q$. For a query block starting at row `start_m` the kernel computes `hi`,
 # past which every key is above the diagonal for every row of the block (those tiles are never
 # loaded), and `full`, before which every key is allowed for every row (no mask). Only the tiles
-# between pay for `where_allowed`. Counted with the kernel's own formulas, against flash_lib's
+# between pay for the mask. Counted with the kernel's own formulas, against flash_lib's
 # `tile_schedule` and chapter 6's count:
 
 # %% tags=["needs-triton"]

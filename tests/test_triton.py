@@ -161,7 +161,7 @@ def test_flash_check_cli_passes():
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "PASS: 33 of 33 case runs passed" in run.stdout
+    assert "PASS: 35 of 35 case runs passed" in run.stdout
 
 
 def test_flash_check_masks_and_out_alone():
@@ -244,3 +244,95 @@ def test_refuses_without_cuda_or_interpreter():
     assert run.returncode == 0, run.stderr
     assert "refused: flash_triton: no CUDA GPU, and TRITON_INTERPRET is set to '0'" in run.stdout
     assert "triton was imported before flash_triton without TRITON_INTERPRET=1" in run.stdout
+
+
+# --- The masked-key contract (issue 33, items 1, 2, 6, 14): garbage at a key a row may not
+# attend never reaches that row, forward or backward, and no RuntimeWarning leaves a call.
+
+
+def _same_non_finite_and_close(got, want):
+    """Non-finite exactly where flash_lib's is, and close to it everywhere else."""
+    for g, w in zip(got, want):
+        assert np.array_equal(np.isfinite(g), np.isfinite(w))
+        both = np.isfinite(w)
+        assert np.max(np.abs(g[both] - w[both]), initial=0) <= 1e-5 * np.max(np.abs(w[both]), initial=1)
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("garbage", [np.nan, np.inf, -np.inf])
+def test_padded_keys_never_reach_the_gradients(where, garbage):
+    # the issue's reproducer: keys 30-39 padded out, their v (or k) garbage
+    rng = np.random.default_rng(11)
+    q, k, v, do = (rng.standard_normal((1, 40, 8)).astype(np.float32) for _ in range(4))
+    pad = np.ones((1, 1, 40), bool)
+    pad[..., 30:] = False
+    {"k": k, "v": v}[where][0, 30:] = garbage
+    out, lse = flash_triton.attention(q, k, v, mask=pad, return_lse=True)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    dq, dk, dv = flash_triton.attention_backward(q, k, v, out, lse, do, mask=pad)
+    assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
+    assert not dk[0, 30:].any() and not dv[0, 30:].any()
+    _same_non_finite_and_close((dq, dk, dv),
+                               flash_lib.flash_attention_backward(q, k, v, out, lse, do, mask=pad))
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_a_key_beyond_the_diagonal_reaches_only_the_rows_that_see_it(where):
+    # key 20 is in the tile of rows 0-31, but under causal only rows 20-39 may see it
+    rng = np.random.default_rng(12)
+    q, k, v, do = (rng.standard_normal((1, 40, 8)).astype(np.float32) for _ in range(4))
+    {"k": k, "v": v}[where][0, 20] = np.nan
+    out, lse = flash_triton.attention(q, k, v, causal=True, return_lse=True)
+    assert np.isfinite(out[0, :20]).all() and np.isnan(out[0, 20:]).all()
+    _same_non_finite_and_close((out, lse),
+                               flash_lib.flash_attention(q, k, v, causal=True, return_lse=True))
+    _same_non_finite_and_close(
+        flash_triton.attention_backward(q, k, v, out, lse, do, causal=True),
+        flash_lib.flash_attention_backward(q, k, v, out, lse, do, causal=True))
+
+
+def test_a_key_masked_for_some_rows_of_a_tile_reaches_only_the_others():
+    rng = np.random.default_rng(13)
+    q, k, v, do = (rng.standard_normal((2, 40, 8)).astype(np.float32) for _ in range(4))
+    mask = rng.random((2, 40, 40)) < 0.7
+    v[:, 5] = np.inf
+    k[:, 7] = np.nan
+    out, lse = flash_triton.attention(q, k, v, mask=mask, return_lse=True)
+    want = flash_lib.flash_attention(q, k, v, mask=mask, return_lse=True)
+    assert np.isfinite(want[0]).any(axis=-1).any() and not np.isfinite(want[0]).all()
+    _same_non_finite_and_close((out, lse), want)
+    _same_non_finite_and_close(
+        flash_triton.attention_backward(q, k, v, out, lse, do, mask=mask),
+        flash_lib.flash_attention_backward(q, k, v, out, lse, do, mask=mask))
+
+
+@pytest.mark.parametrize("n_q, n_k", [(0, 5), (5, 0), (0, 0)])
+def test_no_queries_or_no_keys_give_what_flash_lib_gives(n_q, n_k):
+    q, k, v = (np.ones((2, n, w), np.float32) for n, w in ((n_q, 8), (n_k, 8), (n_k, 4)))
+    out, lse = flash_triton.attention(q, k, v, return_lse=True)
+    want_out, want_lse = flash_lib.flash_attention(q, k, v, return_lse=True)
+    assert out.shape == want_out.shape and np.array_equal(out, want_out)
+    assert lse.shape == want_lse.shape and np.array_equal(lse, want_lse)
+    grads = flash_triton.attention_backward(q, k, v, out, lse, np.ones_like(out))
+    for g, x in zip(grads, (q, k, v)):
+        assert g.shape == x.shape and not g.any()
+
+
+def test_a_scale_flash_lib_refuses_is_refused():
+    x = np.ones((1, 4, 8), np.float32)
+    with pytest.raises(ValueError, match="scale"):
+        flash_triton.attention(x, x, x, scale=1e39)
+
+
+def test_no_runtime_warning_leaves_a_call_on_garbage_inputs():
+    # pyproject turns RuntimeWarning into an error, so a warning would fail here; say so anyway
+    rng = np.random.default_rng(14)
+    q, k, v = (rng.standard_normal((1, 40, 8)).astype(np.float32) for _ in range(3))
+    q[0, 3] = np.nan
+    k[0, 9] = np.inf
+    v[0, 11] = -np.inf
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = flash_triton.attention(q, k, v, causal=True, return_lse=True)
+        flash_triton.attention_backward(q, k, v, out, lse, np.ones_like(out), causal=True)
