@@ -30,7 +30,7 @@
 #   used in practice.
 #
 # How much the order of the merges changes the *rounding* is measured in
-# {doc}`chapter 7 <07_exactness>`; {doc}`chapter 19 <19_beyond_one_machine>` runs these schemes on a
+# {doc}`chapter 7 <07_exactness>`; {doc}`chapter 22 <22_beyond_one_machine>` runs these schemes on a
 # cluster.
 
 # %%

@@ -128,9 +128,9 @@ print(inspect.getsource(flash_lib.attention_forward_block))
 #
 # - `q_i = problem.q_tile(q_start, q_stop)`: **load** $Q_i$, already multiplied by its share of
 #   $\tau$ (flash_lib applies $\tau$ to the inputs rather than to the scores, its own choice
-#   that appendix 22 explains). `m, l = problem.initial_state(...)` and `acc = np.zeros(...)`:
+#   that appendix 25 explains). `m, l = problem.initial_state(...)` and `acc = np.zeros(...)`:
 #   $m = -\infty$, $l = 0$, $\text{acc} = 0$ (a sink starts a row at $m = $ sink, $l = 1$:
-#   chapter 17).
+#   chapter 18).
 # - `for tile in problem.row(...)`: **for** each key block $j$, of those the band can reach
 #   (causal and sliding window skip the others without computing them: chapters 6 and 14).
 #   `tile` carries what the box does not show: which of the tile's pairs are allowed, the dropout
@@ -144,13 +144,13 @@ print(inspect.getsource(flash_lib.attention_forward_block))
 #   lines, above, with $V_j$ = `tile.v` and $PV_j$ computed by `tile.pv` into a reused buffer.
 # - After the loop, `_finalize`: $O_i = \operatorname{diag}(l)^{-1}\text{acc}$ and
 #   $\text{lse}_i = m + \log l$, once (and the empty rows of chapter 6); **store** them. The
-#   dropout factor $1/(1 - p)$ and a sink's exact lse are chapter 17's.
+#   dropout factor $1/(1 - p)$ and a sink's exact lse are chapters 17 and 18's.
 #
 # ## The forward from scratch
 #
 # The algorithm box is short enough to write out in full; keep this version as your reference:
 # plain NumPy, nothing from `flash_lib`, one head, no mask (chapter 6 adds masks and empty rows;
-# chapter 20 prints such a kernel, `flash_check.bugs.tiled_attention`). It is checked against
+# chapter 23 prints such a kernel, `flash_check.bugs.tiled_attention`). It is checked against
 # `flash_attention` and `naive_attention`, output and lse, to the bound $10^{-13}$ justified in
 # the block-size section below: written independently, it agrees to rounding, not bit for bit.
 
@@ -218,7 +218,7 @@ for name, (e_out, e_lse) in scratch_errors.items():
 # chooses per machine and dtype, from the loops NumPy reports (never from a timing):
 # `flash_lib.exponential(dtype)` says which, and `flash_lib.use_exponential("exp" or "exp2")`
 # forces one. It folds $L$ into the keys' factor $	au_k$, a multiply it already does
-# (appendix 22). Base 2 costs a rounding of $k \cdot L$ and one of the lse's conversion;
+# (appendix 25). Base 2 costs a rounding of $k \cdot L$ and one of the lse's conversion;
 # {doc}`chapter 7 <07_exactness>` measures what that does to the error.
 #
 # The cell runs the from-scratch forward in base 2 against `flash_attention` in base 2 and in

@@ -31,7 +31,7 @@
 #   output 0 with lse $= -\infty$.
 #
 # Other libraries make other choices for empty rows and for the causal diagonal; the appendix
-# (chapter 21) compares them, tested against PyTorch and JAX where they are installed.
+# (chapter 24) compares them, tested against PyTorch and JAX where they are installed.
 
 # %% [markdown]
 # ## Boolean masks
@@ -375,7 +375,7 @@ for i in range(n_q):
 # While a row has seen no allowed key, every $s_j$ and $m$ are $-\infty$, so $p_j = e^{-\infty} = 0$
 # and $\alpha = e^{-\infty} = 0$ (multiplying $l = 0$ and $\text{acc} = 0$): no NaN, and nothing
 # changes for rows with a finite max. Any finite reference would do; 0 is also FlashAttention's
-# choice (chapter 21). In flash_lib this is `m_ref` in `flash_attention`'s tile loop, and
+# choice (chapter 24). In flash_lib this is `m_ref` in `flash_attention`'s tile loop, and
 # `naive_attention` uses the same reference for its whole rows.
 #
 # At the end, $l = 0$ exactly when the row had no allowed key: otherwise its largest allowed score
@@ -385,7 +385,7 @@ for i in range(n_q):
 # $\log \sum_{j \in \emptyset} e^{s_j} = \log 0$. That lse also composes: chapter 3's
 # `merge_attention` weights a part by $e^{\text{lse}}$, so an empty part merges as weight 0 and
 # changes nothing (the cell below merges this chapter's empty row with a non-empty one). Other
-# libraries store other values, with consequences {doc}`chapter 21 <21_other_libraries>` shows.
+# libraries store other values, with consequences {doc}`chapter 24 <24_other_libraries>` shows.
 #
 # The cell runs the guarded stream, `flash_attention` (with `block_k = 4`, so that row 2's first
 # tile is fully masked) and `naive_attention` under `np.errstate(invalid="raise", divide="raise",
