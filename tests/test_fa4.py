@@ -56,10 +56,11 @@ def test_fma32_is_correctly_rounded():
     want = [round_f32(Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z)))
             for x, y, z in zip(a, b, c)]
     np.testing.assert_array_equal(got, np.array(want, F32))
-    # a case where rounding the float64 sum then to float32 (double rounding) is wrong
-    a1, b1, c1 = F32(1 + 2**-23), F32(1 + 2**-23), F32(-1.0)
-    # exact: 2^-22 + 2^-46; float32 nearest is 2^-22
-    assert fma32(a1, b1, c1) == round_f32(Fraction(float(a1)) ** 2 - 1)
+    # a case where rounding the float64 sum, then to float32, rounds twice wrongly: exact is
+    # 1 + 3·2^-24 - 2^-60, just below a float32 midpoint; float64 rounds it onto the midpoint
+    a1, b1, c1 = F32(1 + 2**-18), F32(2**-24 * (1 - 2**-18)), F32(1 + 2**-23)
+    assert fma32(a1, b1, c1) == F32(1 + 2**-23)
+    assert F32(float(a1) * float(b1) + float(c1)) == F32(1 + 2**-22)
 
 
 @pytest.mark.parametrize("degree", sorted(POLY_EX2))
@@ -141,6 +142,8 @@ def test_online_update_keeps_the_max_within_threshold():
     s = np.array([[1.5]])
     online_softmax_update(m, l, acc, s, np.array([[1.0]]), threshold=2.0)
     assert m[0] == 0.0 and s[0, 0] == np.exp(1.5)  # kept: p = e^1.5 > 1
+    online_softmax_update(m, l, acc, np.array([[2.0]]), np.array([[1.0]]), threshold=2.0)
+    assert m[0] == 0.0  # kept: exceeding by exactly the threshold is not "by more than"
     online_softmax_update(m, l, acc, np.array([[2.5]]), np.array([[1.0]]), threshold=2.0)
     assert m[0] == 2.5  # moved: 2.5 - 0 > 2
 
