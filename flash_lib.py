@@ -60,8 +60,8 @@ it, and copied with it: ``flash_reference.py`` (the dense references, exported h
 ``_flash_inputs.py`` (the checks, and the problem they build), ``_flash_tiles.py`` (one tile's
 allowed pairs, score variants and dropout mask), ``_flash_runtime.py`` (threads, BLAS, the
 exponential's choice), ``_flash_masked.py`` (the matmul that keeps masked inf and NaN out),
-``_flash_dropout.py`` (the dropout mask's Philox) and ``_flash_measure.py`` (peak memory, the
-error metric). Each imports only modules below it; none imports this one.
+``_flash_dropout.py`` (the dropout mask's Philox), ``_flash_sparse.py`` (top-k sparse
+attention) and ``_flash_measure.py`` (peak memory, the error metric). Each imports only modules below it; none imports this one.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ import numpy as np
 import _flash_dropout as _dropout
 import _flash_inputs as _inputs
 import _flash_runtime as _runtime
+import _flash_sparse as _sparse
 import _flash_tiles as tiles
 from _flash_measure import measure_peak_bytes, rowwise_relative_error
 from _flash_runtime import exponential, thread_count, threads, use_exponential
@@ -96,6 +97,7 @@ __all__ = [
     "naive_attention_backward",
     "precise_attention_backward",
     "merge_attention",
+    "sparse_attention",
     "tile_schedule",
     "causal_mask",
     "dropout_keep",
@@ -658,6 +660,21 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     out_dtype = np.result_type(out_a.dtype, out_b.dtype)
     lse_dtype = np.result_type(lse_a.dtype, lse_b.dtype, np.float32)
     return out.astype(out_dtype, copy=False), lse.astype(lse_dtype, copy=False)
+
+
+def sparse_attention(q, k, v, indices, *, scale=None, return_lse=False):
+    """Top-k sparse attention: query ``i`` attends exactly the keys ``indices[..., i, :]`` lists
+    (DeepSeek Sparse Attention's selected keys; FlashAttention's ``gather_kv_indices``).
+
+    ``q (..., Nq, d)``, ``k (..., Nk, d)``, ``v (..., Nk, dv)`` as :func:`flash_attention`
+    (checked by :func:`check_inputs`); ``indices (..., Nq, topk)`` integers, ``-1`` an unused slot,
+    each other entry in ``[0, Nk)`` and listed at most once per row (else ValueError naming
+    ``indices``; its leading dims broadcast with the others'). A row with no key gets ``out`` 0 and
+    ``lse = -inf``; an unused slot reads nothing (an inf or NaN at key 0 stays out). The order of a
+    row's indices changes only rounding. Memory: the gathered keys and values,
+    ``O(batch · Nq · topk · (d + dv))``, never ``Nq × Nk``. Returns ``out`` (and ``lse``) as
+    :func:`flash_attention`."""
+    return _sparse.sparse_attention(q, k, v, indices, scale=scale, return_lse=return_lse)
 
 
 # --------------------------------------------------------------------------------------------
