@@ -173,3 +173,23 @@ def test_threshold_refused(bad):
 
 def test_module_names():
     assert set(flash_fa4.__all__) <= set(dir(flash_fa4))
+
+
+# --- flash_check's case ----------------------------------------------------------------------
+
+
+def test_flash_check_passes_flash_lib_and_catches_the_planted_bugs():
+    import functools
+
+    import flash_check
+    from flash_check import after_fa3
+
+    kernel = functools.partial(flash_attention, return_lse=True, block_k=16)
+    report = flash_check.check_kernel(kernel, features=("rescale_threshold", "lse"))
+    assert report.ok and "rescale_threshold" in {r.case for r in report.results}, report
+    assert flash_check.check_kernel(after_fa3.planted(),
+                                    features=("rescale_threshold", "lse")).ok
+    for bug in ("moved_max_not_rescaled", "kept_max_overwritten"):
+        report = flash_check.check_kernel(after_fa3.planted(bug),
+                                          features=("rescale_threshold", "lse"))
+        assert "rescale_threshold" in report.failed_cases(), (bug, report)

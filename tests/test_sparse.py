@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import flash_lib
 from flash_lib import measure_peak_bytes, naive_attention, sparse_attention
 
 
@@ -97,3 +98,26 @@ def test_memory_is_nq_topk_not_nq_nk():
         peaks.append(measure_peak_bytes(sparse_attention, q, k, v, idx)[1])
         assert peaks[-1] < 2 * n * topk * 2 * d * 8 < n * n * 8
     assert peaks[1] < 2.1 * peaks[0]
+
+
+# --- flash_check's cases ---------------------------------------------------------------------
+
+
+def test_flash_check_passes_flash_lib_and_catches_the_planted_bugs():
+    import functools
+
+    import flash_check
+    from flash_check import after_fa3
+
+    sparse = functools.partial(flash_lib.sparse_attention, return_lse=True)
+    report = flash_check.check_kernel(sparse, features=("sparse", "lse"))
+    assert report.ok and "sparse" in {r.case for r in report.results}, report
+    assert after_fa3.planted()(np.ones((1, 2)), np.ones((3, 2)), np.ones((3, 2)),
+                               indices=np.array([[0, -1]]))[0].shape == (1, 2)
+    good = flash_check.check_kernel(after_fa3.planted(), features=("sparse", "lse"))
+    assert good.ok, good
+    for bug, check in (("sentinel_as_last_key", "non-finite"),
+                       ("sentinel_as_first_key", "out error")):
+        report = flash_check.check_kernel(after_fa3.planted(bug), features=("sparse", "lse"))
+        assert report.failed_cases() == ["sparse"], (bug, report)
+        assert check in {f.check for f in report.failures}, (bug, report)
