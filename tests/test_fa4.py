@@ -125,7 +125,7 @@ def test_threshold_bounds_p_in_base_2(monkeypatch):
     original = flash_lib.online_softmax_update
 
     def spy(m, l, acc, s, v, matmul=np.matmul, exp=np.exp, threshold=None):
-        original(m, l, acc, s, v, matmul, exp, threshold)
+        original(m, l, acc, s, v, matmul, exp, threshold=threshold)
         seen.append(float(np.max(s)))
 
     monkeypatch.setattr(flash_lib, "online_softmax_update", spy)
