@@ -60,8 +60,8 @@ it, and copied with it: ``flash_reference.py`` (the dense references, exported h
 ``_flash_inputs.py`` (the checks, and the problem they build), ``_flash_tiles.py`` (one tile's
 allowed pairs, score variants and dropout mask), ``_flash_runtime.py`` (threads, BLAS, the
 exponential's choice), ``_flash_masked.py`` (the matmul that keeps masked inf and NaN out),
-``_flash_dropout.py`` (the dropout mask's Philox) and ``_flash_measure.py`` (peak memory, the
-error metric). Each imports only modules below it; none imports this one.
+``_flash_dropout.py`` (the dropout mask's Philox), ``_flash_sparse.py`` (top-k sparse
+attention) and ``_flash_measure.py`` (peak memory, the error metric). Each imports only modules below it; none imports this one.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ import numpy as np
 import _flash_dropout as _dropout
 import _flash_inputs as _inputs
 import _flash_runtime as _runtime
+import _flash_sparse as _sparse
 import _flash_tiles as tiles
 from _flash_measure import measure_peak_bytes, rowwise_relative_error
 from _flash_runtime import exponential, thread_count, threads, use_exponential
@@ -96,6 +97,7 @@ __all__ = [
     "naive_attention_backward",
     "precise_attention_backward",
     "merge_attention",
+    "sparse_attention",
     "tile_schedule",
     "causal_mask",
     "dropout_keep",
@@ -127,7 +129,7 @@ LOG2E, LN2 = _inputs.LOG2E, _inputs.LN2
 # --------------------------------------------------------------------------------------------
 
 
-def online_softmax_update(m, l, acc, s, v, matmul=np.matmul, exp=np.exp):
+def online_softmax_update(m, l, acc, s, v, matmul=np.matmul, exp=np.exp, threshold=None):
     """Fold one tile of scores into its rows' running state ``(m, l, acc)``, in place.
 
     m, l: (..., rows); acc: (..., rows, dv); v: the tile's values, (..., keys, dv);
@@ -136,9 +138,16 @@ def online_softmax_update(m, l, acc, s, v, matmul=np.matmul, exp=np.exp):
     reuses a buffer and keeps masked keys out (``_matmul_allowed``). ``exp``: ``np.exp``, or
     ``np.exp2`` when ``s`` and ``m`` are in base-2 units (multiplied by log2(e)); the kernel
     passes :func:`exponential`'s choice. Below, e^x is ``exp`` in either base.
+    ``threshold`` (in the units of ``s``): FA4's conditional rescaling, a row's finite ``m`` moves
+    only when the tile's maximum exceeds it by more than ``threshold``; ``p`` is then at most
+    ``e^threshold`` and the final ``acc / l`` is the same quotient.
     """
     # m' = max(m, max_j s_j)
     m_new = np.maximum(m, s.max(axis=-1))
+    if threshold is not None:  # keep m unless m' - m > threshold (an -inf m always moves)
+        finite = np.isfinite(m)
+        keep = finite & (m_new - np.where(finite, m, 0) <= threshold)
+        m_new = np.where(keep, m, m_new)
     # A row with no allowed key yet has m' = -inf, and -inf - (-inf) is NaN;
     # any finite reference gives the same e^(-inf) = 0 there: use 0.
     m_ref = np.where(m_new == -np.inf, 0, m_new)
@@ -180,7 +189,7 @@ def _finalize(acc, l, m, exp=np.exp):
 def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEFAULT_BLOCK_Q,
                     block_k=DEFAULT_BLOCK_K, return_lse=False, window=None, softcap=None,
                     alibi_slopes=None, enable_gqa=False, mask_mod=None, sinks=None, dropout_p=0.0,
-                    dropout_seed=None, dropout_offset=(0, 0)):
+                    dropout_seed=None, dropout_offset=(0, 0), rescale_threshold=None):
     """Exact attention, computed tile by tile without storing the ``Nq × Nk`` scores.
 
     Parameters
@@ -241,6 +250,13 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
     dropout_offset : (row, key)
         Global position of this call's first query and first key in the mask: a shard of a
         larger problem draws its slice of the whole problem's mask (flash_dask does).
+    rescale_threshold : real number in [0, 64], optional
+        FlashAttention-4's conditional rescaling (``flash_attn/cute/softmax.py``,
+        ``update_row_max``), in base-2 units (``log2`` of a factor): a row's running maximum moves
+        only when a tile's maximum exceeds it by more than ``t``, so ``acc`` and ``l`` are
+        rescaled less often and each ``p`` is at most ``2^t``. The quotient ``acc / l`` is the
+        same; only rounding differs. ``acc`` grows up to ``2^t · Nk · max|v|``, which must stay
+        finite in the compute dtype. ``None``: the maximum moves on every increase.
 
     Returns
     -------
@@ -265,13 +281,16 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
                               mask_mod=mask_mod, sinks=sinks, dropout_p=dropout_p,
                               dropout_seed=dropout_seed, dropout_offset=dropout_offset)
     block_q, block_k = _inputs.block_sizes(block_q, block_k)
+    threshold = _rescale_threshold(rescale_threshold)
     out = np.zeros(problem.batch + (problem.n_q, problem.dv), dtype=problem.out_dtype)
     # Not allocated unless asked for: it would be O(Nq) scratch.
     lse = np.full(problem.batch + (problem.n_q,), -np.inf, problem.dtype) if return_lse else None
     # e^x, or 2^x with the scores in base-2 units: log2(e) rides on the keys' scale τ_k
     exp, unit = problem.base(exponential(problem.dtype))
+    if threshold is not None:  # base-2 units, as FA4; in base e the scores' units are ln 2 larger
+        threshold = threshold if exp is np.exp2 else threshold * LN2
     block = functools.partial(attention_forward_block, problem, block_k=block_k, exp=exp,
-                              unit=unit, out=out, lse=lse)
+                              unit=unit, out=out, lse=lse, threshold=threshold)
     with _runtime.ieee_quiet():  # the workers inherit it
         _runtime.run_blocks(block, tiles.blocks(problem.n_q, block_q), threads=thread_count(),
                             n_blocks=-(-problem.n_q // block_q), n_scores=problem.n_scores)
@@ -279,7 +298,8 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
     return (out, lse) if return_lse else out
 
 
-def attention_forward_block(problem, query_block, cancelled, *, block_k, exp, unit, out, lse):
+def attention_forward_block(problem, query_block, cancelled, *, block_k, exp, unit, out, lse,
+                            threshold=None):
     """The forward's tile loop for one query block ``Q_i = q[q_start:q_stop]``: chapter 5's
     algorithm box, over the key blocks ``K_j, V_j`` of its band, into ``out`` (and ``lse``).
 
@@ -288,7 +308,8 @@ def attention_forward_block(problem, query_block, cancelled, *, block_k, exp, un
     ``cancelled`` an event that stops the loop before its next tile, ``exp`` and ``unit`` the
     call's exponential and the scores' unit (1, or log2(e) in base 2). Every extra of a tile (its
     allowed pairs, the masked-key product, the dropout keep mask) is behind ``tile``
-    (``_flash_tiles.Tile``), so what is left is the box.
+    (``_flash_tiles.Tile``), so what is left is the box. ``threshold``: FA4's conditional
+    rescaling, in the scores' units (:func:`online_softmax_update`).
     """
     q_start, q_stop = query_block
     rows = problem.batch + (q_stop - q_start,)
@@ -305,12 +326,29 @@ def attention_forward_block(problem, query_block, cancelled, *, block_k, exp, un
             continue
         s = tile.scores(q_i, out=s_buf)  # S_ij = τ Q_i K_jᵀ, then softcap, ALiBi
         tile.mask(s)  # -inf where a pair is not allowed
-        online_softmax_update(m, l, acc, s, tile.v, tile.pv(out=pv), exp)
+        if threshold is None:  # the plain recurrence, called as it always was
+            online_softmax_update(m, l, acc, s, tile.v, tile.pv(out=pv), exp)
+        else:
+            online_softmax_update(m, l, acc, s, tile.v, tile.pv(out=pv), exp, threshold=threshold)
     if problem.dropout_p:  # out = (P ∘ Z / (1 - p)) V: the 1 / (1 - p) once per row
         acc *= problem.dropout_scale(problem.dtype)
     out[..., q_start:q_stop, :], lse_i = _finalize(acc, l, m, exp)  # O_i = acc / l, once
     if lse is not None:
         lse[..., q_start:q_stop] = problem.exact_sink_lse(lse_i, l, m, unit)
+
+
+def _rescale_threshold(value):
+    """``rescale_threshold`` checked: None, or a real number in [0, 64] (2^64 leaves float32
+    room for ``Nk · max|v|`` up to 2^63), as a float."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                      np.floating)):
+        raise TypeError(f"rescale_threshold must be a real number or None, got "
+                        f"{type(value).__name__}")
+    if not 0 <= float(value) <= 64:
+        raise ValueError(f"rescale_threshold must be in [0, 64] (base-2 units), got {value!r}")
+    return float(value)
 
 
 def tile_schedule(n_q, n_k, block_q, block_k, causal=False, *, window=None, mask_mod=None):
@@ -625,6 +663,21 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     out_dtype = np.result_type(out_a.dtype, out_b.dtype)
     lse_dtype = np.result_type(lse_a.dtype, lse_b.dtype, np.float32)
     return out.astype(out_dtype, copy=False), lse.astype(lse_dtype, copy=False)
+
+
+def sparse_attention(q, k, v, indices, *, scale=None, return_lse=False):
+    """Top-k sparse attention: query ``i`` attends exactly the keys ``indices[..., i, :]`` lists
+    (DeepSeek Sparse Attention's selected keys; FlashAttention's ``gather_kv_indices``).
+
+    ``q (..., Nq, d)``, ``k (..., Nk, d)``, ``v (..., Nk, dv)`` as :func:`flash_attention`
+    (checked by :func:`check_inputs`); ``indices (..., Nq, topk)`` integers, ``-1`` an unused slot,
+    each other entry in ``[0, Nk)`` and listed at most once per row (else ValueError naming
+    ``indices``; its leading dims broadcast with the others'). A row with no key gets ``out`` 0 and
+    ``lse = -inf``; an unused slot reads nothing (an inf or NaN at key 0 stays out). The order of a
+    row's indices changes only rounding. Memory: the gathered keys and values,
+    ``O(batch · Nq · topk · (d + dv))``, never ``Nq × Nk``. Returns ``out`` (and ``lse``) as
+    :func:`flash_attention`."""
+    return _sparse.sparse_attention(q, k, v, indices, scale=scale, return_lse=return_lse)
 
 
 # --------------------------------------------------------------------------------------------

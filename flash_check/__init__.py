@@ -115,6 +115,8 @@ built-in cases, which register themselves. Each module imports only modules list
   memory);
 - ``training.py``: the sinks and dropout cases and their own tables of known mistakes;
 - ``serving.py``: the packed-batch and KV-cache cases;
+- ``after_fa3.py``: FA4's conditional rescaling and top-k sparse attention, their cases and
+  planted bugs (``after_fa3.planted``);
 - ``adapters.py``: PyTorch and JAX as kernels, and FlashAttention's layouts;
 - ``_cli.py``: the command line, :func:`main` (``__main__.py`` runs it);
 - ``bugs.py``, which no other module imports: small tiled kernels with one classic bug each, for
@@ -128,7 +130,7 @@ from flash_check._core import (CASES, DEFAULT_FEATURES, DTYPES, FACTOR, FEATURES
                                Result, Skip, random_qkv, register_case)
 from flash_check._runner import check_kernel
 # The built-in cases register themselves when imported, in the order the report lists them.
-from flash_check import cases, training, serving  # noqa: F401
+from flash_check import cases, training, serving, after_fa3  # noqa: F401
 from flash_check.adapters import (jax_dot_product_attention, torch_flash_for_cpu_with_lse,
                                   torch_sdpa)
 from flash_check._cli import main
