@@ -326,10 +326,7 @@ def attention_forward_block(problem, query_block, cancelled, *, block_k, exp, un
             continue
         s = tile.scores(q_i, out=s_buf)  # S_ij = τ Q_i K_jᵀ, then softcap, ALiBi
         tile.mask(s)  # -inf where a pair is not allowed
-        if threshold is None:  # the plain recurrence, called as it always was
-            online_softmax_update(m, l, acc, s, tile.v, tile.pv(out=pv), exp)
-        else:
-            online_softmax_update(m, l, acc, s, tile.v, tile.pv(out=pv), exp, threshold=threshold)
+        online_softmax_update(m, l, acc, s, tile.v, tile.pv(out=pv), exp, threshold)
     if problem.dropout_p:  # out = (P ∘ Z / (1 - p)) V: the 1 / (1 - p) once per row
         acc *= problem.dropout_scale(problem.dtype)
     out[..., q_start:q_stop, :], lse_i = _finalize(acc, l, m, exp)  # O_i = acc / l, once

@@ -30,12 +30,13 @@ ALL = ("mask", "causal", "lse", "dv")
 #: The cases with inf and NaN in k and v at keys some rows may not attend.
 NONFINITE = ("masked_nonfinite", "causal_nonfinite", "partial_nonfinite")
 VARIANTS = flash_check.VARIANTS
-#: The serving cases (flash_check/serving.py): their kernels take cu_seqlens or a cache.
-SERVING_CASES = [name for name, case in flash_check.CASES.items()
-                 if set(case.needs) & {"varlen", "kvcache", "paged"}]
+#: The serving cases (flash_check/serving.py: their kernels take cu_seqlens or a cache) and the
+#: after-FlashAttention-3 ones (flash_check/after_fa3.py: rescale_threshold, sparse indices).
+OTHER_SIGNATURE_CASES = [name for name, case in flash_check.CASES.items()
+                 if set(case.needs) & {"varlen", "kvcache", "paged", "rescale_threshold", "sparse"}]
 #: The cases that need a variant feature (the serving ones with sinks or dropout left out).
 VARIANT_CASES = [name for name, case in flash_check.CASES.items()
-                 if set(case.needs) & set(VARIANTS) and name not in SERVING_CASES]
+                 if set(case.needs) & set(VARIANTS) and name not in OTHER_SIGNATURE_CASES]
 
 
 def bugged(bug):
@@ -68,7 +69,7 @@ def test_flash_lib_passes_every_case(blocks):
     report = flash_check.check_kernel(kernel, features=features, backward=backward)
     assert report.ok, str(report)
     skipped = (set() if "memory" in features else {"memory"}) | (
-        set() if variants else set(VARIANT_CASES)) | set(SERVING_CASES)
+        set() if variants else set(VARIANT_CASES)) | set(OTHER_SIGNATURE_CASES)
     assert {s.case for s in report.skipped} == skipped
     assert {r.case for r in report.results} == set(flash_check.CASES) - skipped
     notes = {r.case: r.note for r in report.results}
@@ -528,7 +529,7 @@ TRAINING_BUGS = {
 TRAINING = ("sinks", "dropout")
 #: The cases of the training features (sinks and dropout).
 TRAINING_CASES = [name for name, case in flash_check.CASES.items()
-                  if set(case.needs) & set(TRAINING) and name not in SERVING_CASES]
+                  if set(case.needs) & set(TRAINING) and name not in OTHER_SIGNATURE_CASES]
 
 
 @pytest.mark.parametrize("bug", TRAINING_BUGS)

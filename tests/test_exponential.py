@@ -166,9 +166,9 @@ def test_base_2_is_really_base_2_and_as_close_to_the_truth(dtype, monkeypatch):
     outs, seen = {}, []
     update = flash_lib.online_softmax_update
 
-    def watching(m, l, acc, s, v, matmul, exp):
+    def watching(m, l, acc, s, v, matmul, exp, threshold):
         seen.append(exp)
-        return update(m, l, acc, s, v, matmul, exp)
+        return update(m, l, acc, s, v, matmul, exp, threshold)
 
     monkeypatch.setattr(flash_lib, "online_softmax_update", watching)
     for name in BASES:
@@ -215,9 +215,9 @@ def test_scores_beyond_max_over_log2e_stay_in_base_e(monkeypatch):
     v = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
     seen, update = [], flash_lib.online_softmax_update
 
-    def watching(m, l, acc, s, v, matmul, exp):
+    def watching(m, l, acc, s, v, matmul, exp, threshold):
         seen.append(exp)
-        return update(m, l, acc, s, v, matmul, exp)
+        return update(m, l, acc, s, v, matmul, exp, threshold)
 
     monkeypatch.setattr(flash_lib, "online_softmax_update", watching)
     results = {}

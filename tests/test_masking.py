@@ -236,9 +236,9 @@ def test_kernel_computes_exactly_the_scheduled_tiles(n_q, n_k, block_q, block_k,
     seen = []
     update = flash_lib.online_softmax_update
 
-    def recording_update(m, l, acc, s, v, matmul, exp):
+    def recording_update(m, l, acc, s, v, matmul, exp, threshold):
         seen.append((s.shape[-2], s.shape[-1], int(v[0, 0]), int(v[-1, 0]) + 1))
-        return update(m, l, acc, s, v, matmul, exp)
+        return update(m, l, acc, s, v, matmul, exp, threshold)
 
     q, k, v = random_qkv(np.random.default_rng(n_q * 31 + n_k), n_q, n_k, 3, dv=2)
     v[:, 0] = np.arange(n_k)
