@@ -268,9 +268,9 @@ def test_the_kernel_multiplies_exactly_the_tiles_the_schedule_lists():
     seen = []
     update = flash_lib.online_softmax_update
 
-    def recording(m, l, acc, s, v, matmul, exp):
+    def recording(m, l, acc, s, v, matmul, exp, threshold):
         seen.append((s.shape[-2], int(v[0, 0]), int(v[-1, 0]) + 1))
-        return update(m, l, acc, s, v, matmul, exp)
+        return update(m, l, acc, s, v, matmul, exp, threshold)
 
     q, k, v = random_qkv(np.random.default_rng(11), n, n, 4)
     v[:, 0] = np.arange(n)
