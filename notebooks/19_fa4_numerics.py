@@ -289,9 +289,11 @@ assert len(fixed) == 1 and len(by_batch) == 7
 # %% [markdown]
 # **What it does to greedy generation.** The next token is `argmax(out · W)`. Over 200 random
 # decoding steps (8 heads, bfloat16 output, a 32000-word projection), count the steps whose
-# logits differ between batch sizes 1, 4, 16 and 64, and those whose argmax differs:
+# logits differ between batch sizes 1, 4, 16 and 64, and those whose argmax differs (the
+# "by batch" counts depend on the CPU's rounding, so nbval does not compare this output; the
+# assert holds everywhere):
 
-# %%
+# %% tags=["nbval-ignore-output"]
 W = rng.standard_normal((H * 64, 32000)).astype(F32)
 changed = {"by batch": 0, "fixed": 0}
 flipped = {"by batch": 0, "fixed": 0}
