@@ -653,8 +653,10 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     m_ref = np.where(m == -np.inf, 0, m)  # an empty row's -inf: any finite reference gives 0
     w_a, w_b = np.exp(lse_a - m_ref), np.exp(lse_b - m_ref)
 
-    def weighted(w, out, lse):  # an empty part weighs 0, and 0 · NaN must not be NaN
-        return np.where((lse == -np.inf)[..., None], 0, w[..., None] * out.astype(work))
+    def weighted(w, out, lse):  # an empty part weighs 0: its out (inf, NaN) is never multiplied
+        shape = np.broadcast_shapes(w.shape + (1,), out.shape)
+        return np.multiply(w[..., None], out, out=np.zeros(shape, work), dtype=work,
+                           where=(lse != -np.inf)[..., None])
 
     out, lse = _finalize(weighted(w_a, out_a, lse_a) + weighted(w_b, out_b, lse_b), w_a + w_b, m_ref)
     out_dtype = np.result_type(out_a.dtype, out_b.dtype)

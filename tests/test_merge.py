@@ -172,6 +172,24 @@ def test_an_empty_part_contributes_nothing_even_if_its_out_is_nan():
     assert np.isnan(out[2]).all()  # a part that is not empty still counts, NaN and all
 
 
+@pytest.mark.parametrize("garbage", [np.inf, -np.inf, np.nan])
+def test_an_empty_parts_inf_or_nan_out_is_ignored_without_a_warning(garbage):
+    """An empty part (lse = -inf) holding inf in its out: 0 · inf would warn and give NaN. Its out
+    is never multiplied, so the merge is the other part exactly and no RuntimeWarning escapes."""
+    rng = np.random.default_rng(5)
+    out_a, lse_a = rng.standard_normal((3, 4)), rng.standard_normal(3)
+    out_b, lse_b = np.full((3, 4), garbage), np.full(3, -np.inf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for out, lse in (merge_attention(out_a, lse_a, out_b, lse_b),
+                         merge_attention(out_b, lse_b, out_a, lse_a)):
+            np.testing.assert_array_equal(out, out_a)
+            np.testing.assert_array_equal(lse, lse_a)
+        out, lse = merge_attention(out_b, lse_b, out_b, lse_b)
+    np.testing.assert_array_equal(out, 0)
+    assert (lse == -np.inf).all()
+
+
 def test_merging_precise_attention_in_longdouble():
     """precise_attention's longdouble outputs merge in longdouble: the two halves of the keys
     merge into attention over all of them, within a few longdouble eps."""
