@@ -360,3 +360,27 @@ assert jacobian_diff < ROUNDING
 assert all(a < ROUNDING and b < ROUNDING for a, b in dsink_checks.values()), dsink_checks
 assert all(right < 1e-7 and wrong > 1 for right, wrong in fd_sinks.values()), fd_sinks
 assert dsinks.shape == sinks.shape  # (H,): summed over the batch and the rows
+
+# %% [markdown]
+# ## Your turn: attention with sinks
+#
+# Write `attention_with_sinks(q, k, v, sinks, *, causal=False) -> (out, lse)`
+# for `q (H, Nq, d)`, `k (H, Nk, d)`, `v (H, Nk, dv)` and `sinks (H,)`, one unscaled logit per
+# head: $\text{lse}_i = \log(e^{\text{sink}} + \sum_j e^{s_{ij}})$, out normalised by the same
+# sum, the sink carrying no value; causal aligned bottom-right; a row with no allowed key gives
+# `out = 0` and `lse = sink`.
+#
+# Replace the stub with your function and re-run the grade cell: it says `not implemented yet`,
+# then what is wrong and where to look, until `passed`. The solution is hidden below it.
+
+# %%
+from flash_check.exercises import grade, show_solution, stub
+
+# your turn: replace the stub with def attention_with_sinks(q, k, v, sinks, *, causal=False): ...
+attention_with_sinks = stub("attention_with_sinks")
+
+# %%
+grade("attention_with_sinks", attention_with_sinks)
+
+# %% jupyter={"outputs_hidden": true} mystnb={"code_prompt_hide": "Hide the solution", "code_prompt_show": "Show the solution"} tags=["remove-input", "hide-output"]
+show_solution("attention_with_sinks")
