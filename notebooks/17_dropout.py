@@ -545,3 +545,27 @@ assert D_from_P < ROUNDING
 # central differences at EPS = 1e-6: truncation and rounding, measured at most 5e-10 (every level)
 assert fd_checks["the backward"] < 1e-8
 assert fd_checks["mask from another seed"] > 1e-2 and fd_checks["no 1/(1 - p)"] > 1e-2
+
+# %% [markdown]
+# ## Your turn: the keep mask from a counter
+#
+# Write `keep_mask(seed, p, shape, offset=(0, 0))`, the bool keep mask of
+# `shape = (..., rows, keys)`, equal to `dropout_keep(seed, p, shape, offset)` bit for bit: from
+# `philox4x32` above and the counter, word and half of the Philox section, without scrolling back
+# to `my_keep`. The grader tries one counter, odd and even keys, an offset (a shard of a larger
+# mask), batch and head axes, and a seed above $2^{32}$.
+#
+# Replace the stub with your function and re-run the grade cell: it says `not implemented yet`,
+# then what is wrong and where to look, until `passed`. The solution is hidden below it.
+
+# %%
+from flash_check.exercises import grade, show_solution, stub
+
+# your turn: replace the stub with def keep_mask(seed, p, shape, offset=(0, 0)): ...
+keep_mask = stub("keep_mask")
+
+# %%
+grade("keep_mask", keep_mask)
+
+# %% jupyter={"outputs_hidden": true} mystnb={"code_prompt_hide": "Hide the solution", "code_prompt_show": "Show the solution"} tags=["remove-input", "hide-output"]
+show_solution("keep_mask")

@@ -556,3 +556,27 @@ assert all(within_rule(paged_out[b], q_step[b], contiguous[0, b, :, :n], contigu
 # ceil(L/8) pages in order and nothing else: 8 ceil(L/8) - L = 1 slot wasted
 assert all(agree) and max(errors) <= 64 * EPS
 assert written == [8, 8, 8, 7, 0, 0, 0, 0] and length == len(prompt) + steps == 31
+
+# %% [markdown]
+# ## Your turn: decoding from a paged cache
+#
+# Write `paged_decode(q, k_cache, v_cache, block_table, cache_seqlens) -> out`: one
+# query per sequence, `q (B, H, d)`, against its `cache_seqlens[b]` keys, stored in pages:
+# `k_cache (num_pages, H, page_size, d)`, `v_cache (num_pages, H, page_size, dv)`, logical page
+# `t` of sequence `b` being `block_table[b, t]`; `out (B, H, dv)`, scale $1/\sqrt d$. A sequence
+# of length 0 gives zeros; slots past a sequence's length hold garbage (NaN) and must not be read.
+#
+# Replace the stub with your function and re-run the grade cell: it says `not implemented yet`,
+# then what is wrong and where to look, until `passed`. The solution is hidden below it.
+
+# %%
+from flash_check.exercises import grade, show_solution, stub
+
+# your turn: replace the stub with def paged_decode(q, k_cache, v_cache, block_table, cache_seqlens): ...
+paged_decode = stub("paged_decode")
+
+# %%
+grade("paged_decode", paged_decode)
+
+# %% jupyter={"outputs_hidden": true} mystnb={"code_prompt_hide": "Hide the solution", "code_prompt_show": "Show the solution"} tags=["remove-input", "hide-output"]
+show_solution("paged_decode")
