@@ -568,3 +568,26 @@ assert losses[50] > 0.95 * losses[0] and grad_norms[0] < 0.1 * max(grad_norms)
 assert losses[-1] < losses[0] / 100
 assert np.array_equal(retrieved, target) and P_end[np.arange(n), target].min() > 0.9
 assert max(step_diffs) < 1e-13, max(step_diffs)
+
+# %% [markdown]
+# ## Your turn: the tiled backward
+#
+# Write `backward(q, k, v, out, lse, dout, *, causal=False, block_q=64, block_k=64)
+# -> (dq, dk, dv)` for one head, `q (Nq, d)`, `k (Nk, d)`, `v (Nk, dv)`, scale $1/\sqrt d$:
+# recompute $P = e^{S - \text{lse}}$ tile by tile, with $D = \text{rowsum}(dO \circ O)$, causal
+# aligned bottom-right; a row with `lse = -inf` (no allowed key) adds nothing to any gradient.
+#
+# Replace the stub with your function and re-run the grade cell: it says `not implemented yet`,
+# then what is wrong and where to look, until `passed`. The solution is hidden below it.
+
+# %%
+from flash_check.exercises import grade, show_solution, stub
+
+# your turn: replace the stub with def backward(q, k, v, out, lse, dout, *, causal=False, block_q=64, block_k=64): ...
+backward = stub("backward")
+
+# %%
+grade("backward", backward)
+
+# %% jupyter={"outputs_hidden": true} mystnb={"code_prompt_hide": "Hide the solution", "code_prompt_show": "Show the solution"} tags=["remove-input", "hide-output"]
+show_solution("backward")
