@@ -685,9 +685,11 @@ _TILE_MISTAKES = (
             "neither l nor acc is rescaled when a row's max rises: multiply both by "
             "alpha = exp2(m - m_new)"),
     Mistake(_tile_mistake(rescale_acc=False),
-            "acc is not rescaled when a row's max rises (l is): acc = acc * alpha[:, None] + ..."),
+            "acc is not rescaled when a row's max rises (l is): multiply it by alpha = "
+            "exp2(m - m_new) before adding the tile's p·v"),
     Mistake(_tile_mistake(rescale_l=False),
-            "l is not rescaled when a row's max rises (acc is): l = l * alpha + ..."),
+            "l is not rescaled when a row's max rises (acc is): multiply it by alpha = "
+            "exp2(m - m_new) before adding the tile's row sums of p"),
     Mistake(_tile_mistake(base=math.e),
             "exp where the scores are in base 2: s already carries the factor log2(e), so p = "
             "exp2(s - m) (tl.math.exp2), and alpha likewise"),
