@@ -475,6 +475,25 @@ def _keys_dropped(ev, facts):
     return False
 
 
+def _tail_rows(ev, facts):
+    """Rows from a multiple of block_q on are wrong, the rows before right (flash_check's
+    diagnosis of a dropped last query block, on the answer's own block size)."""
+    out, want, block = ev.got[0], ev.want[0], ev.inputs["block_q"]
+    wrong = _bad(out, want).any(axis=1)
+    first = len(wrong) - len(wrong) % block
+    if 0 < first < len(wrong) and wrong[first:].all() and not wrong[:first].any():
+        return {"first": first, "last": len(wrong) - 1}
+    return False
+
+
+def _only(index, names):
+    """A condition: of the outputs, exactly those at ``index`` are wrong."""
+    def test(ev, facts):
+        wrong = [not _close(g, w) for g, w in zip(ev.got, ev.want)]
+        return wrong == [i in index for i in range(len(names))]
+    return test
+
+
 _FORWARD_MISTAKES = (
     Mistake(_forward_mistake(normalise=False),
             "out is acc, not acc / l: divide each row by its sum l at the end"),
@@ -493,6 +512,12 @@ _FORWARD_MISTAKES = (
     Mistake(_forward_mistake(tail_empty_nan=True),
             "a row with no allowed key (under causal with Nq > Nk, the first Nq - Nk rows) is "
             "NaN: l = 0 there, so acc / l is 0 / 0; give out 0 and lse -inf"),
+    Mistake(_tail_rows,
+            "rows {first} to {last} are wrong, the rows before them right: the last, partial "
+            "query block is dropped or mishandled (block_q divides {first})"),
+    Mistake(_only((1,), ("out", "lse")),
+            "out is right but lse is not: lse = m + log(l), the natural log of each row's sum of "
+            "exp(s), with m the row's final max"),
 )
 
 
@@ -613,6 +638,12 @@ _BACKWARD_MISTAKES = (
     Mistake(_backward_mistake(empty_nan=True),
             "NaN from a row with no allowed key (lse = -inf): exp(s - lse) is exp(+inf) there; "
             "such a row has P = 0 and adds nothing to any gradient"),
+    Mistake(_only((0, 1), ("dq", "dk", "dv")),
+            "dv is right, dq and dk are not: P is right, so look at dS = P ∘ (dP - D), with "
+            "dP = dO·Vᵀ and D_i = rowsum(dO ∘ O)_i, and at dQ = scale · dS·K, dK = scale · dSᵀ·Q"),
+    Mistake(_only((2,), ("dq", "dk", "dv")),
+            "dq and dk are right, dv is not: dV = Pᵀ·dO, summed over every query block, with no "
+            "scale"),
 )
 
 
@@ -827,12 +858,15 @@ def _keep_cases():
 
 
 def _sinks_variant(q, k, v, sinks, *, causal=False, scaled=False, lse_without=False,
-                   empty_guard=False, sign=1.0, first_head=False, numerator=False):
+                   empty_guard=False, sign=1.0, first_head=False, numerator=False,
+                   top_left=False):
     n_q, n_k = q.shape[-2], k.shape[-2]
     scale = 1 / math.sqrt(q.shape[-1])
     s = scale * (q @ np.swapaxes(k, -1, -2))
     if causal:
-        s = np.where(flash_lib.causal_mask(n_q, n_k), s, -np.inf)
+        allowed = np.tril(np.ones((n_q, n_k), bool)) if top_left else \
+            flash_lib.causal_mask(n_q, n_k)
+        s = np.where(allowed, s, -np.inf)
     sink = sign * np.asarray(sinks, np.float64)
     if first_head:
         sink = np.full_like(sink, sink[0])
@@ -860,6 +894,9 @@ def _sinks_mistake(**kwargs):
 
 
 _SINKS_MISTAKES = (
+    Mistake(_sinks_mistake(top_left=True),
+            "causal is aligned top-left (key j allowed iff j <= i): with Nq != Nk it must be "
+            "bottom-right, j <= i + (Nk - Nq)"),
     Mistake(_sinks_mistake(scaled=True),
             "the sink is multiplied by the softmax scale: it is a logit added as is, unscaled"),
     Mistake(_sinks_mistake(sign=-1.0),
@@ -909,7 +946,8 @@ def _sinks_cases():
 
 
 def _paged_variant(q, k_cache, v_cache, block_table, cache_seqlens, *, page_shift=0,
-                   whole_pages=False, empty_nan=False, scale=None, contiguous=False):
+                   whole_pages=False, empty_nan=False, scale=None, contiguous=False,
+                   extra_keys=0):
     n_batch, n_heads, d = q.shape
     page_size = k_cache.shape[2]
     scale = 1 / math.sqrt(d) if scale is None else scale
@@ -919,6 +957,7 @@ def _paged_variant(q, k_cache, v_cache, block_table, cache_seqlens, *, page_shif
         if n == 0:
             out[b] = np.nan if empty_nan else 0
             continue
+        n += extra_keys
         n_pages = -(-n // page_size)
         if contiguous:
             pages = b * block_table.shape[1] + np.arange(n_pages)
@@ -949,6 +988,10 @@ _PAGED_MISTAKES = (
     Mistake(_paged_mistake(contiguous=True),
             "the pages are read as if contiguous (b·max_pages + t): look each one up in "
             "block_table[b, t]"),
+    *(Mistake(_paged_mistake(extra_keys=extra),
+              f"one key too {which}: sequence b's keys are its positions 0 to "
+              f"cache_seqlens[b] - 1, all of them")
+      for extra, which in ((1, "many"), (-1, "few"))),
     Mistake(_paged_mistake(empty_nan=True),
             "a sequence of length 0 gives NaN: it has no key, and its output is the empty sum, "
             "zeros"),

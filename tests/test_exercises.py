@@ -114,6 +114,10 @@ MISTAKES = [
      "    block_q, block_k = n_q, n_k  # one tile: the whole score matrix\n"
      "    for i0 in range(0, n_q, block_q):", "materialises the Nq x Nk scores"),
 
+    ("forward", "last_query_block_dropped", "for i0 in range(0, n_q, block_q):",
+     "for i0 in range(0, n_q - n_q % block_q if n_q > block_q else n_q, block_q):",
+     "last, partial query block"),
+
     ("backward", "D_forgotten", "ds = p * (dp - D[rows, None])", "ds = p * dp", "without D"),
     ("backward", "dq_without_scale", "dq[rows] += scale * (ds @ k[keys])",
      "dq[rows] += ds @ k[keys]", "dq lacks the softmax scale"),
@@ -124,6 +128,11 @@ MISTAKES = [
     ("backward", "empty_rows_nan",
      "p = np.where(allowed, np.exp(np.where(allowed, s, 0.0) - lse_safe[rows, None]), 0.0)",
      "p = np.exp(np.where(allowed, s, -np.inf) - lse[rows, None])", "no allowed key"),
+
+    ("backward", "D_without_out", "D = (dout * out).sum(axis=1)", "D = dout.sum(axis=1)",
+     "dv is right, dq and dk are not"),
+    ("backward", "dv_scaled", "dv[keys] += p.T @ dout[rows]", "dv[keys] += scale * (p.T @ "
+     "dout[rows])", "dv is not"),
 
     ("keep_mask", "keeps_with_p", "return number >= round(p * 2**16)",
      "return number < round(p * 2**16)", "probability p, not 1 - p"),
@@ -150,6 +159,12 @@ MISTAKES = [
      "sink = np.asarray(sinks, np.float64)[:, None]",
      "sink = np.full((q.shape[0], 1), float(np.asarray(sinks)[0]))", "sinks[0]"),
 
+    ("attention_with_sinks", "top_left_causal",
+     "np.arange(n_k) <= np.arange(n_q)[:, None] + (n_k - n_q)",
+     "np.arange(n_k) <= np.arange(n_q)[:, None]", "top-left"),
+
+    ("paged_decode", "one_key_too_many", "n = int(cache_seqlens[b])",
+     "n = int(cache_seqlens[b]) + (cache_seqlens[b] > 0)", "one key too many"),
     ("paged_decode", "page_index_off_by_one", "pages = block_table[b, : -(-n // page_size)]",
      "pages = block_table[b, 1 : 1 - (-n // page_size)]", "off by one"),
     ("paged_decode", "garbage_slots_read", "[:, :n]", "", "past cache_seqlens"),
