@@ -574,7 +574,8 @@ def _forward_check(fn):
 def _forward_cases():
     return {
         "one_by_one": ("one query, one key, d = 1", _forward_case(1, 1, 1, False, 64, 64, 1)),
-        "one_tile": ("8 queries, 8 keys, d = 4: one tile", _forward_case(8, 8, 4, False, 64, 64, 2)),
+        "one_tile": ("8 queries, 8 keys, d = 4: one tile",
+                     _forward_case(8, 8, 4, False, 64, 64, 2)),
         "growing_max": ("40 × 96 keys in tiles of 16: every row's max rises from tile to tile",
                         _forward_case(40, 96, 8, False, 16, 16, 3, grow=True)),
         "partial_blocks": ("70 queries, 100 keys, blocks of 32: the last blocks are partial",
@@ -640,7 +641,8 @@ _BACKWARD_MISTAKES = (
             "such a row has P = 0 and adds nothing to any gradient"),
     Mistake(_only((0, 1), ("dq", "dk", "dv")),
             "dv is right, dq and dk are not: P is right, so look at dS = P ∘ (dP - D), with "
-            "dP = dO·Vᵀ and D_i = rowsum(dO ∘ O)_i, and at dQ = scale · dS·K, dK = scale · dSᵀ·Q"),
+            "dP = dO·Vᵀ and D_i = rowsum(dO ∘ O)_i, and at dQ = scale · dS·K, "
+            "dK = scale · dSᵀ·Q"),
     Mistake(_only((2,), ("dq", "dk", "dv")),
             "dq and dk are right, dv is not: dV = Pᵀ·dO, summed over every query block, with no "
             "scale"),
@@ -667,7 +669,8 @@ def _backward_cases():
     return {
         "one_by_one": ("one query, one key, d = 1 (dq = dk = 0: one key takes all the weight)",
                        _backward_case(1, 1, 1, False, 64, 64, 11)),
-        "one_tile": ("8 queries, 8 keys, d = 4: one tile", _backward_case(8, 8, 4, False, 64, 64, 12)),
+        "one_tile": ("8 queries, 8 keys, d = 4: one tile",
+                     _backward_case(8, 8, 4, False, 64, 64, 12)),
         "tiles": ("70 queries, 100 keys in blocks of 32 and 16", _backward_case(70, 100, 8, False,
                                                                                 32, 16, 13)),
         "causal_wide": ("causal, Nq = 40 < Nk = 100: bottom-right",
@@ -768,7 +771,8 @@ def _tile_cases():
 
 
 def _keep_variant(seed, p, shape, offset=(0, 0), *, rounds=7, swap_halves=False,
-                  swap_counter=False, ignore_offset=(False, False), one_batch=False, keep_below=False,
+                  swap_counter=False, ignore_offset=(False, False), one_batch=False,
+                  keep_below=False,
                   word=lambda j: j % 8 // 2):
     *batch, rows, keys = shape
     n = math.prod(batch)
@@ -800,7 +804,8 @@ _KEEP_MISTAKES = (
             "the two halves of each word are swapped: even j takes the low 16 bits, odd j the "
             "high 16 bits"),
     Mistake(_keep_mistake(swap_counter=True),
-            "the counter's first two words are swapped: it is (j // 8, i, b mod 2³², b // 2³²)"),
+            "the counter's first two words are swapped: it is "
+            "(j // 8, i, b mod 2³², b // 2³²)"),
     *(Mistake(_keep_mistake(ignore_offset=ignored),
               f"the offset is ignored ({which}): i and j are global positions, offset + the local "
               f"index (a shard starting at row 5 gets rows 5, 6, ... of the whole mask)")

@@ -138,7 +138,8 @@ MISTAKES = [
      "return number < round(p * 2**16)", "probability p, not 1 - p"),
     ("keep_mask", "halves_swapped", "np.where(j % 2 == 0,", "np.where(j % 2 == 1,",
      "halves of each word are swapped"),
-    ("keep_mask", "counter_swapped", "words = philox4x32(j // 8, i,", "words = philox4x32(i, j // 8,",
+    ("keep_mask", "counter_swapped", "words = philox4x32(j // 8, i,",
+     "words = philox4x32(i, j // 8,",
      "first two words are swapped"),
     ("keep_mask", "offset_ignored", "i = np.arange(offset[0], offset[0] + rows",
      "i = np.arange(0, rows", "offset is ignored"),
@@ -318,7 +319,8 @@ def forward_two_pass(q, k, v, *, causal=False, block_q=64, block_k=64, dtype=np.
         l, acc = np.zeros(len(i), dtype), np.zeros((len(i), v.shape[1]), dtype)
         for j, ok in blocks:
             s = q[i[:, 0]] @ k[j].T / dtype(math.sqrt(q.shape[1]))
-            p = np.where(ok & live[:, None], np.exp(np.where(ok, s, 0) - np.where(live, m, 0)[:, None]), 0)
+            ref = np.where(live, m, 0)[:, None]
+            p = np.where(ok & live[:, None], np.exp(np.where(ok, s, 0) - ref), 0)
             l += p.sum(axis=1)
             acc += p @ v[j]
         out[i[:, 0]] = np.where(live[:, None], acc / np.where(live, l, 1)[:, None], 0)
@@ -328,7 +330,8 @@ def forward_two_pass(q, k, v, *, causal=False, block_q=64, block_k=64, dtype=np.
 
 def backward_query_blocks_outside(q, k, v, out, lse, dout, *, causal=False, block_q=64,
                                   block_k=64, dtype=np.float64):
-    """Query blocks outside, key blocks of 24 inside; D from dP (rowsum(P ∘ dP) = rowsum(dO ∘ O))."""
+    """Query blocks of 24 outside, all keys at once inside; D from dP: rowsum(P ∘ dP) equals
+    rowsum(dO ∘ O)."""
     q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
     n_q, n_k, c = len(q), len(k), 1 / math.sqrt(q.shape[1])
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
