@@ -119,6 +119,9 @@ built-in cases, which register themselves. Each module imports only modules list
   planted bugs (``after_fa3.planted``);
 - ``adapters.py``: PyTorch and JAX as kernels, and FlashAttention's layouts;
 - ``_cli.py``: the command line, :func:`main` (``__main__.py`` runs it);
+- ``exercises.py``, which no other module imports: the tutorial's exercises and their grader
+  (``python -m flash_check.exercises``), with the solutions in ``_solutions.py`` and, for the
+  Triton exercise, ``_solutions_triton.py`` (imported only when that exercise is graded);
 - ``bugs.py``, which no other module imports: small tiled kernels with one classic bug each, for
   the tests and chapter 23.
 """
