@@ -227,7 +227,8 @@ print("logaddexp(lse, -inf) - lse:", np.logaddexp(lse_by_merge, -np.inf) - lse_b
 # $M = \max(\mathrm{lse}_a, \mathrm{lse}_b)$, so nothing overflows; a part with no key
 # ($\mathrm{lse} = -\infty$) weighs 0 (chapter 6). We attend to two halves of the keys, merge,
 # and compare with all keys at once (the error metric, chapter 7's: each row's largest difference
-# relative to its largest entry).
+# relative to its largest entry). The differences this chapter measures are drawn against their
+# bounds in the {doc}`appendix on how this tutorial is tested <26_how_this_tutorial_is_tested>`.
 
 # %%
 n_q, d = 64, 32

@@ -339,8 +339,9 @@ for bq, bk in cases:
 
 # %% [markdown]
 # More tiles do not mean more error, although every tile rescales once more: $\alpha = 1$ exactly
-# whenever a row's max did not move, which after a few tiles is most of them. The appendix on how
-# this tutorial is tested draws the error of 121 block-size pairs against their number of tiles.
+# whenever a row's max did not move, which after a few tiles is most of them. The
+# {doc}`appendix on how this tutorial is tested <26_how_this_tutorial_is_tested>` draws the
+# errors of these block sizes, and of 121 pairs against their number of tiles.
 
 # %% [markdown]
 # ## What we showed
