@@ -154,7 +154,7 @@ plt.show()
 # In JupyterLab the slider below steps through the same states (the static page shows only the
 # grid above).
 
-# %% tags=["nbval-ignore-output", "remove-output"]
+# %% tags=["hide-input", "nbval-ignore-output", "remove-output"]
 # nbval ignores this cell's output: it skips the widget's model_id (random per run), but it does
 # not route messages into the Output widget as Jupyter does, so it sees the figure drawn inside the
 # slider's widget as an extra cell output that the stored notebook keeps in the widget's state.
