@@ -81,7 +81,7 @@ print(f"two-pass output vs naive_attention within {BOUND:.0e}: "
 # $$
 # l = \sum_{j\ \text{seen}} e^{s_j - m},
 # \qquad
-# \text{acc} = \sum_{j\ \text{seen}} e^{s_j - m}\, v_j .
+# \text{acc} = \sum_{j\ \text{seen}} e^{s_j - m}\, v_j ,
 # $$
 #
 # so $\text{acc}/l$ is always the exact output over the keys seen so far. A new block $B$ raises

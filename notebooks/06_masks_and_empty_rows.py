@@ -339,8 +339,8 @@ for i in range(n_q):
 #
 # While a row has seen no allowed key, $p_j = e^{-\infty} = 0$ and $\alpha = 0$: no NaN, and rows
 # with a finite max are unchanged. Any finite reference would do; 0 is FlashAttention's choice
-# too. In flash_lib it is `m_ref` in the tile update (chapter 5), and `naive_attention` uses it for
-# whole rows.
+# too (chapter 24). In flash_lib it is `m_ref` in the tile update (chapter 5), and
+# `naive_attention` uses it for whole rows.
 #
 # At the end $l = 0$ exactly for a row with no allowed key (otherwise its largest score gives
 # $e^0 = 1$, so $l \ge 1$). There `_finalize` returns output 0 and lse $= -\infty$, without
