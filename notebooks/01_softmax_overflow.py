@@ -16,16 +16,11 @@
 # # 1. Softmax and its overflow
 #
 # Attention turns each row of scores into weights with a softmax, and the textbook formula for it
-# fails on ordinary inputs. In this chapter:
-#
-# - we find, from the floating-point format alone, the score at which $e^x$ overflows: about 709
-#   in float64 and about 88 in float32;
-# - we watch the textbook softmax return NaN once a row's scores pass that point, and also when
-#   every score is very negative;
-# - we derive why subtracting the row maximum first changes nothing mathematically, and why it
-#   removes both failures;
-# - we measure both versions against a higher-precision truth on rows whose largest score runs
-#   from $10^{-1}$ to $10^4$: the safe one stays within a few rounding errors everywhere.
+# fails on ordinary inputs. In this chapter we find where $e^x$ overflows (about 709 in float64,
+# 88 in float32), watch the textbook softmax return NaN past that point and when every score is
+# very negative, derive why subtracting the row maximum changes nothing and removes both failures,
+# and measure both versions against a higher-precision truth for largest scores from $10^{-1}$ to
+# $10^4$.
 
 # %%
 import numpy as np
@@ -61,9 +56,8 @@ print(f"sum = {p_small.sum():.4f}")
 # ## Where $e^x$ overflows
 #
 # A floating-point format has a largest finite number, `np.finfo(dtype).max`, so $e^x$ is finite
-# exactly when $x \le \log(\text{max})$; beyond that, `np.exp` returns `inf`. We compute that
-# threshold for each format (float16 too: attention kernels, `flash_lib` among them, keep its
-# scores and sums in float32 for this reason).
+# exactly when $x \le \log(\text{max})$; beyond that, `np.exp` returns `inf`. The threshold for
+# each format (float16's is why kernels, `flash_lib` among them, keep its scores in float32):
 
 # %%
 thresholds = {dt: float(np.log(np.finfo(dt).max)) for dt in (np.float64, np.float32, np.float16)}
@@ -83,14 +77,12 @@ print(f"float64: exp(x) underflows to 0 for x below -1075 log 2 = {underflow64:.
       f"exp({underflow64 - 0.1:.2f}) = {np.exp(underflow64 - 0.1)}")
 
 # %% [markdown]
-# So a single score above about 709 (float64) or 88 (float32) is enough, and nothing bounds an
-# attention score: with $d = 64$, query and key entries of size 4 already give a score of 128.
-#
-# The textbook formula then computes $\infty / \infty = \text{NaN}$. The opposite extreme fails
-# too: if every score is below $-1075 \log 2 \approx -745.13$ (there $e^x$ is under half the
-# smallest positive float64, $2^{-1074}$, and rounds to 0; printed above), every $e^{x_j}$ is 0
-# and the formula computes $0/0 = \text{NaN}$. (We silence NumPy's `RuntimeWarning`s with
-# `np.errstate`: we are looking at the results on purpose.)
+# Nothing bounds an attention score: with $d = 64$, query and key entries of size 4 already give
+# 128. One score above the threshold and the textbook formula computes $\infty / \infty$ = NaN.
+# The other extreme fails too: below $-1075 \log 2 \approx -745.13$, $e^x$ is under half the
+# smallest positive float64, $2^{-1074}$, and rounds to 0 (printed above); if every score is that
+# low, the formula computes $0/0$ = NaN. (`np.errstate` silences NumPy's warnings: we look at the
+# results on purpose.)
 
 # %%
 x_big = np.array([1000.0, 999.0, 998.0])
@@ -138,55 +130,45 @@ print("safe softmax([-1000, -1001, -1002]) =",
       np.array2string(softmax_safe(x_very_negative), precision=4, floatmode="fixed"))
 
 # %% [markdown]
-# Where the textbook formula does not overflow, the two agree to rounding. We check that on
-# random rows with scores up to $\pm 100$ (safe for float64):
+# Where the textbook formula does not overflow, the two agree to rounding; on random rows with
+# scores up to $\pm 100$:
 
 # %%
 x_moderate = rng.uniform(-100, 100, size=(1000, 64))
 diff = np.abs(softmax_safe(x_moderate) - softmax_unsafe(x_moderate)).max()
 eps64 = np.finfo(np.float64).eps
-# Each version is within 4 eps of the truth (the sweep below; measured at most 1.84 eps on every
-# CPU level tried), and every weight is at most 1, so they differ by at most 8 eps. The measured
-# difference is drawn in the figure below.
+# Each version is within 4 eps of the truth (the sweep below) and every weight is at most 1, so
+# the two differ by at most 8 eps.
 print(f"max |safe - unsafe| on rows in [-100, 100] within 8 eps = {8 * eps64:.1e}: "
       f"{diff <= 8 * eps64}")
 
 # %% [markdown]
 # ## Error against the largest score
 #
-# How large may a row's scores be before the textbook version fails, and does the safe version
-# lose accuracy on large ones? Scores are logits: a difference of 1 between two scores is a factor
-# $e$ between their weights, so differences of scores are measured in **nats** (natural-log
-# units, as $\log$ here is always the natural log). We take one row of $n = 256$ scores spread
-# evenly at random over $[0, m]$ (the largest exactly at $m$), for $m$ from $10^{-1}$ to $10^4$
-# nats plus a few values close to where the textbook version fails, in float64 and float32, and
-# compute the normwise relative error
+# Scores are logits: a difference of 1 is a factor $e$ between two weights, so scores are
+# measured in **nats** ($\log$ is always the natural log). We take one row of $n = 256$ scores
+# spread at random over $[0, m]$, the largest exactly $m$, for $m$ from $10^{-1}$ to $10^4$ nats,
+# in float64 and float32, and compute the normwise relative error
 #
 # $$\mathrm{err}(p) = \frac{\max_i |p_i - p^\ast_i|}{\max_i p^\ast_i}$$
 #
-# against a truth $p^\ast$ computed in higher precision. For that truth we borrow
-# `flash_lib.precise_attention` (long double on x86-64, else mpmath) through a device the later
-# chapters reuse: **softmax of a row $x$ is attention with identity values.** Take a single query
-# $1$, keys $x_j$ (feature size 1) and scale 1, so that the scores are exactly $x$; with the
-# identity matrix as the values, output entry $i$ is $\sum_j p_j \,\delta_{ji} = p_i$, the
-# weights themselves. For float32 the truth is computed from the float32-rounded scores, so only
-# the softmax's own rounding is measured.
+# against a truth $p^\ast$ in higher precision, from `flash_lib.precise_attention` through a
+# device later chapters reuse: **softmax of a row $x$ is attention with identity values.** With
+# one query $1$, keys $x_j$ (feature size 1) and scale 1 the scores are exactly $x$; with the
+# identity matrix as values, output entry $i$ is $\sum_j p_j \delta_{ji} = p_i$. (For float32
+# the truth starts from the float32-rounded scores, so only the softmax's rounding is measured.)
 #
-# An output entry counts as **wrong** if it is NaN or infinite, or off by more than 4 machine
-# epsilons relative to the row's largest weight (the bound the safe softmax meets, below). A
-# format's **machine epsilon**, `np.finfo(dtype).eps`, is the gap between 1 and the next larger
-# number: $2.2 \times 10^{-16}$ in float64, $1.2 \times 10^{-7}$ in float32. A wrong entry can
-# be finite: once $\sum_j e^{x_j}$ is $\infty$, every finite $e^{x_i}$ comes out as
-# $e^{x_i}/\infty = 0$. The second measure is the share of the row's true weight,
-# $\sum_{i\ \text{wrong}} p^\ast_i$, on wrong entries: 0 for a correct row, 1 for a useless one.
+# An entry is **wrong** if it is not finite or off by more than 4 machine epsilons relative to the
+# row's largest weight; a format's **machine epsilon**, `np.finfo(dtype).eps`, is the gap between
+# 1 and the next number: $2.2 \times 10^{-16}$ in float64, $1.2 \times 10^{-7}$ in float32. A
+# wrong entry can be finite: once $\sum_j e^{x_j} = \infty$, every finite $e^{x_i}/\infty$ is 0.
+# The second measure is the share of the true weight on wrong entries, 0 for a correct row.
 #
-# Where exactly does the textbook version fail? Its denominator is
-# $\sum_j e^{x_j} = e^{\mathrm{lse}}$ with the row's **log-sum-exp**
-# $\mathrm{lse} = \log \sum_j e^{x_j} = m + \log l$, so the sum overflows once
-# $\mathrm{lse} > \log(\text{max})$. Since $1 \le l \le n$, that happens up to $\log n$ nats
-# *before* the largest score $m$ itself reaches $\log(\text{max})$. For this row we find, by
-# bisection, the $m$ at which its lse reaches $\log(\text{max})$, and add values 0.05 nats either
-# side of it and of $\log(\text{max})$ to the sweep.
+# Where does the textbook version fail? Its denominator is $\sum_j e^{x_j} = e^{\mathrm{lse}}$
+# with the row's **log-sum-exp** $\mathrm{lse} = \log \sum_j e^{x_j} = m + \log l$, so it
+# overflows once $\mathrm{lse} > \log(\text{max})$: since $1 \le l \le n$, up to $\log n$ nats
+# *before* $m$ does. The cell finds that $m$ by bisection and adds points 0.05 nats either side of
+# it and of $\log(\text{max})$ to the sweep.
 
 # %%
 n = 256
@@ -261,24 +243,16 @@ for dt, r in results.items():
           f"wrong weight {r['wrong_safe'].max():.0f}")
 
 # %% [markdown]
-# Between an $m$ 0.05 nats below the point where its lse reaches $\log(\text{max})$ and one 0.05
-# nats above, the textbook row goes from correct to entirely wrong. Just past that point it
-# returns a row of exact zeros, finite and with no NaN to flag it ($e^{x_i}/\infty = 0$); once the
-# largest score itself passes $\log(\text{max})$, the top entries become $\infty/\infty$ = NaN.
-#
-# The top panel shows the error where it is defined (a row of zeros has error 1); the bottom one
-# the share of the true weight on wrong entries. The shaded bands are where the unsafe
-# version's output holds NaN, right of each format's threshold $\log(\text{max})$ (dotted
-# lines); the row goes wrong 0.4 (float64) and 1.6 (float32) nats left of the dotted line, too
-# close to it to see on this axis. The safe softmax stays within a few units of its format's
-# machine epsilon (grey dotted lines, one per format) at every $m$.
-#
-# What fails is the offset of the scores, not their spread: the same rows shifted to $[-m, 0]$
-# are what the safe version exponentiates, and the textbook formula on them is the safe formula,
-# correct at every width. Chapter 7 finds the same for accuracy: the error follows the scores'
-# magnitude, not their span.
+# Within 0.1 nats the textbook row goes from correct to entirely wrong: first a row of exact
+# zeros with no NaN to flag it ($e^{x_i}/\infty = 0$), then, once $m$ itself passes
+# $\log(\text{max})$, NaN ($\infty/\infty$). In the figure (top: the error; bottom: the share
+# of the true weight on wrong entries) the shaded bands are where the unsafe output holds NaN,
+# right of each format's $\log(\text{max})$ (dotted); the row goes wrong 0.4 (float64) and 1.6
+# (float32) nats left of that line. The safe softmax stays within a few machine epsilons (grey
+# lines) at every $m$. What fails is the scores' offset, not their spread: the same rows shifted
+# to $[-m, 0]$ are what the safe version exponentiates.
 
-# %%
+# %% tags=["hide-input"]
 fig, (ax_err, ax_wrong) = plt.subplots(2, 1, figsize=(8.5, 8), sharex=True)
 for i, (dt, r) in enumerate(results.items()):
     name, eps = dt.__name__, np.finfo(dt).eps
@@ -322,22 +296,16 @@ plt.show()
 # %% [markdown]
 # ## What we showed
 #
-# - $e^x$ overflows for $x > \log(\text{max})$: about 709.78 in float64, 88.72 in float32 (11.09
-#   in float16), computed from `np.finfo`. These are the thresholds every later chapter refers to.
-# - The textbook softmax returns NaN for a row whose scores exceed that threshold, and for a row
-#   whose scores are all below $-1075 \log 2 \approx -745.13$ (float64), where every $e^{x_j}$
-#   underflows to 0.
-# - $\mathrm{softmax}(x - c) = \mathrm{softmax}(x)$ for every constant $c$; with $c = \max_j x_j$
-#   every exponent is $\le 0$ and the denominator $l$ lies in $[1, n]$.
-# - In floating point the safe softmax of $[1000, 999, 998]$ equals that of $[2, 1, 0]$ bit for
-#   bit, and where the textbook formula does not overflow the two versions agree within 8 machine
-#   epsilons ($1.8 \times 10^{-15}$).
-# - The textbook version fails once the row's $\mathrm{lse} = \log\sum_j e^{x_j}$ passes
-#   $\log(\text{max})$, up to $\log n$ nats before its largest score does: on how large the
-#   scores are, not how widely they spread. Below that it is as accurate as the safe one (within 4
-#   machine epsilons); above, more than 99.99% of the true weight sits on wrong entries, a cliff
-#   0.1 nats wide: first exact zeros with no NaN, then, once the largest score passes
-#   $\log(\text{max})$, NaN. The safe version is within 4 machine epsilons at every $m$.
+# - $e^x$ overflows for $x > \log(\text{max})$: 709.78 in float64, 88.72 in float32, 11.09 in
+#   float16. The textbook softmax returns NaN past it, and for rows entirely below
+#   $-1075 \log 2 \approx -745.13$ (float64), where every $e^{x_j}$ is 0.
+# - $\mathrm{softmax}(x - c) = \mathrm{softmax}(x)$; with $c = \max_j x_j$ every exponent is
+#   $\le 0$ and $l \in [1, n]$. The safe softmax of $[1000, 999, 998]$ equals that of $[2, 1, 0]$
+#   bit for bit, and agrees with the textbook one within 8 machine epsilons where that one fits.
+# - The textbook version fails once $\mathrm{lse} = \log\sum_j e^{x_j}$ passes
+#   $\log(\text{max})$, up to $\log n$ nats before the largest score does: within 4 machine
+#   epsilons below, more than 99.99% of the weight wrong above (exact zeros, then NaN). The safe
+#   version is within 4 machine epsilons at every $m$.
 
 # %%
 # exp overflows just above log(max) and not just below, in each format
@@ -368,8 +336,7 @@ for dt, r in results.items():
     assert not np.any(np.abs(r["lse"] - t) < 0.01)  # every row is clearly on one side
     assert 0 < t - sum_overflows_at[dt] < np.log(n)
     assert round(t - sum_overflows_at[dt], 1) == {np.float64: 0.4, np.float32: 1.6}[dt]  # the prose
-    # 4 eps: measured at most 1.84 eps at every NPY_DISABLE_CPU_FEATURES level and OpenBLAS kernel
-    # tried (margin 2.2x); a softmax off by 1e-6 relative fails it by 9 orders of magnitude
+    # 4 eps: a softmax off by 1e-6 relative fails it by 9 orders of magnitude
     assert r["err_unsafe"][fits].max() <= 4 * eps and r["wrong_unsafe"][fits].max() == 0
     assert r["wrong_unsafe"][overflows].min() > 0.9999
     # the sum overflows before the largest score does: exact zeros, wrong and finite, no NaN
@@ -377,4 +344,4 @@ for dt, r in results.items():
     assert between.any() and r["all_zero_unsafe"][between].all()
     assert not r["nan_unsafe"][tops < t].any() and r["nan_unsafe"][tops > t].all()
     assert not r["nonfinite_safe"].any()
-    assert r["err_safe"].max() <= 4 * eps and r["wrong_safe"].max() == 0  # measured <= 1.6 eps
+    assert r["err_safe"].max() <= 4 * eps and r["wrong_safe"].max() == 0

@@ -16,29 +16,19 @@
 # # 3. States that merge
 #
 # Chapter 2 read the scores one at a time. Nothing forces that order: the state $(m, l)$ of any
-# block of scores can be combined with the state of any other block. In this chapter:
-#
-# - we derive the merge $(m_a, l_a) \oplus (m_b, l_b)$ of the states of two disjoint blocks, and
-#   check that it is exact, commutative (bit for bit), has $(-\infty, 0)$ as identity (bit for
-#   bit) and is associative (to rounding), so that a row may be cut anywhere and its blocks
-#   merged in any order;
-# - we write the state as one number, $\mathrm{lse} = m + \log l$, under which $\oplus$ becomes
-#   `np.logaddexp`;
-# - we merge two partial *attention outputs* with `flash_lib.merge_attention` and check it against
-#   attending to all keys at once;
-# - we use that one formula to divide a row's keys among several workers, three ways that are
-#   used in practice.
-#
-# How much the order of the merges changes the *rounding* is measured in
-# {doc}`chapter 7 <07_exactness>`; {doc}`chapter 22 <22_beyond_one_machine>` runs these schemes on a
-# cluster.
+# block of scores can be combined with that of any other block. This chapter derives the merge
+# $\oplus$ of two states, checks that it is exact, commutative, associative and has an identity
+# (so a row may be cut anywhere and merged in any order), writes the state as one number, the
+# lse, merges partial *attention outputs* with `flash_lib.merge_attention`, and uses that one
+# formula to divide a row's keys among workers. {doc}`Chapter 7 <07_exactness>` measures how the
+# merge order changes the rounding; {doc}`chapter 22 <22_beyond_one_machine>` runs these schemes
+# on a cluster.
 
 # %%
 import functools
 import math
 
 import numpy as np
-import matplotlib.pyplot as plt
 
 import flash_lib
 from flash_lib import rowwise_relative_error
@@ -57,11 +47,11 @@ rng = np.random.default_rng(3)
 #
 # $$(m_a, l_a) \oplus (m_b, l_b) = \left(M,\; l_a \, e^{m_a - M} + l_b \, e^{m_b - M}\right), \qquad M = \max(m_a, m_b) .$$
 #
-# Nothing was approximated, so the merged pair is exactly the state of $A \cup B$. Both factors are
-# at most 1, so nothing overflows. The online update of chapter 2 is the special case where $B$
-# is a single score $x$, whose state is $(x, 1)$. The empty block has the state $(-\infty, 0)$;
-# merging two empty blocks would compute $e^{-\infty - (-\infty)}$ = NaN, so that case returns the
-# empty state directly (chapter 6 meets the same guard in the kernel).
+# Nothing is approximated, so the merged pair is exactly the state of $A \cup B$, and both factors
+# are at most 1. Chapter 2's update is the case where $B$ is one score $x$, with state $(x, 1)$.
+# The empty block has the state $(-\infty, 0)$; merging two of them would compute
+# $e^{-\infty - (-\infty)}$ = NaN, so that case returns the empty state directly (chapter 6
+# meets the same guard in the kernel).
 
 # %%
 EMPTY = (-math.inf, 0.0)
@@ -90,16 +80,13 @@ def rel_diff(a, b):
 # Rounding bounds, in units of float64's machine epsilon. NumPy sums a block's terms in 8 running
 # sums and then pairwise: at most about 12 eps of relative error for up to 4096 positive terms;
 # with each exp within a couple of ulps, a block's l is within L_SUM of its exact value. Each merge
-# a term goes through adds an exp, a product and a sum: MERGE. The last bits of every difference
-# below depend on the CPU; the differences themselves are drawn at the end of the chapter.
+# a term goes through adds an exp, a product and a sum: MERGE.
 eps = np.finfo(np.float64).eps
 L_SUM, MERGE = 20 * eps, 3 * eps
-measured = []  # (what, difference, its bound): drawn at the end
 
 
 # %% [markdown]
-# A row of 4096 scores, cut in two at a random place: the merged state against the state of the
-# whole row, computed in two passes.
+# A row of 4096 scores cut in two at a random place, merged, against the whole row's state:
 
 # %%
 n = 4096
@@ -109,9 +96,8 @@ merged = merge(block_state(x[:cut]), block_state(x[cut:]))
 whole = block_state(x)
 # two block sums, one merge, against the whole row's sum
 cut_bound = 2 * L_SUM + MERGE
-measured.append(("two-way cut: l", rel_diff(merged[1], whole[1]), cut_bound))
-print(f"cut at {cut}: m merged - m whole = {merged[0] - whole[0]}; "
-      f"l relative difference within {cut_bound / eps:.0f} eps: {measured[-1][1] <= cut_bound}")
+print(f"cut at {cut}: m merged - m whole = {merged[0] - whole[0]}; l relative difference within "
+      f"{cut_bound / eps:.0f} eps: {rel_diff(merged[1], whole[1]) <= cut_bound}")
 
 # %% [markdown]
 # ## Commutative, with an identity, and associative
@@ -119,10 +105,9 @@ print(f"cut at {cut}: m merged - m whole = {merged[0] - whole[0]}; "
 # - **Commutative**: the formula is symmetric in $a$ and $b$, and floating-point `max`, `*` and
 #   `+` are commutative, so $a \oplus b$ and $b \oplus a$ are equal bit for bit.
 # - **Identity**: $a \oplus (-\infty, 0) = (m_a, l_a \cdot e^{0} + 0 \cdot e^{-\infty}) = a$, also
-#   bit for bit.
-# - **Associative**: $(a \oplus b) \oplus c$ and $a \oplus (b \oplus c)$ are both the state of
-#   $A \cup B \cup C$, so they are equal in exact arithmetic; in floating point the maximum is still
-#   exact, and $l$ agrees to rounding.
+#   bit for bit; so a worker that got no keys changes nothing.
+# - **Associative**: both groupings are the state of $A \cup B \cup C$; in floating point the
+#   maximum is still exact, and $l$ agrees to rounding.
 #
 # We check all three on 1000 random triples of blocks.
 
@@ -144,19 +129,16 @@ for _ in range(1000):
 print(f"of 1000 triples: a ⊕ b != b ⊕ a in {not_commuting}, a ⊕ empty != a in {not_identity}")
 # the same three l's on both sides, each through at most two merges
 assoc_bound = 2 * 2 * MERGE
-measured.append(("associativity: l", assoc_l, assoc_bound))
 print(f"(a ⊕ b) ⊕ c vs a ⊕ (b ⊕ c): m differs in {assoc_m_differs}, l within "
       f"{assoc_bound / eps:.0f} eps: {assoc_l <= assoc_bound}")
 
 # %% [markdown]
 # ## Any cut, any order
 #
-# Commutativity and associativity together mean that the blocks of a row may be merged in any
-# order and any grouping. We cut the row above into $T = 2, 16, 256$ blocks at random places and
-# merge their states two ways: left to right, one block after another (chapter 2's online
-# softmax, over blocks), and in **random order**, merging any two states of the pool (neighbours
-# or not, which only commutativity allows) until one is left; random order reaches every
-# grouping there is.
+# Together they let a row's blocks be merged in any order and grouping. We cut the row into
+# $T = 2, 16, 256$ random blocks and merge their states left to right (chapter 2's online softmax,
+# over blocks) and in **random order**: any two states of the pool, neighbours or not, until one
+# is left.
 
 # %%
 def random_cuts(n, n_blocks, rng):
@@ -183,18 +165,16 @@ for n_blocks in (2, 16, 256):
     for order, (m, l) in (("left to right", functools.reduce(merge, states)),
                           ("random order", merge_random(states, merge, rng))):
         any_order.append((n_blocks, order, m - whole[0], rel_diff(l, whole[1]), order_bound))
-        measured.append((f"T = {n_blocks}, {order}: l", rel_diff(l, whole[1]), order_bound))
         print(f"T = {n_blocks:>3} blocks, {order:<13}: m - m whole = {m - whole[0]}, "
               f"l relative difference within {order_bound / eps:.0f} eps: "
-              f"{measured[-1][1] <= order_bound}")
+              f"{rel_diff(l, whole[1]) <= order_bound}")
 
 # %% [markdown]
 # ## One number instead of two: the log-sum-exp
 #
-# The pair $(m, l)$ carries more than it needs to: $(m + c, \, l \, e^{-c})$ describes the same
-# block for every $c$, because only $l \, e^{m} = \sum_j e^{x_j}$ matters. Its logarithm, the
-# log-sum-exp that chapter 1 found deciding where the textbook softmax overflows, is the compact
-# state
+# The pair $(m, l)$ carries more than it needs: $(m + c, \, l \, e^{-c})$ describes the same
+# block for every $c$, since only $l \, e^{m} = \sum_j e^{x_j}$ matters. Its logarithm, chapter 1's
+# log-sum-exp, is the compact state
 #
 # $$\mathrm{lse} = \log \sum_j e^{x_j} = m + \log l , \qquad m \le \mathrm{lse} \le m + \log n ,$$
 #
@@ -203,13 +183,12 @@ for n_blocks in (2, 16, 256):
 #
 # $$\mathrm{lse}_{A \cup B} = \log\left(e^{\mathrm{lse}_a} + e^{\mathrm{lse}_b}\right) = M + \log\left(e^{\mathrm{lse}_a - M} + e^{\mathrm{lse}_b - M}\right), \qquad M = \max(\mathrm{lse}_a, \mathrm{lse}_b) ,$$
 #
-# which is $\oplus$ applied to $(\mathrm{lse}_a, 1)$ and $(\mathrm{lse}_b, 1)$, and which NumPy
-# provides, overflow-safe, as `np.logaddexp`; the empty block is $\mathrm{lse} = -\infty$. This is
-# the one number per row that FlashAttention-2 keeps from the forward pass for the backward pass
-# (arXiv 2307.08691, section 3.1.1), and what `flash_lib.flash_attention(..., return_lse=True)`
-# returns. Its truth here is `flash_lib.precise_attention`'s lse in extended precision (softmax is
-# attention with identity values, chapter 1; only the lse is needed, so the values are a column of
-# zeros).
+# which is $\oplus$ applied to $(\mathrm{lse}_a, 1)$ and $(\mathrm{lse}_b, 1)$: NumPy's
+# overflow-safe `np.logaddexp`, with $\mathrm{lse} = -\infty$ for the empty block. It is the one
+# number per row that FlashAttention-2 keeps from the forward for the backward (arXiv 2307.08691,
+# section 3.1.1), and what `flash_attention(..., return_lse=True)` returns. The truth below is
+# `flash_lib.precise_attention`'s lse in extended precision (chapter 1's device, with a column of
+# zeros as values).
 
 # %%
 _, lse_true = flash_lib.precise_attention(
@@ -224,13 +203,10 @@ lse_by_merge = m_all + math.log(l_all)
 # l's error (2 L_SUM + 15 MERGE = 85 eps relative, so 85 eps in its log) plus a rounding of |lse|
 # (about 12) for each log, sum and logaddexp step (16): about 280 eps, 6e-14 nats
 lse_bound = 1e-13
-measured += [("lse: logaddexp vs merged state", abs(lse_by_logaddexp - lse_by_merge), lse_bound),
-             ("lse: logaddexp vs the truth", abs(lse_by_logaddexp - lse_true), lse_bound),
-             ("lse: merged state vs the truth", abs(lse_by_merge - lse_true), lse_bound)]
 print(f"16 blocks: logaddexp of their lse's and (m + log l) of the merged state agree within "
-      f"{lse_bound:.0e} nats: {measured[-3][1] <= lse_bound}")
+      f"{lse_bound:.0e} nats: {abs(lse_by_logaddexp - lse_by_merge) <= lse_bound}")
 print(f"both within {lse_bound:.0e} nats of the extended-precision lse: "
-      f"{max(measured[-2][1], measured[-1][1]) <= lse_bound}")
+      f"{max(abs(lse_by_logaddexp - lse_true), abs(lse_by_merge - lse_true)) <= lse_bound}")
 print(f"lse - m = {lse_by_merge - m_all:.3f}, between 0 and log n = {math.log(n):.3f}")
 print("logaddexp(lse, -inf) - lse:", np.logaddexp(lse_by_merge, -np.inf) - lse_by_merge)
 
@@ -246,13 +222,13 @@ print("logaddexp(lse, -inf) - lse:", np.logaddexp(lse_by_merge, -np.inf) - lse_b
 #
 # $$o_{A \cup B} = \frac{e^{\mathrm{lse}_a} o_a + e^{\mathrm{lse}_b} o_b}{e^{\mathrm{lse}_a} + e^{\mathrm{lse}_b}} = e^{\mathrm{lse}_a - \mathrm{lse}}\, o_a + e^{\mathrm{lse}_b - \mathrm{lse}}\, o_b , \qquad \mathrm{lse} = \log\left(e^{\mathrm{lse}_a} + e^{\mathrm{lse}_b}\right).$$
 #
-# The merged output is a convex combination of the two partial outputs, weighted by each block's
-# share of the total. `flash_lib.merge_attention(out_a, lse_a, out_b, lse_b)` computes exactly this,
-# against $M = \max(\mathrm{lse}_a, \mathrm{lse}_b)$ so that nothing overflows; a part with
-# $\mathrm{lse} = -\infty$ (no key at all) weighs $e^{-\infty} = 0$, which chapter 6 uses. We split
-# the keys in two, attend to each part separately with `return_lse=True`, merge, and compare with
-# attending to all keys at once, with flash_lib's error metric (chapter 7 defines it: each row's
-# largest difference relative to that row's largest entry).
+# A convex combination of the partial outputs, each weighted by its block's share of the total.
+# `flash_lib.merge_attention(out_a, lse_a, out_b, lse_b)` computes it against
+# $M = \max(\mathrm{lse}_a, \mathrm{lse}_b)$, so nothing overflows; a part with no key
+# ($\mathrm{lse} = -\infty$) weighs 0 (chapter 6). We attend to two halves of the keys, merge,
+# and compare with all keys at once (the error metric, chapter 7's: each row's largest difference
+# relative to its largest entry). The differences this chapter measures are drawn against their
+# bounds in the {doc}`appendix on how this tutorial is tested <26_how_this_tutorial_is_tested>`.
 
 # %%
 n_q, d = 64, 32
@@ -266,11 +242,8 @@ out_ab, lse_ab = flash_lib.merge_attention(out_a, lse_a, out_b, lse_b)
 out_ba, lse_ba = flash_lib.merge_attention(out_b, lse_b, out_a, lse_a)
 merge_vs_full = rowwise_relative_error(out_ab, out_full).max()
 lse_vs_full = np.abs(lse_ab - lse_full).max()
-# 1e-14 (45 eps) and 1e-13 nats: measured at most 1.6e-15 and 1.8e-15 at every NumPy CPU level
-# and OpenBLAS kernel tried, a margin of 6 and 55; a kernel off by 1e-6 misses them by 7 orders
+# 1e-14 (45 eps) and 1e-13 nats: a kernel off by 1e-6 misses them by 7 orders of magnitude
 out_bound = 1e-14
-measured += [("merged halves vs all keys: output", merge_vs_full, out_bound),
-             ("merged halves vs all keys: lse (nats)", lse_vs_full, lse_bound)]
 print(f"merged halves vs all keys at once: output within {out_bound:.0e}: "
       f"{merge_vs_full <= out_bound}, lse within {lse_bound:.0e} nats: {lse_vs_full <= lse_bound}")
 print("merge(a, b) vs merge(b, a): largest difference",
@@ -279,34 +252,27 @@ print("merge(a, b) vs merge(b, a): largest difference",
 # %% [markdown]
 # ## Dividing the keys among workers
 #
-# Since $\oplus$ is associative and commutative, the keys of a row can be dealt out to any number
-# of workers in any way, each worker returning only $(o, \mathrm{lse})$ for its share. Three
-# schemes in use are this one idea:
+# Since $\oplus$ is associative and commutative, a row's keys can be dealt out to any number of
+# workers in any way, each returning only $(o, \mathrm{lse})$ for its share:
 #
-# - **Split-KV**: cut the keys and values into chunks, attend to each chunk separately (in
-#   parallel), keep each chunk's output and lse, and merge them at the end.
-# - **Flash-decoding** is split-KV on a GPU for text generation. Each step has one new query per
-#   sequence and head against the keys and values of every earlier token, kept from step to step
-#   (the **KV cache**). A GPU needs many independent pieces of work at once; FlashAttention's
-#   are one per sequence, head and group of queries, so with one query most of the GPU idles.
-#   Flash-decoding attends to the chunks in parallel, writes one extra number per row and chunk
-#   (its lse), and combines the $T$ chunks in one final reduction (Dao, Haziza, Massa, Sizov,
-#   "Flash-Decoding for long-context inference", 2023,
+# - **Split-KV**: attend to chunks of the keys and values in parallel, keep each chunk's output
+#   and lse, merge at the end.
+# - **Flash-decoding** is split-KV on a GPU for text generation, where each step has one new query
+#   per sequence and head against the kept keys and values of every earlier token (the **KV
+#   cache**). FlashAttention's independent pieces of work are one per sequence, head and group of
+#   queries, so with one query most of the GPU idles; flash-decoding attends to the chunks in
+#   parallel and combines them in one final reduction, the $T$-way merge
+#   $\mathrm{lse} = \log \sum_i e^{\mathrm{lse}_i}$, $o = \sum_i e^{\mathrm{lse}_i - \mathrm{lse}} o_i$
+#   (Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference", 2023,
 #   <https://crfm.stanford.edu/2023/10/12/flashdecoding.html>; in the FlashAttention package
-#   since version 2.2, "with a separate kernel to combine results"):
-#   the $T$-way form of the merge, $\mathrm{lse} = \log \sum_i e^{\mathrm{lse}_i}$,
-#   $o = \sum_i e^{\mathrm{lse}_i - \mathrm{lse}} o_i$.
-# - **Ring attention** (Liu, Zaharia, Abbeel, "Ring Attention with Blockwise Transformers for
-#   Near-Infinite Context", arXiv 2310.01889) spreads the sequence over devices arranged in a
-#   ring: each keeps its block of queries while the blocks of keys and values travel around the
-#   ring, and each device folds every block that arrives into its running state. Each device sees
-#   the blocks in its own rotated order, which is harmless because $\oplus$ commutes.
+#   since version 2.2).
+# - **Ring attention** (Liu, Zaharia, Abbeel, arXiv 2310.01889) keeps a block of queries on each
+#   device of a ring while the blocks of keys and values travel around it; each device folds the
+#   blocks in its own rotated order, harmless because $\oplus$ commutes.
 #
-# The same summaries merged by the global maximum are how Rabe & Staats compute attention in
-# chunks without $O(n^2)$ memory (arXiv 2112.05682), and the same state is the "attention state"
-# that FlashInfer merges (its `merge_state` operator). Below: flash-decoding with one query and
-# $T = 8$ chunks reduced in one step, and ring attention on 4 "devices", each holding 16 queries
-# and visiting the 4 key blocks in its own rotated order.
+# Rabe & Staats's chunked attention (arXiv 2112.05682) and FlashInfer's `merge_state` merge the
+# same state. Below: flash-decoding with one query and 8 chunks reduced in one step, and ring
+# attention on 4 "devices" of 16 queries each.
 
 # %%
 def combine_splits(outs, lses):
@@ -329,7 +295,6 @@ partials = [flash_lib.flash_attention(q_one, k[s], v[s], return_lse=True)
             for s in random_cuts(n, 8, rng)]
 out_dec, lse_dec = combine_splits(*zip(*partials))
 decoding_vs_full = rowwise_relative_error(out_dec, out_full[:1]).max()
-measured.append(("flash-decoding vs all keys", decoding_vs_full, out_bound))
 print(f"flash-decoding (8 chunks, one 8-way reduction) vs all keys, within {out_bound:.0e}: "
       f"{decoding_vs_full <= out_bound}")
 
@@ -347,59 +312,33 @@ for p in range(devices):
         state = block if state is None else flash_lib.merge_attention(*state, *block)
     ring_out[q_blocks[p]] = state[0]
 ring_vs_full = rowwise_relative_error(ring_out, out_full).max()
-# measured at most 2.2e-15 at every level tried: margin 4.5
-measured.append(("ring attention vs all keys", ring_vs_full, out_bound))
 print(f"ring attention (4 devices, rotated orders) vs all keys, within {out_bound:.0e}: "
       f"{ring_vs_full <= out_bound}")
-
-# %% [markdown]
-# The differences measured in this chapter, each against its bound. They are rounding, and their
-# last bits depend on the CPU (which exp and sum loops NumPy picked, which matrix kernel OpenBLAS
-# did), so they are drawn rather than printed; an exact 0 is drawn at the left edge.
-
-# %%
-fig, ax = plt.subplots(figsize=(8.5, 4.5))
-rows = np.arange(len(measured))[::-1]
-floor = 0.1  # eps: where an exact 0 is drawn
-for row, (label, diff, bound) in zip(rows, measured):
-    ax.barh(row, max(diff / eps, floor), color="C0", height=0.5)
-    ax.plot(bound / eps, row, "k|", ms=12, mew=2)
-    ax.text(max(diff / eps, floor) * 1.3, row, f"{diff / eps:.2g} eps", va="center", fontsize=8)
-ax.plot([], [], "k|", ms=10, mew=2, label="bound")
-ax.set_xscale("log")
-ax.set_xlim(floor, 2e3)
-ax.set_yticks(rows, [label for label, *_ in measured], fontsize=8)
-ax.set_xlabel("difference, in machine epsilons of float64\n"
-              "(relative for l and the outputs, absolute for lse)")
-ax.set_title("Measured differences against their bounds")
-ax.legend(loc="lower right", fontsize=8)
-fig.tight_layout()
-plt.show()
 
 # %% [markdown]
 # ## What we showed
 #
 # - $(m_a, l_a) \oplus (m_b, l_b) = (M, l_a e^{m_a - M} + l_b e^{m_b - M})$ is exactly the state of
-#   the union of two disjoint blocks; it is commutative and has the identity $(-\infty, 0)$ bit for
-#   bit, and is associative with $m$ exact and $l$ equal to rounding (12 machine epsilons).
-# - Cutting a row of 4096 scores into up to 256 random blocks and merging them left to right or
-#   in random order gives the exact maximum and $l$ within rounding of the two-pass result (the
-#   bound grows with the number of merges a term goes through).
-# - The compact state $\mathrm{lse} = m + \log l$ lies in $[m, m + \log n]$ and merges with
-#   `np.logaddexp`, with $-\infty$ as the empty block; it agrees with the merged $(m, l)$ and with
-#   an extended-precision truth to $10^{-13}$ nats.
-# - `flash_lib.merge_attention` of two key halves equals attention over all keys to $10^{-14}$
-#   and is symmetric bit for bit.
-# - Split-KV, flash-decoding and ring attention are this merge: flash-decoding's 8-way reduction
-#   and ring attention over 4 devices with rotated orders both reproduce attention over all keys
-#   to $10^{-14}$.
+#   the union; commutative and with identity $(-\infty, 0)$ bit for bit (empty blocks anywhere in
+#   a chain change nothing), associative with $m$ exact and $l$ to 12 machine epsilons.
+# - Up to 256 random blocks merged left to right or in random order give the exact maximum and $l$
+#   within rounding of the two-pass result.
+# - $\mathrm{lse} = m + \log l \in [m, m + \log n]$ merges with `np.logaddexp`; it agrees with
+#   the merged $(m, l)$ and an extended-precision truth to $10^{-13}$ nats.
+# - `merge_attention` of two halves equals attention over all keys to $10^{-14}$, symmetric bit for
+#   bit; flash-decoding's 8-way reduction and ring attention over 4 devices do too.
 
 # %%
 # the merge is exact on a two-way cut
 assert merged[0] == whole[0] and rel_diff(merged[1], whole[1]) <= cut_bound
 # commutative and identity bit for bit, associative to rounding
 assert not_commuting == 0 and not_identity == 0 and assoc_m_differs == 0 and assoc_l <= assoc_bound
-assert merge(EMPTY, EMPTY) == EMPTY
+# workers that got no keys: empty states anywhere in a chain (two in a row at its start) change
+# the merged state of the others by not one bit
+block_states = [block_state(x[s]) for s in random_cuts(n, 16, np.random.default_rng(0))]
+with_empties = [EMPTY, EMPTY, *(st for b in block_states for st in (b, EMPTY))]
+assert functools.reduce(merge, with_empties) == functools.reduce(merge, block_states)
+assert functools.reduce(merge, [EMPTY] * 3) == EMPTY  # no keys at all: the empty sum, l = 0
 # the online update of chapter 2 is ⊕ with one-score blocks (x, 1)
 m_stream, l_stream = functools.reduce(merge, [(xi, 1.0) for xi in x[:100].tolist()], EMPTY)
 m_2p, l_2p = block_state(x[:100])

@@ -56,6 +56,20 @@ def test_notebook_is_executed_and_clean(source):
     assert not errors, f"stored errors or warnings: {errors}"
 
 
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_markdown_holds_no_control_character(source):
+    """No markdown cell holds a control character other than a newline.
+
+    A "\\tau" or "\\text" written in a non-raw Python string becomes a TAB followed by "au" or
+    "ext": MathJax then shows "auL" and "ext{lse}" where the formula meant tau and text.
+    """
+    nb = json.loads(source.with_suffix(".ipynb").read_text())
+    found = [(i, line) for i, cell in enumerate(nb["cells"]) if cell["cell_type"] == "markdown"
+             for line in "".join(cell["source"]).split("\n")
+             if any(ord(ch) < 32 or 127 <= ord(ch) < 160 for ch in line)]
+    assert not found, f"control characters in markdown (cell, line): {found}"
+
+
 # --- Cells that need a package some platforms cannot install (notebooks/_platform.py) ---------
 
 def _code_cells(source):
