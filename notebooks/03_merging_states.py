@@ -355,3 +355,26 @@ assert np.logaddexp(lse_by_merge, -np.inf) == lse_by_merge
 assert merge_vs_full <= out_bound and lse_vs_full <= lse_bound
 assert np.array_equal(out_ab, out_ba) and np.array_equal(lse_ab, lse_ba)
 assert decoding_vs_full <= out_bound and ring_vs_full <= out_bound
+
+# %% [markdown]
+# ## Your turn: merge two partial results
+#
+# Write `merge(out_a, lse_a, out_b, lse_b) -> (out, lse)`: the attention of the same rows over
+# two disjoint key sets, `out_a`, `out_b` of shape `(rows, dv)` with their `lse_a`, `lse_b` of
+# shape `(rows,)`, combined into the attention over both, as `merge_attention` does. Nothing may
+# overflow (the grader tries lse near 800); a part with `lse = -inf` (no key) adds nothing,
+# whatever its `out` holds (NaN, inf); a row empty in both parts is `out = 0`, `lse = -inf`.
+#
+# Replace the stub with your function and re-run the grade cell: it says `not implemented yet`,
+# then what is wrong and where to look, until `passed`. The solution is hidden below it.
+
+# %%
+from flash_check.exercises import grade, show_solution, stub
+
+merge = stub("merge")  # your turn: replace with def merge(out_a, lse_a, out_b, lse_b): ...
+
+# %%
+grade("merge", merge)
+
+# %% jupyter={"outputs_hidden": true} mystnb={"code_prompt_hide": "Hide the solution", "code_prompt_show": "Show the solution"} tags=["remove-input", "hide-output"]
+show_solution("merge")

@@ -366,3 +366,28 @@ assert tile_bytes <= max(scratch.values()) < 2 * tile_bytes, (scratch, tile_byte
 for bq, bk, n_tiles, err_out, err_lse in case_results:  # BOUND: see its definition
     assert err_out <= BOUND and err_lse <= BOUND, (bq, bk, err_out, err_lse)
     assert n_tiles == -(-n_q // bq) * -(-n_k // bk)
+
+# %% [markdown]
+# ## Your turn: one step of the online softmax
+#
+# Write `online_update(m, l, acc, s, v) -> (m, l, acc)`: fold one tile of scaled
+# scores `s (rows, cols)` (`-inf` where masked) and its values `v (cols, dv)` into the rows'
+# running state, `m`, `l` of shape `(rows,)` and `acc (rows, dv)`, and return the new state. A
+# row whose scores are all `-inf` so far stays `m = -inf`, `l = 0`, `acc = 0`, with no NaN. The
+# grader starts from that empty state and folds tiles through your function: a 1 × 1 tile, a
+# rising max, a masked first tile, a row masked throughout.
+#
+# Replace the stub with your function and re-run the grade cell: it says `not implemented yet`,
+# then what is wrong and where to look, until `passed`. The solution is hidden below it.
+
+# %%
+from flash_check.exercises import grade, show_solution, stub
+
+# your turn: replace the stub with def online_update(m, l, acc, s, v): ...
+online_update = stub("online_update")
+
+# %%
+grade("online_update", online_update)
+
+# %% jupyter={"outputs_hidden": true} mystnb={"code_prompt_hide": "Hide the solution", "code_prompt_show": "Show the solution"} tags=["remove-input", "hide-output"]
+show_solution("online_update")

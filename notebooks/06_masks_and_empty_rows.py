@@ -436,3 +436,28 @@ assert np.array_equal(out_merged, out_flash[0:1]) and np.array_equal(lse_merged,
 assert [i for i in range(5) if np.all(out_c[i] == 0)] == [0, 1, 2]
 assert np.all(lse_c[:3] == -np.inf) and np.all(lse_cn[:3] == -np.inf)
 assert err_causal_tall < TOL
+
+# %% [markdown]
+# ## Your turn: the tiled forward
+#
+# Write `forward(q, k, v, *, causal=False, block_q=64, block_k=64) -> (out, lse)` for
+# `q (Nq, d)`, `k (Nk, d)`, `v (Nk, dv)`: scale $1/\sqrt d$, tiles of `block_q` queries by
+# `block_k` keys folded one at a time, causal aligned bottom-right (key $j$ allowed iff
+# $j \le i + N_k - N_q$), and a row with no allowed key gives `out = 0`, `lse = -inf`. After its
+# own small cases the grader runs `flash_check`'s cases in float32, and measures your scratch
+# memory at two sizes: it must not grow as $N^2$.
+#
+# Replace the stub with your function and re-run the grade cell: it says `not implemented yet`,
+# then what is wrong and where to look, until `passed`. The solution is hidden below it.
+
+# %%
+from flash_check.exercises import grade, show_solution, stub
+
+# your turn: replace the stub with def forward(q, k, v, *, causal=False, block_q=64, block_k=64): ...
+forward = stub("forward")
+
+# %%
+grade("forward", forward)
+
+# %% jupyter={"outputs_hidden": true} mystnb={"code_prompt_hide": "Hide the solution", "code_prompt_show": "Show the solution"} tags=["remove-input", "hide-output"]
+show_solution("forward")
