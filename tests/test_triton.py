@@ -191,9 +191,9 @@ def test_planted_missing_rescale_is_caught_and_diagnosed():
 def test_bad_inputs():
     rng = np.random.default_rng(5)
     q, k, v = qkv(rng, 8, 8)
-    with pytest.raises(TypeError, match="float32 or float16"):
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
         flash_triton.attention(q.astype(np.float64), k, v)
-    with pytest.raises(TypeError, match="float32 or float16"):
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
         flash_triton.attention(q, k.astype(np.float16), v)
     with pytest.raises(TypeError):
         flash_triton.attention(q.astype(np.int32), k, v)
