@@ -336,3 +336,47 @@ def test_no_runtime_warning_leaves_a_call_on_garbage_inputs():
         warnings.simplefilter("error")
         out, lse = flash_triton.attention(q, k, v, causal=True, return_lse=True)
         flash_triton.attention_backward(q, k, v, out, lse, np.ones_like(out), causal=True)
+
+
+# --- bench/bench_gpu.py (issue 34 item 4): its --interpret --quick mode takes the CUDA run's
+# code path on tiny shapes, so the script cannot rot unseen.
+
+
+def _bench_gpu(*args, tmp_path=None, timeout=300):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "bench_gpu.py"), *args],
+                          capture_output=True, text=True, env=env, cwd=tmp_path or ROOT,
+                          timeout=timeout)
+
+
+def test_bench_gpu_interpret_quick_runs_every_step(tmp_path):
+    import json
+
+    out = tmp_path / "gpu.json"
+    run = _bench_gpu("--interpret", "--quick", "--json", str(out), tmp_path=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "checks PASS" in run.stdout
+    results = json.loads(out.read_text())
+    assert results["ok"] and results["interpreted"] and results["quick"]
+    # flash_check with every declared feature, its backward and flash_lib's generator
+    assert results["flash_check"]["ok"]
+    assert results["flash_check"]["summary"].startswith("PASS: 11 of 11 case runs passed")
+    # the grid: both 16-bit dtypes, causal or not, dropout off and on, each within its bound
+    grid = results["grid"]
+    assert {(r["dtype"], r["causal"], r["dropout"]) for r in grid} == {
+        (t, c, p) for t in ("float16", "bfloat16") for c in (False, True) for p in (0.0, 0.1)}
+    assert all(r["ok"] for r in grid)
+    # the timings: both modes, causal or not, each agreeing with SDPA before it is timed
+    timings = results["timings"]
+    assert {(r["mode"], r["causal"]) for r in timings} == {
+        (m, c) for m in ("fwd", "fwd+bwd") for c in (False, True)}
+    assert all(r["ok"] and r["triton_ms"] > 0 and r["sdpa_ms"] > 0 for r in timings)
+
+
+@pytest.mark.skipif(flash_triton.HAS_CUDA, reason="the message is for machines without CUDA")
+def test_bench_gpu_without_cuda_says_so_and_exits_0(tmp_path):
+    run = _bench_gpu("--json", str(tmp_path / "gpu.json"), tmp_path=tmp_path, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("\n") == 1 and run.stdout.startswith("bench_gpu: no CUDA GPU here")
+    assert not (tmp_path / "gpu.json").exists()
