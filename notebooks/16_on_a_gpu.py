@@ -400,9 +400,9 @@ for b_q, b_k, d in ((128, 128, 128), (256, 64, 64)):
 # $b_k$ is halved; on 8 warps it would, but ran 28% slower, its comment says. (At $d = 256$ an
 # H100 runs $64 \times 64$ on 4 warps, so that two programs fit in one SM's shared memory.)
 # `flash_triton` hard-wires no tile: compiled, `@triton.autotune` times the candidates of
-# `GPU_CONFIGS` (tutorial 06's and FlashAttention-2's) per head dimension after `prune_configs`
-# drops what this arithmetic rules out, and keeps the fastest: likely FlashAttention-2's, the one
-# its authors measured fastest. The interpreter runs one $32 \times 32$ tile. A GPU tries:
+# `GPU_CONFIGS` (tutorial 06's, FlashAttention-2's) left by `prune_configs` for the head dimension
+# and keeps the fastest, likely FlashAttention-2's, measured fastest by its authors (below
+# N = 1024 that one, untimed). The interpreter runs one $32 \times 32$ tile. A GPU tries:
 
 # %% tags=["needs-triton"]
 for d in (64, 128):  # (b_q, b_k, warps) of each configuration left, its stage counts aside

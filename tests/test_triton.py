@@ -544,5 +544,19 @@ def test_prune_configs_by_head_dimension():
 def test_the_interpreter_runs_one_small_configuration():
     assert flash_triton.INTERPRETED
     config = flash_triton.INTERPRETER_CONFIG
-    assert (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]) == (flash_triton.BLOCK_M,
-                                                                     flash_triton.BLOCK_N) == (32, 32)
+    tile = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"])
+    assert tile == (flash_triton.BLOCK_M, flash_triton.BLOCK_N) == (32, 32)
+
+
+def test_short_sequences_get_flash_attention_2_s_tile_untimed():
+    def tile(which, d, dropout=False):
+        c = flash_triton.default_config(which, d, dropout)
+        return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps
+
+    # flash_fwd_launch_template.h on sm80/sm90: d = 64 128 x 128 (dropout 128 x 64), d = 128
+    # 128 x 64 (dropout 128 x 32), 4 warps
+    assert tile("forward", 64) == (128, 128, 4) and tile("forward", 64, True) == (128, 64, 4)
+    assert tile("forward", 128) == (128, 64, 4) and tile("forward", 128, True) == (128, 32, 4)
+    # the backward: the tutorial's 32 x 128 (dK, dV) and 128 x 32 (dQ), 4 warps
+    assert tile("dkdv", 128) == (32, 128, 4) and tile("dq", 128) == (128, 32, 4)
+    assert flash_triton.SEARCH_FROM == 1024
