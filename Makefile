@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.py))
 
-.PHONY: all setup test test-notebooks bench bench-dask notebooks lab docs serve clean
+.PHONY: all setup test test-notebooks bench bench-dask bench-gpu notebooks lab docs serve clean
 
 all: docs
 
@@ -35,6 +35,12 @@ bench: setup
 # flash_dask on a LocalCluster of 1 and of 2 worker processes against flash_attention in one.
 bench-dask: setup
 	$(BIN)/python bench/bench_dask.py
+
+# flash_triton compiled on a CUDA GPU: flash_check on it, then forward and forward+backward timed
+# against PyTorch's SDPA (flash backend), results in bench/bench_gpu.json. Without CUDA it says so
+# and exits 0; `bench/bench_gpu.py --interpret --quick` runs it on the CPU (tests/test_triton.py).
+bench-gpu: setup
+	$(BIN)/python bench/bench_gpu.py
 
 # Re-execute every notebook from its .py source into the paired .ipynb (after changing flash_lib.py).
 notebooks: setup

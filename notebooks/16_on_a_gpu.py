@@ -39,6 +39,7 @@ import numpy as np
 from matplotlib.patches import Rectangle
 
 import flash_check
+import flash_fa4
 import flash_lib
 
 rng = np.random.default_rng(16)
@@ -157,9 +158,9 @@ plt.show()
 # | the batch and head loop (`...` dims) | the grid's axis 1: one program per (batch, head) | across SMs, in parallel |
 # | `q = Q[rows]` once per query block | `q = tl.load(...)` before the key loop | HBM → registers |
 # | `for k_start, k_stop in ...:` (the inner loop) | `for start_n in range(0, hi, BLOCK_N):` | sequential, inside one program |
-# | `s = scale * q @ k.T` | `tl.dot(q, tl.trans(k)) * qk_scale` | tensor cores, fp32 accumulate |
+# | `s = scale * q @ k.T` | `mm(q, tl.trans(k), UPCAST) * qk_scale` (`mm` is `tl.dot`) | tensor cores, fp32 accumulate |
 # | `online_softmax_update(m, l, acc, s, v)` | `m_new`, `p = exp2(...)`, `alpha`, `l`, `acc` | FP32 units, `exp2` on the MUFU; registers |
-# | `acc += p @ v` | `tl.dot(p.to(v.dtype), v, acc)` | tensor cores |
+# | `acc += p @ v` | `acc += mm(p.to(v.dtype), v, UPCAST)` | tensor cores |
 # | `out = acc / l`, `lse = m + log(l)` | the epilogue, once per row | registers → HBM |
 #
 # ## The forward kernel, whole
@@ -167,11 +168,13 @@ plt.show()
 # Here it is, as `flash_triton.py` holds it (`.fn` is the Python function under `@triton.jit`).
 # `Q + offsets` is pointer arithmetic: `tl.load` reads a whole tile at once, `mask=` guards the
 # rows and columns past the array's end (loaded as `other=0.0`), and the `tl.constexpr`
-# arguments are compile-time constants: each combination of `CAUSAL`, `HAS_MASK`, `NONFINITE`,
-# the block sizes and `RESCALE` compiles to its own kernel on a GPU, so `if CAUSAL:` is free.
+# arguments are compile-time constants: each combination of `CAUSAL`, `HAS_MASK`, `HAS_SINKS`,
+# `DROPOUT`, `NONFINITE`, the block sizes and `RESCALE` compiles to its own kernel on a GPU, so
+# `if CAUSAL:` is free. (`UPCAST` widens bfloat16 for the interpreter, whose `tl.dot` errs on it.)
 
 # %% tags=["needs-triton"]
-for fn in (flash_triton.allowed_pairs, flash_triton.dot_allowed, flash_triton.forward_kernel):
+for fn in (flash_triton.allowed_pairs, flash_triton.dot_allowed, flash_triton.mm,
+           flash_triton.dropout_keep, flash_triton.forward_kernel):
     print(inspect.getsource(fn.fn))
 
 # %% [markdown]
@@ -186,9 +189,10 @@ for fn in (flash_triton.allowed_pairs, flash_triton.dot_allowed, flash_triton.fo
 # 1. `start_m = tl.program_id(0) * BLOCK_M`, `bh = tl.program_id(1)`: this program's query block
 #    and (batch, head). There is no loop over query blocks: the grid *is* that loop.
 # 2. `q = tl.load(...)`; `m = -inf`, `l = 0`, `acc = 0`: chapter 5's initial state, in fp32,
-#    held in registers for the whole key loop. Only $K_j$ and $V_j$ travel from HBM.
+#    held in registers for the whole key loop (with a sink, chapter 18's: as if the sink had
+#    been seen, `m = sink`, `l = 1`). Only $K_j$ and $V_j$ travel from HBM.
 # 3. `hi` and `full`: the causal tile skipping (below), the tiles of flash_lib's `tile_schedule`.
-# 4. `s = tl.dot(q, tl.trans(k)) * qk_scale`: $S$, but in **base 2**: `qk_scale` is
+# 4. `s = mm(q, tl.trans(k), UPCAST) * qk_scale`: $S$, but in **base 2**: `qk_scale` is
 #    $\tau \log_2 e$, so `s` holds $\tau\, q k^\top \log_2 e$ and every exponential after it is an
 #    `exp2`.
 # 5. `allowed_pairs`, `HAS_MASK`: chapter 6's masks as $-\infty$ scores, paid for only in tiles
@@ -199,10 +203,12 @@ for fn in (flash_triton.allowed_pairs, flash_triton.dot_allowed, flash_triton.fo
 #    $2^{-\infty - 0} = 0$ rather than $2^{-\infty + \infty} = $ NaN).
 # 7. `if RESCALE: l = l * alpha; acc = acc * alpha[:, None]`: the rescale, always on in
 #    `flash_triton.attention`; the flag lets the last section plant the classic bug.
-# 8. `acc = tl.dot(p.to(v.dtype), v, acc)`: $P V_j$ on the tensor cores, which take float16
-#    operands (so `p` is rounded to float16, as in FlashAttention) and accumulate in fp32.
+# 8. `acc += mm(p.to(v.dtype), v, UPCAST)`: $P V_j$ on the tensor cores, which take float16
+#    operands (so `p` is rounded to float16, as in FlashAttention) and accumulate in fp32. With
+#    `DROPOUT`, after $\ell$ took the undropped `p`, `dropout_keep` zeroes the dropped weights:
+#    chapter 17's mask, flash_lib's Philox4x32-7 bit for bit, from the seed and $(b, i, j)$ alone.
 # 9. The epilogue: `out = acc / l` (an empty row has $\ell = 0$ and `acc` $= 0$, so it divides by 1
-#    and stays 0), and `m + log2(l)`, the lse in base 2, stored for the backward.
+#    and stays 0), times $1/(1-p)$ with dropout, and `m + log2(l)`, the lse in base 2.
 #
 # An empty row gets `out = 0` and `lse = -inf`, flash_lib's contract (the true $\log 0$).
 # FlashAttention-2 stores $+\infty$ instead, so that its backward's $e^{S - \mathrm{lse}}$ is 0
@@ -393,7 +399,21 @@ for b_q, b_k, d in ((128, 128, 128), (256, 64, 64)):
 # bits, fragments of $K_j$ and $V_j$). At $d = 128$ a $128 \times 128$ tile would not fit, so
 # $b_k$ is halved; on 8 warps it would, but ran 28% slower, its comment says. (At $d = 256$ an
 # H100 runs $64 \times 64$ on 4 warps, so that two programs fit in one SM's shared memory.)
-#
+# `flash_triton` hard-wires no tile: compiled, `@triton.autotune` times the candidates of
+# `GPU_CONFIGS` (tutorial 06's, FlashAttention-2's) left by `prune_configs` for the head dimension
+# and keeps the fastest, likely FlashAttention-2's, measured fastest by its authors (below
+# N = 1024 that one, untimed). The interpreter runs one $32 \times 32$ tile. A GPU tries:
+
+# %% tags=["needs-triton"]
+for d in (64, 128):  # (b_q, b_k, warps) of each configuration left, its stage counts aside
+    tried = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps)
+             for c in flash_triton.prune_configs(flash_triton.GPU_CONFIGS["forward"], d)}
+    most = max(regs_per_thread(b_q, b_k, d, w) for b_q, b_k, w in tried)
+    print(f"d = {d}: tiles {sorted(tried)}; FlashAttention-2's {FA2_FWD[d]} among them: "
+          f"{FA2_FWD[d] in tried}; S and acc take at most {most} registers per thread")
+    assert FA2_FWD[d] in tried and most <= MAX_REGS_PER_THREAD
+
+# %% [markdown]
 # ## One tile on an A100 and an H100
 #
 # One step of the inner loop, with FlashAttention-2's tile at $d = 128$ in float16: it loads
@@ -460,24 +480,9 @@ for gpu in (A100, H100):  # each SM gets 1 / sms of the HBM bandwidth and of the
 # $\lfloor x \rfloor$ into the exponent bits: nine arithmetic instructions, none on the MUFU:
 
 # %%
-# FlashAttention-4's POLY_EX2[3] (flash_attn/cute/utils.py): 2**f on [0, 1), fitted by Sollya
-POLY_EX2 = (1.0, 0.695146143436431884765625, 0.227564394474029541015625,
-            0.077119089663028717041015625)
-
-
-def ex2_emulation(x, poly=POLY_EX2):
-    """FlashAttention-4's software exp2, in float32: 2**floor(x) * poly(x - floor(x))."""
-    x = np.maximum(x, np.float32(-127.0))
-    whole = np.floor(x)  # on the GPU: x + (2**23 + 2**22) rounded down holds floor(x)
-    frac = x - whole  # in [0, 1)
-    p = np.float32(poly[-1])
-    for c in poly[-2::-1]:  # Horner's rule: one FMA per coefficient on the GPU
-        p = p * frac + np.float32(c)
-    return np.ldexp(p, whole.astype(np.int32))  # on the GPU: floor(x) << 23, an integer add
-
-
+# flash_fa4.exp2_poly: chapter 19's ex2_emulation in NumPy, bit for bit (POLY_EX2, degree 3)
 x = np.linspace(-100, 0, 1 << 20, dtype=np.float32)  # the arguments s - m of exp2 are <= 0
-error = np.max(np.abs(ex2_emulation(x) / np.exp2(x.astype(np.float64)) - 1))
+error = np.max(np.abs(flash_fa4.exp2_poly(x) / np.exp2(x.astype(np.float64)) - 1))
 print(f"largest relative error on [-100, 0]: {error:.1e}; P is rounded to bfloat16 before "
       f"the PV matmul anyway, by up to {2.0**-9:.1e}")
 assert error < 2.0**-9
@@ -543,15 +548,15 @@ for dtype in (np.float32, np.float16):
 # from $1/\sqrt d$) and bounds its error by twice the textbook computation's in the same dtype.
 # Its `lse` feature wants `(out, lse)` back, so it gets `flash_triton.attention_with_lse` (from a
 # shell, `python -m flash_check flash_triton:attention --features causal lse`); then its mask
-# cases (key padding, empty rows, all masked, causal with a mask, NaN and inf in padded keys)
-# and $d_v \ne d$, in float32:
+# cases (key padding, empty rows, all masked, causal with a mask, NaN and inf in padded keys),
+# $d_v \ne d$, sinks and dropout (with the backward, and the mask claimed to be flash_lib's):
 
 # %% tags=["needs-triton"]
 masked_cases = ["key_padding", "empty_rows", "all_masked", "causal_and_mask", "masked_nonfinite",
-                "dv"]
+                "dv", "sinks", "sinks_empty_rows", "dropout"]
 for options in (dict(features=("causal", "lse"), dtypes=("float32", "float16")),
-                dict(features=("mask", "causal", "lse", "dv"), dtypes=("float32",),
-                     cases=masked_cases)):
+                dict(features=flash_triton.FEATURES, dtypes=("float32",), cases=masked_cases,
+                     backward=flash_triton.attention_backward, dropout_generator="flash_lib")):
     report = flash_check.check_kernel(flash_triton.attention_with_lse, **options)
     print(str(report).splitlines()[-1])  # the table above it holds rounding-level errors
     assert report.ok, report.failures
@@ -586,13 +591,10 @@ assert all("not rescaled by exp(m - m')" in f.diagnosis for f in buggy.failures)
 # ## What the interpreter is, and is not
 #
 # The interpreter runs the grid's programs one after another, each `tl` operation a NumPy call
-# on the whole tile. `tl.dot` is `np.matmul` in fp32: float16 operands are multiplied exactly and
-# summed in NumPy's order, not the tensor cores'. On a GPU Triton rounds fp32 operands of
-# `tl.dot` to TF32 unless told otherwise; the kernel asks for `input_precision="ieee"`, so its
-# float32 results mean the same compiled as interpreted. `exp2` is NumPy's, not `ex2.approx`.
-# Not modelled: `num_warps`, shared memory and registers (a tile too large for an SM still
-# runs), timing, and the order of the programs (the kernels use no atomics). So a pass under the
-# interpreter says the kernel's *logic* is right (indexing, masks, the online softmax, the
-# skipped tiles, the lse, the backward's algebra) in float32 and float16; compiled, the same code
-# adds the hardware's rounding (`ex2.approx`, the tensor cores' order), which chapter 23's bound,
-# twice the textbook error, leaves room for.
+# on the whole tile. `tl.dot` is `np.matmul` in fp32, float16 operands multiplied exactly and
+# summed in NumPy's order; `input_precision="ieee"` keeps a GPU from rounding fp32 operands to
+# TF32, so float32 means the same compiled. `exp2` is NumPy's, not `ex2.approx`. Not modelled:
+# warps, shared memory, registers, timing (so no autotuning), the programs' order (no atomics).
+# A pass here says the kernel's *logic* is right; compiled, it adds the hardware's rounding,
+# which chapter 23's bound leaves room for. `bench/bench_gpu.py` (`make bench-gpu`) checks and
+# times it on a CUDA GPU, against PyTorch's SDPA; the README says what to expect.

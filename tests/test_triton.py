@@ -191,9 +191,9 @@ def test_planted_missing_rescale_is_caught_and_diagnosed():
 def test_bad_inputs():
     rng = np.random.default_rng(5)
     q, k, v = qkv(rng, 8, 8)
-    with pytest.raises(TypeError, match="float32 or float16"):
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
         flash_triton.attention(q.astype(np.float64), k, v)
-    with pytest.raises(TypeError, match="float32 or float16"):
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
         flash_triton.attention(q, k.astype(np.float16), v)
     with pytest.raises(TypeError):
         flash_triton.attention(q.astype(np.int32), k, v)
@@ -336,3 +336,227 @@ def test_no_runtime_warning_leaves_a_call_on_garbage_inputs():
         warnings.simplefilter("error")
         out, lse = flash_triton.attention(q, k, v, causal=True, return_lse=True)
         flash_triton.attention_backward(q, k, v, out, lse, np.ones_like(out), causal=True)
+
+
+# --- bench/bench_gpu.py (issue 34 item 4): its --interpret --quick mode takes the CUDA run's
+# code path on tiny shapes, so the script cannot rot unseen.
+
+
+def _bench_gpu(*args, tmp_path=None, timeout=300):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "bench_gpu.py"), *args],
+                          capture_output=True, text=True, env=env, cwd=tmp_path or ROOT,
+                          timeout=timeout)
+
+
+def test_bench_gpu_interpret_quick_runs_every_step(tmp_path):
+    import json
+
+    out = tmp_path / "gpu.json"
+    run = _bench_gpu("--interpret", "--quick", "--json", str(out), tmp_path=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "checks PASS" in run.stdout
+    results = json.loads(out.read_text())
+    assert results["ok"] and results["interpreted"] and results["quick"]
+    # flash_check with every declared feature, its backward and flash_lib's generator
+    assert results["flash_check"]["ok"]
+    assert results["flash_check"]["summary"].startswith("PASS: 11 of 11 case runs passed")
+    # the grid: both 16-bit dtypes, causal or not, dropout off and on, each within its bound
+    grid = results["grid"]
+    assert {(r["dtype"], r["causal"], r["dropout"]) for r in grid} == {
+        (t, c, p) for t in ("float16", "bfloat16") for c in (False, True) for p in (0.0, 0.1)}
+    assert all(r["ok"] for r in grid)
+    # the timings: both modes, causal or not, each agreeing with SDPA before it is timed
+    timings = results["timings"]
+    assert {(r["mode"], r["causal"]) for r in timings} == {
+        (m, c) for m in ("fwd", "fwd+bwd") for c in (False, True)}
+    assert all(r["ok"] and r["triton_ms"] > 0 and r["sdpa_ms"] > 0 for r in timings)
+
+
+@pytest.mark.skipif(flash_triton.HAS_CUDA, reason="the message is for machines without CUDA")
+def test_bench_gpu_without_cuda_says_so_and_exits_0(tmp_path):
+    run = _bench_gpu("--json", str(tmp_path / "gpu.json"), tmp_path=tmp_path, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("\n") == 1 and run.stdout.startswith("bench_gpu: no CUDA GPU here")
+    assert not (tmp_path / "gpu.json").exists()
+
+
+# --- Sinks and dropout (issue 34 item 3): flash_lib's conventions, flash_lib's mask bit for bit.
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sinks_match_flash_lib_forward_and_backward(causal, dtype):
+    rng = np.random.default_rng([21, causal])
+    q, k, v = qkv(rng, 50, 40, d=16, dv=8, dtype=dtype, batch=(2, 3))  # causal: 10 rows see no key
+    mask = rng.random((2, 3, 50, 40)) < 0.7
+    mask[:, :, [3, 30]] = False  # more rows with no key: out 0, lse = sink
+    sinks = np.array([-1.0, 2.0, 5.0])  # one per head, broadcast over the batch
+    out, lse = flash_triton.attention(q, k, v, causal=causal, mask=mask, sinks=sinks,
+                                      return_lse=True)
+    x64 = as64(q, k, v)
+    ref, ref_lse = flash_lib.flash_attention(*x64, causal=causal, mask=mask, sinks=sinks,
+                                             return_lse=True)
+    empty = ~(mask & flash_lib.causal_mask(50, 40) if causal else mask).any(-1)
+    assert empty.sum() >= 12
+    assert np.all(out[empty] == 0)
+    assert np.allclose(lse[empty], np.broadcast_to(sinks[:, None], empty.shape)[empty], atol=1e-6)
+    bound = (20 if dtype == np.float32 else 2) * EPS[dtype]
+    assert np.max(flash_lib.rowwise_relative_error(out[~empty], ref[~empty])) <= bound
+    assert np.max(np.abs(lse - ref_lse) / (1 + np.abs(ref_lse))) <= 20 * EPS[np.float32]
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    grads = flash_triton.attention_backward(q, k, v, out, lse, dout, causal=causal, mask=mask,
+                                            sinks=sinks)
+    refs = flash_lib.flash_attention_backward(*x64, out.astype(np.float64),
+                                              lse.astype(np.float64), dout.astype(np.float64),
+                                              causal=causal, mask=mask, sinks=sinks)
+    assert len(grads) == 4 and grads[3].shape == sinks.shape
+    g_bound = 1e-5 if dtype == np.float32 else 5e-3
+    for name, g, ref in zip(("dq", "dk", "dv", "dsinks"), grads, refs):
+        assert np.max(np.abs(g - ref)) <= g_bound * np.max(np.abs(ref)), name
+
+
+def _mask_read_off(seed, p, batch, n_q, n_k, offset):
+    """The keep mask flash_triton applies, read off its output and its dV: on q = 0 the
+    weights are uniform, 1/Nk, so with v the identity out[i, j] = Z_ij / (Nk (1 - p)), and with
+    dout the identity (padded) dV[j, i] is the same."""
+    q = np.zeros(batch + (n_q, 16), np.float32)
+    k = np.random.default_rng(0).standard_normal(batch + (n_k, 16)).astype(np.float32)
+    eye_v = np.broadcast_to(np.eye(n_k, dtype=np.float32), batch + (n_k, n_k)).copy()
+    drop = dict(dropout_p=p, dropout_seed=seed, dropout_offset=offset)
+    out, lse = flash_triton.attention(q, k, eye_v, return_lse=True, **drop)
+    eye_do = np.broadcast_to(np.eye(n_q, n_k, dtype=np.float32), batch + (n_q, n_k)).copy()
+    # dout = [I | 0] (Nq x Nk): dV[j, c] = Σ_i P_ij Z_ij dO[i, c] / (1 - p) = P_cj Z_cj / (1 - p)
+    # for the columns c < Nq
+    dv = flash_triton.attention_backward(q, k, eye_v, out, lse, eye_do, **drop)[2]
+    forward = np.rint(out * n_k * (1 - np.float32(p))).astype(int)
+    backward = np.rint(np.swapaxes(dv[..., :n_q], -1, -2) * n_k * (1 - np.float32(p)))
+    return forward, backward.astype(int)
+
+
+# offsets: none; a row offset and a key offset on the 8-key counters (the kernels' packed path);
+# a key offset off them (one counter per key). Seeds below 2^31, at 2^63 + 5 (a uint64).
+@pytest.mark.parametrize("offset", [(0, 0), (7, 16), (3, 5)])
+@pytest.mark.parametrize("seed", [12345, 2**63 + 5])
+def test_dropout_mask_is_flash_lib_s_bit_for_bit_forward_and_backward(seed, offset):
+    p, batch, n_q, n_k = 0.3, (2, 2), 40, 72
+    forward, backward = _mask_read_off(seed, p, batch, n_q, n_k, offset)
+    want = flash_lib.dropout_keep(seed, p, batch + (n_q, n_k), offset=offset)
+    assert set(np.unique(forward)) == {0, 1}
+    assert np.array_equal(forward.astype(bool), want)
+    # the backward regenerates the same mask, pair for pair
+    assert set(np.unique(backward)) == {0, 1}
+    assert np.array_equal(backward.astype(bool), want)
+    # and the mask is not one that ignores the batch, the seed or the offset
+    assert not np.array_equal(want[0, 0], want[1, 1])
+    assert not np.array_equal(want, flash_lib.dropout_keep(seed + 1, p, want.shape, offset))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_output_and_gradients_match_flash_lib(causal, dtype):
+    rng = np.random.default_rng([22, causal])
+    q, k, v = qkv(rng, 70, 90, d=16, dv=24, dtype=dtype)
+    drop = dict(dropout_p=0.2, dropout_seed=99, dropout_offset=(4, 8))
+    out, lse = flash_triton.attention(q, k, v, causal=causal, return_lse=True, **drop)
+    x64 = as64(q, k, v)
+    ref, ref_lse = flash_lib.flash_attention(*x64, causal=causal, return_lse=True, **drop)
+    # the lse is the undropped one
+    assert np.max(np.abs(lse - ref_lse) / (1 + np.abs(ref_lse))) <= 20 * EPS[np.float32]
+    bound = (20 if dtype == np.float32 else 2) * EPS[dtype]
+    assert np.max(np.abs(out - ref)) <= bound * np.max(np.abs(ref))
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    grads = flash_triton.attention_backward(q, k, v, out, lse, dout, causal=causal, **drop)
+    refs = flash_lib.flash_attention_backward(*x64, ref, ref_lse, dout.astype(np.float64),
+                                              causal=causal, **drop)
+    g_bound = 1e-5 if dtype == np.float32 else 5e-3
+    for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
+        assert np.max(np.abs(g - r)) <= g_bound * np.max(np.abs(r)), name
+    # without the seed's mask the answer is another one: dropout really is applied
+    plain = flash_triton.attention(q, k, v, causal=causal)
+    assert np.max(np.abs(plain - ref)) > 100 * bound * np.max(np.abs(ref))
+
+
+def test_flash_check_passes_sinks_and_dropout_with_flash_lib_s_generator():
+    report = flash_check.check_kernel(
+        flash_triton.attention_with_lse, features=flash_triton.FEATURES, dtypes=("float32",),
+        backward=flash_triton.attention_backward, dropout_generator="flash_lib",
+        cases=["sinks", "sinks_empty_rows", "sinks_causal", "dropout"])
+    assert report.ok, report.failures
+    assert len(report.results) == 4
+    notes = {r.case: r.note for r in report.results}
+    assert "dsinks included" in notes["sinks"]
+    assert "the mask is flash_lib.dropout_keep's at every pair" in notes["dropout"]
+    assert "the backward's mask and gradients checked" in notes["dropout"]
+
+
+def test_bfloat16_matches_flash_lib():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(23)
+    q, k, v = (x.astype(ml_dtypes.bfloat16) for x in qkv(rng, 40, 56, d=16))
+    out, lse = flash_triton.attention(q, k, v, causal=True, return_lse=True)
+    assert out.dtype == ml_dtypes.bfloat16
+    ref, ref_lse = flash_lib.flash_attention(*as64(q, k, v), causal=True, return_lse=True)
+    eps = float(ml_dtypes.finfo(ml_dtypes.bfloat16).eps)
+    # out rounded to bfloat16 once, P once before P·V: measured 0.9 ulp of the largest entry
+    assert np.max(np.abs(out.astype(np.float64) - ref)) <= 2 * eps * np.max(np.abs(ref))
+    assert np.max(np.abs(lse - ref_lse) / (1 + np.abs(ref_lse))) <= 20 * EPS[np.float32]
+
+
+# --- Autotuning (issue 34 item 3): the configurations a GPU tries, by head dimension.
+
+
+def _tiles(configs):
+    return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) for c in configs}
+
+
+def test_gpu_configs_hold_tutorial_06_s_and_flash_attention_2_s_tiles():
+    forward = _tiles(flash_triton.GPU_CONFIGS["forward"])
+    # tutorial 06: 64 or 128 rows x 32 or 64 keys at 4 warps; FA2: 128 x 128 (d = 64), 4 warps
+    assert {(m, n, 4) for m in (64, 128) for n in (32, 64)} | {(128, 128, 4)} <= forward
+    # 8 warps only for tiles of 128 x 128 (the tutorial's keep())
+    assert all(m * n >= 128 * 128 for m, n, w in forward if w == 8)
+    assert (32, 128, 4) in _tiles(flash_triton.GPU_CONFIGS["dkdv"])  # the tutorial's backward
+    assert (128, 128, 8) in _tiles(flash_triton.GPU_CONFIGS["dkdv"])  # FA2's at d = 64
+    assert (64, 128, 8) in _tiles(flash_triton.GPU_CONFIGS["dkdv"])  # FA2's at d = 128
+    assert (128, 32, 4) in _tiles(flash_triton.GPU_CONFIGS["dq"])
+
+
+def test_prune_configs_by_head_dimension():
+    configs = flash_triton.GPU_CONFIGS["forward"]
+    d64, d128 = (_tiles(flash_triton.prune_configs(configs, d)) for d in (64, 128))
+    # FA2: 128 x 128 at d = 64, not at d = 128 (S and acc: 256 registers a thread, over 255)
+    assert (128, 128, 4) in d64 and not any(m * n >= 128 * 128 for m, n, _ in d128)
+    assert (128, 64, 4) in d128  # FA2's tile at d = 128 stays
+    # with dropout FA2 halves BLOCK_N at d = 64: no 128 x 128
+    assert not any(m * n >= 128 * 128 for m, n, _ in
+                   _tiles(flash_triton.prune_configs(configs, 64, dropout=True)))
+    # past d = 128: nothing over 64 x 64, nor more than 3 stages
+    d256 = flash_triton.prune_configs(configs, 256)
+    assert d256 and all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64
+                        and c.num_stages <= 3 for c in d256)
+    # non-finite inputs: the one small tile of dot_allowed's (M, N, d) products
+    assert flash_triton.prune_configs(configs, 64, nonfinite=True) == [
+        flash_triton.NONFINITE_CONFIG]
+
+
+def test_the_interpreter_runs_one_small_configuration():
+    assert flash_triton.INTERPRETED
+    config = flash_triton.INTERPRETER_CONFIG
+    tile = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"])
+    assert tile == (flash_triton.BLOCK_M, flash_triton.BLOCK_N) == (32, 32)
+
+
+def test_short_sequences_get_flash_attention_2_s_tile_untimed():
+    def tile(which, d, dropout=False):
+        c = flash_triton.default_config(which, d, dropout)
+        return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps
+
+    # flash_fwd_launch_template.h on sm80/sm90: d = 64 128 x 128 (dropout 128 x 64), d = 128
+    # 128 x 64 (dropout 128 x 32), 4 warps
+    assert tile("forward", 64) == (128, 128, 4) and tile("forward", 64, True) == (128, 64, 4)
+    assert tile("forward", 128) == (128, 64, 4) and tile("forward", 128, True) == (128, 32, 4)
+    # the backward: the tutorial's 32 x 128 (dK, dV) and 128 x 32 (dQ), 4 warps
+    assert tile("dkdv", 128) == (32, 128, 4) and tile("dq", 128) == (128, 32, 4)
+    assert flash_triton.SEARCH_FROM == 1024
