@@ -39,7 +39,6 @@ import numpy as np
 from matplotlib.patches import Rectangle
 
 import flash_check
-import flash_fa4
 import flash_lib
 
 rng = np.random.default_rng(16)
@@ -445,27 +444,20 @@ for gpu in (A100, H100):  # each SM gets 1 / sms of the HBM bandwidth and of the
 # ## FlashAttention-3 on Hopper
 #
 # FlashAttention-2 reaches only 35% of an H100's peak (FlashAttention-3, Shah et al. 2024,
-# arXiv 2407.08608, abstract). FlashAttention-3 rewrites the kernel for what Hopper added, in
-# CUDA (CUTLASS), not Triton:
-#
-# - **WGMMA, TMA, warp specialisation**: Hopper's matmul is issued by a *warpgroup* (4 warps),
-#   asynchronously; the TMA copies a tile from HBM to shared memory in one instruction; a
-#   *producer* warpgroup only issues those loads, *consumer* warpgroups only compute.
-# - **Ping-pong scheduling** (Section 3.1), the answer to the cost above: the MUFU is a unit of
-#   its own, so while one consumer warpgroup does its softmax, barriers make the other do its
-#   GEMMs, then they swap, and the exponentials ("50% of the cycle" at $d = 128$) run under the
-#   other group's matmuls (reported: 570 to 620–640 TFLOP/s, float16, $d = 128$, $N = 8192$).
-# - **Intra-warpgroup overlap** (Section 3.2): within one warpgroup, $S = Q K_{j+1}^\top$ is
-#   issued before the softmax of tile $j$, so the tensor cores and the MUFU work at once, at the
-#   cost of a second $S$ in registers. Its ablation (Table 2, $d = 128$, $N = 8448$): 570 TFLOP/s
-#   without warp specialisation, 582 without this overlap, 661 with both.
-# - **FP8**: twice the float16 matmul rate (H100 datasheet), the same exponential rate, so the
-#   exponential's share doubles again; per-block scales and a random orthogonal rotation of $Q$
-#   and $K$ (**incoherent processing**) keep its error small, as chapter 11 computes.
-#
-# Reported (abstract): 1.5–2.0× FlashAttention-2's speed on an H100 in float16, up to 740
-# TFLOP/s; close to 1.2 PFLOP/s in FP8. None of this changes the mathematics, only when each
-# tile's loads, matmuls and exponentials happen: flash_lib, a NumPy program, computes the same.
+# arXiv 2407.08608, abstract). FlashAttention-3 rewrites the kernel in CUDA (CUTLASS) for what
+# Hopper added: **WGMMA** (a matmul issued asynchronously by a *warpgroup* of 4 warps), the
+# **TMA** (a tile copied from HBM to shared memory in one instruction) and **warp
+# specialisation** (a *producer* warpgroup only issues loads, *consumer* warpgroups only compute).
+# Two schedules hide the cost above. **Ping-pong** (Section 3.1): while one consumer warpgroup
+# does its softmax on the MUFU, barriers make the other do its GEMMs, then they swap (570 to
+# 620–640 TFLOP/s, float16, $d = 128$, $N = 8192$). **Intra-warpgroup overlap** (Section 3.2):
+# $S = Q K_{j+1}^\top$ is issued before tile $j$'s softmax, at the cost of a second $S$ in
+# registers (Table 2, $d = 128$, $N = 8448$: 570 TFLOP/s without warp specialisation, 582
+# without this overlap, 661 with both). **FP8** doubles the matmul rate, not the exponential's,
+# so the exponential's share doubles again; per-block scales and a random rotation of $Q$ and
+# $K$ (*incoherent processing*) keep its error small, as chapter 11 computes. Reported: 1.5–2.0×
+# FlashAttention-2 in float16, up to 740 TFLOP/s; close to 1.2 PFLOP/s in FP8. None of this
+# changes the mathematics, only when each tile's loads, matmuls and exponentials happen.
 #
 # ### FlashAttention-4: part of the exponentials in software
 #
@@ -473,26 +465,15 @@ for gpu in (A100, H100):  # each SM gets 1 / sms of the HBM bandwidth and of the
 # bandwidth, exponential units) scale more slowly or remain unchanged" (FlashAttention-4, Zadouri
 # et al. 2026, arXiv 2603.05451, abstract): doubled per SM and clock, the law above puts the
 # exponentials alone at the matmuls' time for $d = 128$. But the FP32 units are not the MUFU,
-# and the softmax keeps them far from busy, so FlashAttention-4 computes some exponentials there,
-# interleaved with the MUFU's (`ex2_emu_freq` in `flash_attn/cute/softmax.py`). `ex2_emulation`
-# (`utils.py`, commit 009739f) splits $x = \lfloor x \rfloor + f$ with an add of $2^{23} + 2^{22}$
-# rounding down, computes $2^f$ on $[0, 1)$ with a degree-3 polynomial (three FMAs) and adds
-# $\lfloor x \rfloor$ into the exponent bits: nine arithmetic instructions, none on the MUFU:
+# and the softmax keeps them far from busy, so FlashAttention-4 computes some exponentials there
+# with a degree-3 polynomial, interleaved with the MUFU's (`ex2_emu_freq` in
+# `flash_attn/cute/softmax.py`); {doc}`chapter 19 <19_fa4_numerics>` emulates it bit for bit.
 
 # %%
-# flash_fa4.exp2_poly: chapter 19's ex2_emulation in NumPy, bit for bit (POLY_EX2, degree 3)
-x = np.linspace(-100, 0, 1 << 20, dtype=np.float32)  # the arguments s - m of exp2 are <= 0
-error = np.max(np.abs(flash_fa4.exp2_poly(x) / np.exp2(x.astype(np.float64)) - 1))
-print(f"largest relative error on [-100, 0]: {error:.1e}; P is rounded to bfloat16 before "
-      f"the PV matmul anyway, by up to {2.0**-9:.1e}")
-assert error < 2.0**-9
 print(f"tensor cores twice an H100's per clock, 16 exp2 per clock, d = 128: the exponentials "
       f"take {2 * softmax_over_matmul(H100, 128)[0]:.2f} of the matmuls' time")
 
 # %% [markdown]
-# The polynomial is over ten times more accurate than the bfloat16 rounding $P$ then receives:
-# the software exponentials change nothing a bfloat16 kernel can see.
-#
 # ## The backward kernels
 #
 # Chapter 12's backward loop: $D = \operatorname{rowsum}(dO \circ O)$ once; then for each key
@@ -543,9 +524,8 @@ for dtype in (np.float32, np.float16):
 # %% [markdown]
 # ## Checked by flash_check
 #
-# Chapter 23's conformance suite runs a kernel through cases built to expose the classic bugs
-# (a late-rising maximum, empty rows, $N_q \ne N_k$ under causal, float16 overflow, scales far
-# from $1/\sqrt d$) and bounds its error by twice the textbook computation's in the same dtype.
+# Chapter 23's conformance suite runs a kernel through cases built to expose the classic bugs and
+# bounds its error by twice the textbook computation's in the same dtype.
 # Its `lse` feature wants `(out, lse)` back, so it gets `flash_triton.attention_with_lse` (from a
 # shell, `python -m flash_check flash_triton:attention --features causal lse`); then its mask
 # cases (key padding, empty rows, all masked, causal with a mask, NaN and inf in padded keys),
@@ -579,8 +559,7 @@ for r in buggy.results:
     print(f"{r.case} [{r.dtype}]: out error > 1000x its bound: {r.out_error > 1000 * r.out_bound}; "
           f"lse error > 1000x its bound: {r.lse_error > 1000 * r.lse_bound}")
     assert r.out_error > 1000 * r.out_bound and r.lse_error > 1000 * r.lse_bound
-# each diagnosis quotes two measured errors (with the row's largest score first, and last);
-# the cause after them is exact text
+# each diagnosis: two measured errors (largest score first, then last), then the cause
 causes = {f.diagnosis.split(" last: ")[-1] for f in buggy.failures}
 print(f"{len(buggy.failures)} failures, one cause: {causes.pop()}")
 assert not causes
@@ -598,3 +577,24 @@ assert all("not rescaled by exp(m - m')" in f.diagnosis for f in buggy.failures)
 # A pass here says the kernel's *logic* is right; compiled, it adds the hardware's rounding,
 # which chapter 23's bound leaves room for. `bench/bench_gpu.py` (`make bench-gpu`) checks and
 # times it on a CUDA GPU, against PyTorch's SDPA; the README says what to expect.
+
+# %% [markdown]
+# ## Your turn: the Triton kernel's inner loop
+#
+# Write `forward_kernel`'s key loop as `@triton.jit attend_tile(m, l, acc, s, v) -> (m, l, acc)`:
+# `s (BLOCK_M, BLOCK_N)` base-2 scores (`-inf` where masked), `v (BLOCK_N, BLOCK_DV)`, the float32
+# state `m`, `l (BLOCK_M,)`, `acc (BLOCK_M, BLOCK_DV)`. The grader folds tiles through it under
+# the interpreter from `m = -inf`, `l = 0`, `acc = 0`; a row masked throughout keeps that state.
+# Re-run the grade cell until it says `passed`; the solution is hidden below it.
+
+# %% tags=["needs-triton"]
+import triton.language as tl  # for your @triton.jit attend_tile (triton is imported above)
+from flash_check.exercises import grade, show_solution, stub
+
+attend_tile = stub("attend_tile")  # yours: @triton.jit def attend_tile(m, l, acc, s, v): ...
+
+# %% tags=["needs-triton"]
+grade("attend_tile", attend_tile)
+
+# %% jupyter={"outputs_hidden": true} mystnb={"code_prompt_hide": "Hide the solution", "code_prompt_show": "Show the solution"} tags=["remove-input", "hide-output", "needs-triton"]
+show_solution("attend_tile")
