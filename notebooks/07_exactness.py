@@ -196,7 +196,7 @@ for dt in (np.float64, np.float32):
 # 6. **In base 2** ({doc}`chapter 5 <05_tiling>`; flash_lib's float32 where NumPy's `exp2` is
 #    the faster), the keys are multiplied by $\tau_k \log_2 e$, with $\log_2 e$ itself rounded:
 #    two more roundings of each score, $\gamma_{d+4}$ for $\gamma_{d+2}$ in step 1 (the
-#    appendix on testing compares the two bases row by row).
+#    {doc}`appendix on testing <26_how_this_tutorial_is_tested>` compares the bases row by row).
 #
 # Dividing by the row's size $\max_c |o_{ic}|$, with $\kappa_i = \max|v| / \max_c |o_{ic}|$:
 #
@@ -367,8 +367,8 @@ plt.show()
 # for both on every row (above).
 #
 # Which of the two is smaller on a given row depends on the order in which BLAS adds each
-# score's terms, chosen by matrix shape, CPU and version (the appendix on testing draws the
-# per-row ratios). So FlashAttention tests neither row by row nor against a fixed tolerance. Its
+# score's terms, chosen by matrix shape, CPU and version (the
+# {doc}`appendix on testing <26_how_this_tutorial_is_tested>` draws the per-row ratios). So FlashAttention tests neither row by row nor against a fixed tolerance. Its
 # test suite (`tests/test_flash_attn.py` in Dao-AILab/flash-attention) computes, from the
 # kernel's inputs, a reference in higher precision, $O_\text{ref}$, and a straightforward
 # implementation in the kernel's dtype, $O_\text{pt}$, and requires
