@@ -240,13 +240,12 @@ plt.show()
 #
 # A tile of `flash_attention` is a fixed list of NumPy calls (`online_softmax_update`): the
 # product $q k^\top$, the row maximum, a few updates of the row vectors $m$, $\alpha$ and $l$,
-# the subtraction of $m$, the exponential (`np.exp`, or `np.exp2` where the kernel works in base
-# 2: `flash_lib.exponential`, {doc}`chapter 5 <05_tiling>`), the row sum, the product $P v$ and
-# the rescale of `acc`. Each does work in proportion to the tile, and no kernel that computes the tile with these
-# calls can take less than the sum of their times. We time them one by one on one thread, in the
-# kernel's order and on buffers laid out as the kernel's (`flash_bench`, which `make bench`
-# uses too), each keeping its best time. Their sum is the tile's *floor*, and the floor model of
-# a whole call is
+# the subtraction of $m$, the exponential (`np.exp`, or `np.exp2` in base 2,
+# {doc}`chapter 5 <05_tiling>`), the row sum, the product $P v$ and the rescale of `acc`. No
+# kernel that computes the tile with these calls can take less than the sum of their times. We
+# time them one by one on one thread, in the kernel's order and on buffers laid out as the
+# kernel's (`flash_bench`), each keeping its best time. Their sum is the tile's *floor*, and the
+# floor model of a whole call is
 #
 # $$T_\text{floor}(N) = \text{floor of one tile} \times
 #   \frac{\text{tiles visited}}{\text{worker threads}} ,$$
@@ -254,8 +253,8 @@ plt.show()
 # the tiles counted by `tile_schedule`, the workers those `flash_attention` runs on (one for a
 # call of fewer than $2^{20}$ scores, else up to one per query block). The model assumes the
 # threads share the tiles evenly and never slow each other down, so the measured kernel can only
-# be slower: what it spends beyond the floor is Python between the calls, threads waiting on each
-# other, and the threads' contention for caches and memory.
+# be slower: beyond the floor it spends Python between the calls and the threads' waiting and
+# contention.
 
 # %%
 tile_q, tile_k = flash_lib.DEFAULT_BLOCK_Q, flash_lib.DEFAULT_BLOCK_K
@@ -396,8 +395,9 @@ print(f"on the machine that built this page, N = {n_causal}: causal is {causal_s
 #   naive's.
 # - Causal attention visits chapter 6's count of tiles, 1.60 times fewer at $N = 2048$.
 # - A tile's floor is the sum of its NumPy calls' own times; the floor model, floor × tiles /
-#   worker threads, is what the kernel cannot beat, and the matmuls are most of it. Per score,
-#   the floor falls as the tile grows: small tiles pay for their calls.
+#   worker threads, is what the kernel cannot beat, and the matmuls are most of it. Small tiles
+#   pay for their calls: per score, a 16 × 16 tile's floor was about 15 times a 256 × 256
+#   tile's on the 2-core Intel Xeon this chapter was last revised on (a timing, not asserted).
 # - The rates against this machine's GEMM rate, their growth with $N$, the kernel against its
 #   floor and the causal speed-up are in the ignored cells and the plots: observations of this
 #   build, not claims. Compare a kernel against the machine's own matrix-product rate, measured
