@@ -330,8 +330,7 @@ try:
     load = f", load average {os.getloadavg()[0]:.1f}"
 except (AttributeError, OSError):  # Windows
     load = ""
-fig.suptitle(f"measured on {flash_bench.cpu_name()} ({cores} cores{load}), "
-             f"OpenBLAS kernel {flash_bench.openblas_kernel()}", fontsize=9)
+fig.suptitle(f"measured on {flash_bench.cpu_name()} ({cores} cores{load})", fontsize=9)
 fig.tight_layout()
 plt.show()
 
