@@ -56,14 +56,12 @@ rng = np.random.default_rng(8)
 #
 # $$\text{scratch} = \text{peak} - \texttt{out.nbytes} - \texttt{lse.nbytes} .$$
 #
-# We ask both kernels for `lse` too (FlashAttention's forward pass keeps it for the backward
-# pass), so that the $N$ row statistics count as output, not scratch. Inputs are float32 with
-# $d = d_v = 32$; memory does not depend on the values, and small $d$ keeps the run fast.
+# Both kernels return `lse` too (FlashAttention's forward keeps it for the backward), so the
+# $N$ row statistics count as output. Inputs are float32 with $d = d_v = 32$.
 #
-# Two settings keep the numbers reproducible and the run quick. `FLASH_LIB_THREADS=1` (above)
-# makes flash process its query blocks one after another: one worker's memory, of which $T$
-# workers hold up to $T$ times, still independent of $N$. And BLAS runs single-threaded
-# (`threadpool_limits`), which changes no allocation that `tracemalloc` sees.
+# `FLASH_LIB_THREADS=1` (above) makes flash process its query blocks one after another: one
+# worker's memory ($T$ workers hold up to $T$ times as much, still independent of $N$). BLAS
+# runs single-threaded, which changes no allocation `tracemalloc` sees.
 
 # %%
 d = dv = 32
@@ -141,7 +139,7 @@ for b in blocks:
 # naive would need gigabytes; both kernels are measured up to 4096); each
 # dotted line is the tile bound of the flash curve of the same colour.
 
-# %%
+# %% tags=["hide-input"]
 naive_fit = lambda n: np.exp(intercept_naive) * np.asarray(n, dtype=float) ** slope_naive
 
 fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -177,9 +175,14 @@ plt.show()
 ratio_4096 = {b: naive_scratch[-1] / flash_scratch[b][sizes_flash.index(4096)] for b in blocks}
 print("at N = 4096, naive's scratch / flash's, to 2 digits:",
       ", ".join(f"{float(f'{r:.2g}'):g} ({b}×{b})" for b, r in ratio_4096.items()))
-extrapolated_gib = naive_fit(16384) / 2**30
+extrapolated_gib = np.exp(intercept_naive) * 16384.0**slope_naive / 2**30
 print(f"naive at N = 16384, extrapolated: about {extrapolated_gib:.0f} GiB "
       f"(flash with 512×512 tiles: under 2 MiB)")
+# what a kernel that kept something per tile would pay: the number of 128 × 128 tiles over this
+# range of N, counted by the schedule flash_attention runs
+tiles_128 = [len(flash_lib.tile_schedule(n, n, 128, 128)) for n in (sizes_flash[0], sizes_flash[-1])]
+print(f"128 × 128 tiles: {tiles_128[0]} at N = {sizes_flash[0]}, {tiles_128[1]} at "
+      f"N = {sizes_flash[-1]}: {tiles_128[1] // tiles_128[0]}-fold")
 
 # %% [markdown]
 # On a GPU the tile lives in one thread block's on-chip memory, so the same bound limits
@@ -189,14 +192,14 @@ print(f"naive at N = 16384, extrapolated: about {extrapolated_gib:.0f} GiB "
 # %% [markdown]
 # ## What we showed
 #
-# - `naive_attention`'s scratch grows as $N^2$: the fitted log-log slope is between 1.9 and 2.1,
-#   and at $N = 4096$ it is about three $N \times N$ float32 arrays (between 2.5 and 3.5).
+# - `naive_attention`'s scratch grows as $N^2$ (fitted log-log slope 1.9 to 2.1): about three
+#   $N \times N$ float32 arrays at $N = 4096$ (2.5 to 3.5).
 # - `flash_attention`'s scratch is flat in $N$: for each of the tile sizes 128, 256 and 512, the
 #   largest and smallest values over $N$ from the tile size to 4096 differ by less than 10%
 #   (below the tile size the tile shrinks with $N$, and so does the scratch). The margin is for
 #   the few KiB of Python objects that come and go during a call, a few percent of the 128 × 128
-#   tiles' scratch; anything kept per tile would grow with the number of tiles, 1024-fold over
-#   this range at 128 × 128.
+#   tiles' scratch; anything kept per tile would grow with the number of tiles, 256-fold over
+#   this range at 128 × 128 (4 tiles at $N = 256$, 1024 at 4096).
 # - It lies between 1 and 2 times $\text{block\_q} \cdot (\text{block\_k} + d + d_v) \cdot
 #   \text{itemsize}$, for one worker.
 # - At $N = 4096$ naive needs over 100 times the scratch of flash at every tile size; at
@@ -211,6 +214,6 @@ for b in blocks:
         "stored per tile or per block (a list of tiles, one future per block)?")
     assert np.all((to_bound[b] >= 1) & (to_bound[b] <= 2)), (b, to_bound[b])
     assert ratio_4096[b] > 100, (b, ratio_4096[b])
-assert sizes_flash[0] == 256 and sizes_flash[-1] == 4096
+assert tiles_128 == [4, 1024], tiles_128  # "256-fold": the tiles the kernel's schedule visits
 assert round(extrapolated_gib) == 3, extrapolated_gib
 assert flash_scratch[512].max() < 2 * 2**20

@@ -27,21 +27,17 @@
 #   already needs memory independent of $N$, but it re-reads every key and value once per query;
 #   a block of $b_q$ queries shares each load, and we count that re-use;
 # - arithmetic intensity and a roofline for one real GPU (NVIDIA A100), from its published
-#   bandwidth and peak;
-# - the CPU counterpart, measured on the machine that built this page.
+#   bandwidth and peak.
 #
 # Everything about the GPU here is a **model**: it counts bytes, it does not time a GPU (there is
 # none on the machine that runs this notebook).
 
 # %%
-import os
 from collections import Counter
 
 import numpy as np
 import matplotlib.pyplot as plt
-from threadpoolctl import threadpool_limits
 
-import flash_bench
 import flash_lib
 
 rng = np.random.default_rng(10)
@@ -53,7 +49,8 @@ rng = np.random.default_rng(10)
 # **SRAM** of each streaming multiprocessor (SM), shared by the threads of one **thread block**.
 # On an NVIDIA A100 the HBM holds 40 or 80 GB and is read and written at about 2 TB/s; each of
 # its 108 SMs has 192 KB of SRAM, an order of magnitude faster (FlashAttention, arXiv
-# 2205.14135, Section 2.1). The model of this chapter:
+# 2205.14135, Section 2.1; the 40 and 80 GB: NVIDIA A100 Tensor Core GPU datasheet): about 21 MB
+# of SRAM in all, 2,000 to 4,000 times less than the HBM. The model of this chapter:
 #
 # - the inputs $Q, K, V$ ($N \times d$ each, $N_q = N_k = N$, $d_v = d$) start in HBM and the
 #   output $O$ must end there; every element loaded from or stored to HBM costs `itemsize` bytes
@@ -63,10 +60,15 @@ rng = np.random.default_rng(10)
 #   $\text{flops} / \text{peak}$, whichever is larger.
 #
 # An `HBM` object below holds named arrays and tallies every element that goes in or out. The
-# arithmetic runs in float64 on copies (the numbers are checked against `flash_lib`), while the
-# bytes are counted at the model's `itemsize`.
+# arithmetic runs in float64 (checked against `flash_lib`), the bytes are counted at `itemsize`.
 
 # %%
+sram_total = 108 * 192e3  # bytes: an A100's 108 SMs of 192 KB each
+sram_vs_hbm = (40e9 / sram_total, 80e9 / sram_total)
+print(f"A100: {sram_total / 1e6:.1f} MB of SRAM in all; 40 or 80 GB of HBM is "
+      f"{sram_vs_hbm[0]:,.0f} or {sram_vs_hbm[1]:,.0f} times as much")
+
+
 class HBM:
     """Named arrays in slow memory; every load and store is tallied in bytes."""
 
@@ -190,8 +192,8 @@ def flash_bytes(n, d, b_q, itemsize):
 # for $d = 64$; 144 does not, and in 100 KiB, with $S$ in float32, 128 would not either. For
 # $N$ = 256, 512 and 1000 (not a multiple of the tile) both pipelines run instrumented; the cell
 # checks each output against `flash_lib` and each tally against the formulas above, to the
-# byte. The output's error is printed against a limit and drawn as measured: its last digits
-# depend on the CPU, the bytes do not.
+# byte. The output's error is printed against a limit: its last digits depend on the CPU, the
+# bytes do not ({doc}`the appendix on testing <26_how_this_tutorial_is_tested>` draws them).
 
 # %%
 d, itemsize = 64, 2
@@ -226,29 +228,21 @@ for n in (256, 512, 1000):
     print(f"{n:>6} {naive.total():>12,} {naive_bytes(n, d, itemsize) - naive.total():>18}"
           f" {flash.total():>12,} {flash_bytes(n, d, b, itemsize) - flash.total():>18}"
           f" {naive.total() / flash.total():>14.2f}")
-# Against a stated limit, not as a number: the error is rounding (at most 3e-15 on every CPU
-# tried, CONTRIBUTING.md), and its last digits are the CPU's. 1e-14 is 45 machine epsilons.
-# The figure below shows the measured errors.
+# Against a stated limit, not as a number: the error is rounding, and its last digits are the
+# CPU's. 1e-14 is 45 machine epsilons (the appendix on testing draws the measured errors).
 largest_err = max(max(c[3]) for c in counted.values())
 print("largest error of either pipeline against flash_lib:",
       "below 1e-14" if largest_err < 1e-14 else f"{largest_err:.1e}, above 1e-14")
 print(f"peak on-chip bytes of one thread block: {counted[1000][2]:,} of {sram_limit:,}")
 print("flash at N = 1000, bytes by array: loaded", dict(flash.loaded))
 print("   stored", dict(flash.stored))
-
-eps64 = np.finfo(np.float64).eps
-fig, ax = plt.subplots(figsize=(8, 2.6))
-for i, n in enumerate(counted):
-    for j, (name, color) in enumerate((("textbook pipeline", "C3"), ("tiled kernel", "C0"))):
-        ax.barh(2 * i + j, counted[n][3][j] / eps64, color=color, height=0.7,
-                label=name if i == 0 else None)
-ax.axvline(1e-14 / eps64, color="k", ls="--", lw=1, label="the limit asserted, 1e-14")
-ax.set_yticks([2 * i + 0.5 for i in range(len(counted))], [f"N = {n}" for n in counted])
-ax.set_xlabel("largest row error against flash_lib (machine epsilons), measured on this machine")
-ax.set_title("The instrumented loops compute attention: their error is rounding", fontsize=10)
-ax.legend(fontsize=8, loc="lower right")
-fig.tight_layout()
-plt.show()
+# one tile more per side does not fit: the loop's own capacity check refuses it
+try:
+    instrumented(256, b + 16, b + 16)
+    too_big = "fits"
+except AssertionError:
+    too_big = "refused by the capacity check"
+print(f"{b + 16} x {b + 16} tiles in {sram_limit // 1024} KiB: {too_big}")
 
 # %% [markdown]
 # ## Re-use: what the second dimension of tiling is for
@@ -286,10 +280,10 @@ for b_q in (1, 16, 32, 64, 128, 256):
 # $\Theta(Nd)$ of reading the inputs and writing the output once is the floor, reached when one
 # block holds all of $Q$. The textbook pipeline's $4N^2$ does not depend on $M$ at all.
 #
-# Below, the formulas (checked against the instrumented counts above) for $M$ from 16 KiB to
-# 227 KiB, the most one thread block may use on an H100 (228 KB per SM less CUDA's 1 KB per
-# block: NVIDIA Hopper tuning guide; CUDA C++ Programming Guide, compute capability 9.0), with
-# the largest square tile that fits, and for $N$ from 512 to 65536 at $M$ = 163 KiB.
+# The instrumented loop measures it: $N = 2048$, for $M$ from 16 KiB to 227 KiB, the most one
+# thread block may use on an H100 (228 KB per SM less CUDA's 1 KB per block: NVIDIA Hopper
+# tuning guide; CUDA C++ Programming Guide, compute capability 9.0), each with the largest square
+# tile that fits. The figure's left side carries the formulas on to $N = 65536$.
 
 # %%
 def largest_tile(m_bytes, d, itemsize):
@@ -300,14 +294,33 @@ def largest_tile(m_bytes, d, itemsize):
     return b
 
 
-n_fixed = 16384
+n_fixed = 2048
 sram_sizes = np.array([16, 32, 48, 64, 96, 128, 163, 192, 227]) * 1024  # each a different tile
 tile_at = {int(m): largest_tile(m, d, itemsize) for m in sram_sizes}
-flash_vs_m = np.array([flash_bytes(n_fixed, d, tile_at[int(m)], itemsize) for m in sram_sizes])
+q_m, k_m, v_m = (rng.standard_normal((n_fixed, d)) for _ in range(3))
+flash_vs_m, formula_vs_m = [], []
+for m in sram_sizes:  # counted by the instrumented loop, each M with its own capacity check
+    hbm = HBM(itemsize, Q=q_m, K=k_m, V=v_m, O=np.empty((n_fixed, d)), lse=np.empty(n_fixed))
+    flash_counted(hbm, tau, tile_at[int(m)], tile_at[int(m)], int(m))
+    flash_vs_m.append(hbm.total())
+    formula_vs_m.append(flash_bytes(n_fixed, d, tile_at[int(m)], itemsize))
+flash_vs_m = np.array(flash_vs_m)
+naive_m = HBM(itemsize, Q=q_m, K=k_m, V=v_m, S=np.empty((n_fixed, n_fixed)),
+              P=np.empty((n_fixed, n_fixed)), O=np.empty((n_fixed, d)))
+naive_counted(naive_m, tau)
 ns = 2 ** np.arange(9, 17)
 naive_vs_n = np.array([naive_bytes(n, d, itemsize) for n in ns], dtype=float)
 flash_vs_n = np.array([flash_bytes(n, d, b, itemsize) for n in ns], dtype=float)
+print("largest square tile (b_q = b_k) for each M:\n  ",
+      ", ".join(f"{m // 1024} KiB: {t}" for m, t in list(tile_at.items())[:5]))
+print("  ", ", ".join(f"{m // 1024} KiB: {t}" for m, t in list(tile_at.items())[5:]))
+print(f"N = {n_fixed}, counted: bytes equal the formula at every M: "
+      f"{flash_vs_m.tolist() == formula_vs_m}; bytes x M from {(flash_vs_m * sram_sizes).min():.3e} "
+      f"to {(flash_vs_m * sram_sizes).max():.3e};\n   the textbook pipeline: "
+      f"{naive_m.total():,} bytes, {naive_m.total() / flash_vs_m[-1]:.1f} times the tiled at "
+      f"{sram_sizes[-1] // 1024} KiB")
 
+# %% tags=["hide-input"]
 fig, (ax_n, ax_m) = plt.subplots(1, 2, figsize=(11, 4.3))
 ax_n.loglog(ns, naive_vs_n / 2**20, "s-", color="C3", label="textbook pipeline: $4Nd + 4N^2$")
 ax_n.loglog(ns, flash_vs_n / 2**20, "o-", color="C0",
@@ -316,30 +329,25 @@ ax_n.loglog(ns, itemsize * 4 * ns * d / 2**20, ":", color="0.4", label="floor: $
 ax_n.set_xscale("log", base=2)
 ax_n.set_xlabel("sequence length N (tokens)")
 ax_n.set_ylabel("HBM traffic per head (MiB)")
-ax_n.set_title(f"Bytes moved against N (float16, d = {d}, M = {sram_limit // 1024} KiB)")
+ax_n.set_title(f"Formulas against N (float16, d = {d}, M = {sram_limit // 1024} KiB)")
 ax_n.legend(fontsize=8)
-ax_m.loglog(sram_sizes / 1024, flash_vs_m / 2**20, "o-", color="C0", label="tiled, largest tile that fits")
-ax_m.axhline(naive_bytes(n_fixed, d, itemsize) / 2**20, color="C3", ls="--",
+ax_m.loglog(sram_sizes / 1024, flash_vs_m / 2**20, "o-", color="C0",
+            label="tiled, largest tile that fits (counted)")
+ax_m.axhline(naive_m.total() / 2**20, color="C3", ls="--",
              label="textbook pipeline (independent of M)")
 ax_m.loglog(sram_sizes / 1024, flash_vs_m[0] * sram_sizes[0] / sram_sizes / 2**20, ":", color="0.4",
             label=r"$\propto 1/M$")
 ax_m.set_xticks(sram_sizes / 1024, [str(m // 1024) for m in sram_sizes], fontsize=8)
 ax_m.minorticks_off()
-ax_m.set_yticks([250, 500, 1000, 2000, 4000], ["250", "500", "1000", "2000", "4000"])
+ax_m.set_yticks([4, 8, 16, 32, 64], ["4", "8", "16", "32", "64"])
 ax_m.set_xlabel("on-chip memory per thread block, M (KiB)")
 ax_m.set_ylabel("HBM traffic per head (MiB)")
-ax_m.set_title(f"Bytes moved against M (N = {n_fixed}, d = {d})")
+ax_m.set_title(f"Bytes counted against M (N = {n_fixed}, d = {d})")
 ax_m.legend(fontsize=8, loc="upper right")
 for ax in (ax_n, ax_m):
     ax.grid(True, which="major", alpha=0.3)
 fig.tight_layout()
 plt.show()
-
-print("largest square tile (b_q = b_k) for each M:\n  ",
-      ", ".join(f"{m // 1024} KiB: {t}" for m, t in list(tile_at.items())[:5]))
-print("  ", ", ".join(f"{m // 1024} KiB: {t}" for m, t in list(tile_at.items())[5:]))
-print(f"bytes x M, smallest and largest M: {flash_vs_m[0] * sram_sizes[0]:.3e}, "
-      f"{flash_vs_m[-1] * sram_sizes[-1]:.3e}")
 
 # %% [markdown]
 # ## Arithmetic intensity and a roofline
@@ -362,9 +370,11 @@ bandwidth, peak_rate = 2.039e12, 312e12  # A100 SXM4 80GB: bytes/s, dense float1
 ridge = peak_rate / bandwidth
 n_roof = 4096
 flop = 4 * n_roof**2 * d
+naive_roof, flash, _, _ = instrumented(n_roof, b, b)  # the two pipelines' bytes, counted
 kernels = {
-    "textbook": naive_bytes(n_roof, d, itemsize),
-    f"tiled, b_q = {b}": flash_bytes(n_roof, d, b, itemsize),
+    "textbook": naive_roof.total(),
+    f"tiled, b_q = {b}": flash.total(),
+    # formula (counted at N = 512 above): the instrumented loop would take 4096 x 32 steps
     "chapter 4's stream, b_q = 1": flash_bytes(n_roof, d, 1, itemsize),
 }
 print(f"A100 ridge point: {ridge:.0f} flop/byte; N = {n_roof}, d = {d}, float16, one head")
@@ -378,7 +388,7 @@ for name, nbytes in kernels.items():
           f"{t * 1e6:>16.1f} {flop / t / 1e12:>16.0f}")
 print(f"matmul flops alone at peak: {flop / peak_rate * 1e6:.1f} µs")
 
-# %%
+# %% tags=["hide-input"]
 x = np.logspace(-1, 3.3, 200)
 fig, ax = plt.subplots(figsize=(8, 4.5))
 ax.loglog(x, np.minimum(peak_rate, x * bandwidth) / 1e12, "k-", lw=1.5, label="A100 roofline")
@@ -398,102 +408,13 @@ plt.show()
 # %% [markdown]
 # The textbook pipeline sits far left of the ridge: it could spend at most a fifth of its time
 # computing, the rest waiting for $S$ and $P$. The tiled kernel's intensity is its $b_q$, which
-# is why FlashAttention wants the widest query block its SRAM allows; at $b_q = 128$ it is close
-# to the ridge. The model leaves out the GPU's 40 MB L2 cache (which serves repeated loads of
-# $K_j, V_j$ by concurrent thread blocks), the `exp` and other work off the tensor cores, and
-# the limits on how many thread blocks an SM runs at once. What it gets right is the order of
-# things: the textbook pipeline is bound by memory, and tiling in two dimensions removes that.
-
-# %% [markdown]
-# ## The CPU counterpart, measured here
-#
-# A CPU has the same hierarchy at other sizes: caches of a few hundred KiB per core (L2) and tens
-# of MiB shared (L3) in front of main memory. The cell reads their sizes and times, on one
-# thread, three NumPy passes over an $N \times N$ float32 array (copy, subtract a row vector,
-# `exp`) and `naive_attention` (with $d = 64$), for $N$ from 256 to 4096: nanoseconds per element
-# or per score, each pass repeated for at least 0.1 s and the best run kept (one preemption
-# would swamp the smallest array's tens of microseconds). Nothing is asserted about timings.
-
-# %%
-def cache_sizes():
-    """{level: bytes} of this CPU's data/unified caches, from Linux's sysfs (empty elsewhere)."""
-    sizes = {}
-    base = "/sys/devices/system/cpu/cpu0/cache"
-    for entry in sorted(os.listdir(base)) if os.path.isdir(base) else []:
-        path = os.path.join(base, entry)
-        if not entry.startswith("index"):
-            continue
-        with open(os.path.join(path, "type")) as f:
-            if f.read().strip() == "Instruction":
-                continue
-        with open(os.path.join(path, "level")) as f, open(os.path.join(path, "size")) as g:
-            text = g.read().strip()
-            sizes[f"L{f.read().strip()}"] = int(text[:-1]) * {"K": 2**10, "M": 2**20}[text[-1]]
-    return sizes
-
-
-def best_time(fn, repeats=3):
-    """The best of at least `repeats` timed calls, and as many more as fit in 0.1 s (up to 50),
-    each after one untimed call (warm caches): the project's one timing loop,
-    `flash_bench.best_times`."""
-    return flash_bench.best_times({"fn": fn}, seconds=0.1, min_rounds=repeats, max_rounds=50,
-                                  settle=0)[0]["fn"]
-
-
-caches = cache_sizes()
-sizes_cpu = [256, 512, 1024, 2048, 2896, 4096]
-ns_per = {name: [] for name in ("copy", "subtract", "exp", "naive_attention")}
-with threadpool_limits(limits=1, user_api="blas"):
-    for n in sizes_cpu:
-        s = rng.standard_normal((n, n), dtype=np.float32)
-        row = s.max(axis=1, keepdims=True)
-        out = np.empty_like(s)
-        q, k, v = (rng.standard_normal((n, d), dtype=np.float32) for _ in range(3))
-        timings = {
-            "copy": best_time(lambda: np.copyto(out, s)),
-            "subtract": best_time(lambda: np.subtract(s, row, out=out)),
-            "exp": best_time(lambda: np.exp(s, out=out)),
-            "naive_attention": best_time(lambda: flash_lib.naive_attention(q, k, v)),
-        }
-        for name, t in timings.items():
-            ns_per[name].append(t / n**2 * 1e9)
-
-# %% tags=["nbval-ignore-output"]
-print("on the machine that built this page: caches",
-      ", ".join(f"{k} {v // 1024} KiB" for k, v in caches.items()))
-print(f"{'N':>5} {'MiB':>6}" + "".join(f"{name:>17}" for name in ns_per))
-for i, n in enumerate(sizes_cpu):
-    print(f"{n:>5} {n * n * 4 / 2**20:>6.2f}" + "".join(f"{ns_per[name][i]:>17.3f}" for name in ns_per))
-in_l3, beyond = sizes_cpu.index(1024), sizes_cpu.index(4096)  # 4 MiB and 64 MiB arrays
-print("per element at 64 MiB / at 4 MiB:\n  ",
-      ", ".join(f"{name} {ns_per[name][beyond] / ns_per[name][in_l3]:.1f}x" for name in ns_per))
-
-# %%
-fig, ax = plt.subplots(figsize=(8, 4.5))
-mib = np.array(sizes_cpu) ** 2 * 4 / 2**20
-for name, marker in zip(ns_per, "os^x"):
-    ax.loglog(mib, ns_per[name], marker + "-", label=name + (" (per score)" if "att" in name else ""))
-for i, (level, size) in enumerate(caches.items()):
-    if level in ("L2", "L3"):
-        ax.axvline(size / 2**20, color="0.5", ls=":", lw=1)
-        ax.text(size / 2**20 * 1.07, 0.035, level, color="0.3")
-ax.set_xlabel("size of one N × N float32 array (MiB)")
-ax.set_ylabel("time per element or score (ns), one thread")
-ax.set_title("One pass over N × N numbers on this CPU, best of several runs")
-ax.legend(fontsize=8, loc="upper right", ncol=2)
-ax.set_ylim(0.03, 100)
-ax.grid(True, which="major", alpha=0.3)
-fig.tight_layout()
-plt.show()
-
-# %% [markdown]
-# What to look for (the ratios printed above are this build's, on a shared machine): copy and
-# subtract, which only move data, get several times slower per element once an array outgrows
-# the last-level cache; `exp`, limited by arithmetic, less so, and the textbook kernel's time
-# per score, dominated by its `exp` and each NumPy call's fixed cost, grows less than the
-# copy's. On a CPU, with its large caches, the N² arrays cost mostly memory *capacity*
-# ({doc}`chapter 8 <08_memory>`); on a GPU, whose SRAM is a thousand times smaller than its HBM and
-# whose arithmetic is much faster per byte, they cost *time* as well.
+# is why FlashAttention wants the widest query block its SRAM allows. The model leaves out the
+# GPU's 40 MB L2 cache (which serves repeated loads of $K_j, V_j$), the work off the tensor cores
+# and how many thread blocks an SM runs at once. What it gets right is the order of things: the
+# textbook pipeline is bound by memory, and tiling in two dimensions removes that.
+# (A CPU has the same hierarchy with far larger caches, so there the $N^2$ arrays cost mostly
+# memory *capacity*, chapter 8; the {doc}`appendix on testing <26_how_this_tutorial_is_tested>`
+# times it.)
 #
 # ## What we showed
 #
@@ -501,13 +422,15 @@ plt.show()
 #   tiled kernel $2Nd + 2N^2 d / b_q$ (plus the lse); an instrumented loop that tallies every
 #   load and store agrees with both formulas to the byte at $N$ = 256, 512 and 1000, and
 #   its output agrees with `flash_lib` to rounding.
-# - At $d = 64$ and $b_q = 128$ (163 KiB on chip, $S$ in float32) the tiled kernel moves about a quarter of the
-#   textbook pipeline's bytes; every key and value is loaded $N / b_q$ times.
+# - At $d = 64$ and $b_q = 128$ (163 KiB on chip, $S$ in float32) the tiled kernel moves about
+#   a quarter of the textbook pipeline's bytes; every key and value is loaded $N / b_q$ times.
 # - Streaming one query at a time ($b_q = 1$, chapter 4) needs no $N^2$ memory but moves about
 #   $d/2 = 32$ times the textbook pipeline's bytes; blocks of queries wider than $d/2$ are what
 #   make tiling move fewer bytes.
-# - With the largest tile an SRAM of $M$ bytes allows, traffic falls as $1/M$ toward the
-#   $\Theta(Nd)$ floor: $\Theta(N^2 d^2 / M)$ against $\Theta(Nd + N^2)$.
+# - With the largest tile an SRAM of $M$ bytes allows, the counted traffic falls as $1/M$ (bytes
+#   × $M$ within a factor 2 from 16 to 227 KiB) toward the $\Theta(Nd)$ floor:
+#   $\Theta(N^2 d^2 / M)$ against $\Theta(Nd + N^2)$.
+# - An A100's SRAM, 108 × 192 KB, is 2,000 to 4,000 times smaller than its 40 or 80 GB of HBM.
 # - Arithmetic intensity: $d/2 = 32$ flop/byte for the textbook pipeline, about $b_q$ for the
 #   tiled kernel; against the A100's ridge of 153 flop/byte the first is memory-bound by a factor
 #   of about 5, the second close to balanced.
@@ -527,17 +450,22 @@ for b_q, (loads_per_key, kv_loaded, vs_naive) in reuse.items():
 # chapter 4's stream moves more than the textbook pipeline; wide query blocks move less
 assert reuse[1][2] > 0.99 * n_reuse * d / (2 * (n_reuse + d))  # d/2 as N grows
 assert reuse[16][2] > 1 and reuse[64][2] < 1 and reuse[128][2] < 0.3
-# Θ(N² d² / M): bytes × M stays within a factor 2 over a 14× range of M (N ≫ b_q)
+# Θ(N² d² / M), counted by the instrumented loop at N = 2048: the formula to the byte at every M,
+# bytes × M within a factor 2 over a 14× range of M, fewer bytes for every larger M
 products = flash_vs_m * sram_sizes
+assert flash_vs_m.tolist() == formula_vs_m
 assert products.max() / products.min() < 2, products
-assert np.all(np.diff(flash_vs_m) < 0)
-# naive grows as N², flash stays a fixed fraction of it at large N
-assert np.allclose(np.diff(np.log2(naive_vs_n[-3:])), 2, atol=0.01)
-assert np.allclose(flash_vs_n[-1] / naive_vs_n[-1], 2 * d / b / 4, rtol=0.01)
-# intensities: d/2 for the textbook pipeline, about b_q for the tiled kernel
+assert np.all(np.diff(flash_vs_m) < 0), flash_vs_m
+# counted: naive grows as N² (N = 512 to 2048: 16 times, 14.7 with the 4Nd term), the tiled
+# kernel at b_q = 128 moves about 2d / (4 b_q) = 1/4 of it
+assert 14 < naive_m.total() / counted[512][0] < 16, naive_m.total() / counted[512][0]
+assert abs(flash_vs_m[sram_sizes.tolist().index(163 * 1024)] / naive_m.total() - 0.25) < 0.02
+# intensities from the counted bytes: d/2 for the textbook pipeline, about b_q for the tiled kernel
 assert abs(model["textbook"][0] - d / 2) / (d / 2) < 0.02
 assert abs(model[f"tiled, b_q = {b}"][0] - b) / b < 0.05
 assert 0.15 < (flop / peak_rate) / model["textbook"][1] < 0.25  # "at most a fifth of its time"
 assert model["textbook"][0] < ridge / 4 and model[f"tiled, b_q = {b}"][0] > ridge / 2
-assert sram_bytes(b, b, d, itemsize) <= sram_limit < sram_bytes(b + 16, b + 16, d, itemsize)
-assert sram_bytes(b, b, d, itemsize) > 100 * 1024  # the prose: 128 x 128 does not fit 100 KiB
+# the capacity: the loop's measured peak for 128 × 128 fits 163 KiB but not 100 KiB; 144 is refused
+assert 100 * 1024 < counted[1000][2] <= sram_limit and too_big == "refused by the capacity check"
+# an A100's SRAM against its HBM: 2,000 to 4,000 times smaller
+assert 1500 < sram_vs_hbm[0] < sram_vs_hbm[1] < 4500, sram_vs_hbm

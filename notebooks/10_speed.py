@@ -17,29 +17,22 @@
 #
 # FlashAttention on a GPU is fast because it never writes the score matrix to slow memory. A
 # NumPy kernel has other costs: every NumPy call pays a fixed Python overhead, and `exp` runs on
-# one core. This chapter measures where `flash_lib` stands, on whatever machine runs it. In this
-# chapter:
+# one core. This chapter measures where `flash_lib` stands, on whatever machine runs it:
 #
-# - we measure this machine's matrix-product rate in GFLOP/s ($10^9$ floating-point operations per
-#   second) on a large GEMM (BLAS's general matrix-matrix multiply): the ceiling that
-#   no attention kernel built on the same matrix products can pass;
-# - we time `flash_attention` against `naive_attention` (and PyTorch's
-#   `scaled_dot_product_attention` when PyTorch is installed) for $N$ from 512 to 2048, as
-#   seconds and as GFLOP/s;
-# - we time one tile's unavoidable NumPy calls one by one and build from them a floor model of
-#   the kernel's time, drawn against the measured kernel, and see what share `exp` takes of it
-#   with NumPy's AVX-512 loops and with its AVX2 ones;
-# - we time flash over a grid of tile sizes `block_q` × `block_k`: too small, and per-tile
-#   overhead dominates;
-# - we time the speed-up that causal attention's skipped tiles buy (chapter 6 counted them).
+# - this machine's matrix-product rate in GFLOP/s ($10^9$ floating-point operations per second)
+#   on a large GEMM (BLAS's general matrix-matrix multiply): the ceiling no attention kernel
+#   built on the same matrix products can pass;
+# - `flash_attention` against `naive_attention` (and PyTorch's `scaled_dot_product_attention`
+#   when installed) for $N$ from 512 to 2048, as seconds and as GFLOP/s;
+# - the floor of one tile, its unavoidable NumPy calls timed one by one, and a floor model of the
+#   kernel's time built from it; what the floor says about small tiles;
+# - the speed-up that causal attention's skipped tiles buy.
 #
-# Timings depend on the machine and on what else runs on it. They are printed in three cells,
-# the only ones whose output the notebook's test (nbval) ignores, and drawn in the plots; the
-# prose quotes a time only as a measurement on a named machine, and nothing *asserts* a speed:
-# on a shared machine a timing can be off by a factor of two, and a test that fails when a
-# neighbour is busy tests the neighbour. What is asserted is what timing cannot change: every
-# kernel's output, and the tile counts. `make bench` runs the full benchmark
-# (`bench/bench_flash.py`: larger $N$, float64 and float32, PyTorch, memory, causal, the floor).
+# Timings depend on the machine and on what else runs on it. They are printed only in cells
+# whose output the notebook's test (nbval) ignores, and drawn in the plots; nothing *asserts* a
+# speed (on a shared machine a timing can be off by a factor of two). What is asserted is what
+# timing cannot change: every kernel's output, and the tile counts. `make bench` runs the full
+# benchmark (`bench/bench_flash.py`).
 
 # %%
 import os
@@ -56,11 +49,9 @@ rng = np.random.default_rng(9)
 # %% [markdown]
 # ## How we time
 #
-# Wall-clock time with `time.perf_counter`, the best of several runs (the run least disturbed by
-# other work), the kernels timed in turn, round after round, so that a busy moment slows them
-# alike. After a call, OpenBLAS (and PyTorch's OpenMP) keep their threads spinning for about
-# 0.1 s, stealing a core from whatever runs next, so each kernel first runs untimed for a moment
-# and is timed in its own steady state. Rates count the two matrix products only:
+# Wall-clock time, the best of several runs (the run least disturbed by other work), the kernels
+# timed in turn, round after round, so that a busy moment slows them alike, each after a moment
+# of untimed runs (`flash_bench.best_times`). Rates count the two matrix products only:
 #
 # $$\text{FLOP} = \underbrace{2 N_q N_k d}_{q k^\top} + \underbrace{2 N_q N_k d_v}_{P v}
 #   = 4 N^2 d \quad (N_q = N_k = N,\ d_v = d) ,$$
@@ -98,10 +89,8 @@ def random_inputs(n):
 # that did nothing else would at best reach this rate; the extra passes (`exp`, max, sum,
 # rescaling) only push it lower.
 #
-# We time it two ways and keep the larger: once with the BLAS's own threads on all cores, and
-# once on one thread, multiplied by the number of cores. On a quiet machine the two are close;
-# on a busy one a multi-threaded product waits for its slowest thread, and the second is the
-# fairer ceiling. The rate is printed with the timings below, and drawn as a line in their plot.
+# We time it on all cores and on one thread times the number of cores, and keep the larger (on a
+# busy machine a multi-threaded product waits for its slowest thread).
 
 # %%
 try:
@@ -142,11 +131,9 @@ print(f"flash_attention's default tiles: block_q = {flash_lib.DEFAULT_BLOCK_Q}, 
 kernels = {"flash": flash_lib.flash_attention, "naive": flash_lib.naive_attention}
 
 # %% [markdown]
-# PyTorch joins the comparison (`make` installs it; this cell does without it elsewhere): its CPU
-# `scaled_dot_product_attention` is a compiled kernel, a useful yardstick for what the same
-# algorithm costs without Python in the loop. It brings its own matrix-product library, so
-# NumPy's GEMM rate is not its ceiling, and it may pass it. Whether PyTorch is there differs
-# from install to install, so this cell prints nothing: the timings below say whether it ran.
+# PyTorch joins the comparison where it is installed: its CPU `scaled_dot_product_attention` is
+# a compiled kernel, a yardstick for the same algorithm without Python in the loop. It brings its
+# own matrix-product library, so NumPy's GEMM rate is not its ceiling.
 
 # %%
 try:
@@ -222,7 +209,7 @@ print("time at N = 2048 / time at N = 512 (N² predicts 16 once fixed costs are 
 # is $N^2$ through naive's largest point (the ratio printed above is this build's measurement).
 # On the right the rate, with the GEMM ceiling as a line.
 
-# %%
+# %% tags=["hide-input"]
 fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(11, 4.5))
 for i, name in enumerate(kernels):
     ax_t.loglog(sizes, seconds[name], "o-", color=f"C{i}", label=name)
@@ -253,13 +240,12 @@ plt.show()
 #
 # A tile of `flash_attention` is a fixed list of NumPy calls (`online_softmax_update`): the
 # product $q k^\top$, the row maximum, a few updates of the row vectors $m$, $\alpha$ and $l$,
-# the subtraction of $m$, the exponential (`np.exp`, or `np.exp2` where the kernel works in base
-# 2: `flash_lib.exponential`, {doc}`chapter 5 <05_tiling>`), the row sum, the product $P v$ and
-# the rescale of `acc`. Each does work in proportion to the tile, and no kernel that computes the tile with these
-# calls can take less than the sum of their times. We time them one by one on one thread, in the
-# kernel's order and on buffers laid out as the kernel's (`flash_bench`, which `make bench`
-# uses too), each keeping its best time. Their sum is the tile's *floor*, and the floor model of
-# a whole call is
+# the subtraction of $m$, the exponential (`np.exp`, or `np.exp2` in base 2,
+# {doc}`chapter 5 <05_tiling>`), the row sum, the product $P v$ and the rescale of `acc`. No
+# kernel that computes the tile with these calls can take less than the sum of their times. We
+# time them one by one on one thread, in the kernel's order and on buffers laid out as the
+# kernel's (`flash_bench`), each keeping its best time. Their sum is the tile's *floor*, and the
+# floor model of a whole call is
 #
 # $$T_\text{floor}(N) = \text{floor of one tile} \times
 #   \frac{\text{tiles visited}}{\text{worker threads}} ,$$
@@ -267,8 +253,8 @@ plt.show()
 # the tiles counted by `tile_schedule`, the workers those `flash_attention` runs on (one for a
 # call of fewer than $2^{20}$ scores, else up to one per query block). The model assumes the
 # threads share the tiles evenly and never slow each other down, so the measured kernel can only
-# be slower: what it spends beyond the floor is Python between the calls, threads waiting on each
-# other, and the threads' contention for caches and memory.
+# be slower: beyond the floor it spends Python between the calls and the threads' waiting and
+# contention.
 
 # %%
 tile_q, tile_k = flash_lib.DEFAULT_BLOCK_Q, flash_lib.DEFAULT_BLOCK_K
@@ -285,33 +271,15 @@ print(f"one {tile_q} × {tile_k} tile, each call timed: "
 print("tiles visited: " + ", ".join(
     f"{len(flash_lib.tile_schedule(n, n, tile_q, tile_k))} at N = {n}" for n in sizes))
 
-# %% [markdown]
-# Which loop NumPy runs for `exp` and `exp2` depends on the CPU (CONTRIBUTING.md): AVX-512, AVX2
-# or the baseline SSE; and so does which of the two the kernel calls. `NPY_DISABLE_CPU_FEATURES`
-# switches the faster loops off, as on an older CPU, but NumPy reads it once, at import; so the
-# same floor is measured again in a child process started with NumPy's AVX-512 loops off
-# (`flash_bench.floor_at_level`; loops this process has already switched off stay off there), whose
-# flash_lib chooses its exponential for its own loops. Each bar below is labelled with the
-# exponential the kernel used and the loop NumPy reported for it in the process that timed it
-# (`numpy.lib.introspect.opt_func_info`).
-
 # %%
-loops_here = flash_bench.numpy_loops()
-avx2 = flash_bench.floor_at_level("AVX2", ("float32", "float64"), seconds=0.4)  # None off x86-64
-exp_here = {name: flash_bench.kernel_exponential(name) for name in floor_ops}
-floor_bars = [(name, exp_here[name], loops_here["loops"][exp_here[name]][name], ops)
-              for name, ops in floor_ops.items()]
-if avx2 is not None:
-    floor_bars += [(name, avx2["exponential"][name],
-                    avx2["loops"]["loops"][avx2["exponential"][name]][name], ops)
-                   for name, ops in avx2["forward"].items()]
+floor_bars = [(name, flash_bench.kernel_exponential(name), ops) for name, ops in floor_ops.items()]
 
 # %% tags=["nbval-ignore-output"]
-print(f"on the machine that built this page: {flash_bench.describe(loops_here)}")
-print("the floor of one tile, µs, one thread:")
-for name, exp_name, exp_loop, ops in floor_bars:
+print(f"on the machine that built this page ({flash_bench.cpu_name()}), the floor of one tile, "
+      "µs, one thread:")
+for name, exp_name, ops in floor_bars:
     total = sum(ops.values())
-    print(f"  {name}, {exp_name} loop {exp_loop}: {1e6 * total:.0f} = "
+    print(f"  {name}, {exp_name}: {1e6 * total:.0f} = "
           + " + ".join(f"{op} {1e6 * s:.0f}" for op, s in ops.items())
           + f"; {exp_name} {100 * ops[exp_name] / total:.0f}%")
 print("float32 kernel / floor model: " + ", ".join(
@@ -320,9 +288,9 @@ print("float32 kernel / floor model: " + ", ".join(
 # %% [markdown]
 # On the left the kernel's measured time (from the comparison above) against the floor model, the
 # number at each point being kernel / floor; the dotted line is the model's two matmuls alone. On
-# the right the floor of one tile, op by op, for each dtype and exponential loop.
+# the right the floor of one tile, op by op, for each dtype.
 
-# %%
+# %% tags=["hide-input"]
 groups = [("matmuls q·kᵀ, P·v", "C0", lambda op: op in flash_bench.MATMULS),
           ("exp or exp2", "C3", lambda op: op in flash_bench.EXPONENTIALS),
           ("max, subtract, sum, rescale, row state", "C7",
@@ -341,9 +309,8 @@ ax_m.set_title(f"flash_attention against its floor, float32, d = {d}", fontsize=
 ax_m.grid(True, which="major", alpha=0.3)
 ax_m.margins(y=0.2)  # room for the ratios above the points
 ax_m.legend(fontsize=8, loc="upper left")
-labels = [f"{name}, {exp_name}\n{flash_bench.loop_name(loop)}"
-          for name, exp_name, loop, _ in floor_bars]
-for i, (name, exp_name, loop, ops) in enumerate(floor_bars):
+labels = [f"{name}\n(np.{exp_name})" for name, exp_name, _ in floor_bars]
+for i, (name, exp_name, ops) in enumerate(floor_bars):
     left, total = 0.0, sum(ops.values())
     for g, (group, color, member) in enumerate(groups):
         width = 1e6 * sum(s for op, s in ops.items() if member(op))
@@ -363,81 +330,41 @@ try:
     load = f", load average {os.getloadavg()[0]:.1f}"
 except (AttributeError, OSError):  # Windows
     load = ""
-fig.suptitle(f"measured on {flash_bench.cpu_name()} ({cores} cores{load}), "
-             f"OpenBLAS kernel {flash_bench.openblas_kernel()}", fontsize=9)
+fig.suptitle(f"measured on {flash_bench.cpu_name()} ({cores} cores{load})", fontsize=9)
 fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The matmuls are most of the floor, and the rest splits between the exponential and four cheap
-# passes. Which share the exponential takes, and which exponential, depends on the CPU. On the
-# AMD EPYC (Zen 4, AVX-512, 2 cores) this chapter was written on, one float64 tile's floor
-# measured 1.83 ms with NumPy's AVX-512 loops, the exponential 0.20 ms of it (11%). float32's
-# `exp` took 0.125 ms of a tile and its `exp2` 0.058 (Intel's SVML, which NumPy builds in for
-# AVX-512 only), so there the kernel computes float32 in base 2, for a forward 5% faster
-# (`bench/RESULTS.md` has the measurements; float64's `exp2`, 0.18 ms, saved nothing
-# measurable and float64 keeps `exp`). With the AVX-512 loops off
-# (`NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR"`, what NumPy runs on an AVX2 CPU),
-# float32's `exp2` is scalar (0.57 ms) and the kernel keeps `exp`, which stays vectorised (0.28 ms
-# of 1.15, 24%); float64's `exp` computes one element at a time: 1.1 ms of a 2.8 ms tile, 38 to
-# 41% in four runs, more than either matmul. float64 attention on an AVX2 CPU is bound by `exp`;
-# the bars above show what the machine that built this page measured.
-
-# %% [markdown]
-# ## Tile size
+# The matmuls are most of the floor; the rest splits between the exponential and four cheap
+# passes. How large the exponential's share is, and whether the kernel uses `exp` or `exp2`,
+# depends on which vector loops NumPy runs on the CPU: the
+# {doc}`appendix on testing <26_how_this_tutorial_is_tested>` measures the floor again with
+# NumPy's AVX-512 loops switched off.
 #
-# Each tile costs flash a fixed number of NumPy calls, a few microseconds of Python each,
-# whatever the tile's size, plus arithmetic in proportion to its area. Small tiles are mostly
-# overhead; but the scores tile (1 MiB at 512 × 512 floats) is read and written by several
-# passes, which are fastest while it fits in the caches close to the core. Where the balance
-# lies depends on the machine, so we measure it: the grid below, at $N = 1024$, with the fastest
-# tiles this build found in the title. (Only flash runs here, holding BLAS at one thread, so a
-# short settle suffices.)
+# ## Tile size: the floor per score
+#
+# A tile costs a fixed number of NumPy calls, each a few microseconds of Python whatever the
+# tile's size, plus arithmetic in proportion to its area. So the floor *per score* falls as the
+# tile grows, until the arithmetic outweighs the calls. The cell times the floor of square tiles
+# from 16 to 256: on a GPU no such per-call cost exists, and the tile is bounded instead by
+# on-chip memory ({doc}`chapter 9 <09_memory_traffic>`).
 
 # %%
-n_grid = 1024
-block_sizes = [64, 256, 1024]
-q, k, v = random_inputs(n_grid)
-grid_fns = {
-    (bq, bk): (lambda bq=bq, bk=bk: flash_lib.flash_attention(q, k, v, block_q=bq, block_k=bk))
-    for bq in block_sizes for bk in block_sizes
-}
-grid_best = best_times(grid_fns, settle=0.01)
-grid_gflops = np.array([[attention_flop(n_grid) / grid_best[bq, bk] / 1e9 for bk in block_sizes]
-                        for bq in block_sizes])
+tile_sides = [16, 64, 256]
+floor_by_side = {b: sum(flash_bench.forward_floor(np.float32, b, b, d, seconds=0.3).values())
+                 for b in tile_sides}
 
-# %%
-best_bq, best_bk = min(grid_best, key=grid_best.get)
-fig, ax = plt.subplots(figsize=(7, 5))
-image = ax.imshow(100 * grid_gflops / gemm_rate, origin="lower", cmap="viridis")
-for i in range(len(block_sizes)):
-    for j in range(len(block_sizes)):
-        ax.text(j, i, f"{100 * grid_gflops[i, j] / gemm_rate:.0f}", ha="center", va="center",
-                color="w" if grid_gflops[i, j] < 0.6 * grid_gflops.max() else "k", fontsize=9)
-ax.set_xticks(range(len(block_sizes)), block_sizes)
-ax.set_yticks(range(len(block_sizes)), block_sizes)
-ax.set_xlabel("block_k (keys per tile)")
-ax.set_ylabel("block_q (queries per tile)")
-ax.set_title(f"flash_attention rate, % of GEMM, N = {n_grid}, float32, d = {d}\n"
-             f"fastest: {best_bq} × {best_bk} tiles, {grid_gflops.max():.0f} GFLOP/s; "
-             f"64 × 64: {grid_gflops[0, 0]:.0f} GFLOP/s", fontsize=10)
-fig.colorbar(image, ax=ax, label="% of the GEMM rate")
-fig.tight_layout()
-plt.show()
-
-# %% [markdown]
-# If the fastest tile here is 1024 × 1024, no tiling at all (as when this chapter was written),
-# that does not contradict chapter 9: a GPU's tile is bounded by 163 KiB of on-chip memory per
-# thread block, and tiling saves HBM traffic; here the whole 4 MiB score matrix fits in the CPU's
-# caches and each tile costs Python overhead, so the fewest tiles win. At larger $N$ the scores
-# outgrow the caches too (chapter 9's CPU counterpart).
+# %% tags=["nbval-ignore-output"]
+print("on the machine that built this page, float32, one thread:")
+for b_side, t in floor_by_side.items():
+    print(f"  {b_side:>3} × {b_side:<3} tile: floor {1e6 * t:8.1f} µs, {1e9 * t / b_side**2:6.2f} ns "
+          f"per score")
 
 # %% [markdown]
 # ## Causal attention: the tiles it skips
 #
-# With `causal=True` and $N_q = N_k = N$, `flash_attention` visits $n(n+1)/2$ of the $n^2$ tiles
-# for $n = N / b$ square blocks per side (chapter 6 derives it and checks `tile_schedule`
-# against it). Time follows tiles only roughly: the diagonal tiles carry the extra masking work,
+# With `causal=True`, `flash_attention` skips the tiles above the diagonal
+# ({doc}`chapter 6 <06_masks_and_empty_rows>` counts them). Time follows tiles only roughly: the diagonal tiles carry the extra masking work,
 # and with causal attention the query blocks no longer cost the same, so the thread pool's last
 # blocks may finish unevenly. We time both at $N = 2048$ with the default tiles and compare the
 # speed-up with the ratio of tiles.
@@ -460,26 +387,20 @@ print(f"on the machine that built this page, N = {n_causal}: causal is {causal_s
       f"faster\nthan full attention, for {tile_ratio:.2f}× fewer tiles")
 
 # %% [markdown]
-# A GPU kernel faces the same arithmetic with different costs: no Python overhead per tile, but
-# a tile must fit in on-chip memory. The lesson that carries over is the measurement: compare
-# against the machine's own matrix-product rate, measured in the same run, rather than against
-# another machine's numbers.
-#
 # ## What we showed
 #
 # - Every timed kernel computed the same result as `naive_attention` (within $10^{-4}$ in
 #   float32, relative to the output's scale), and flash's float64 result is within $10^{-12}$ of
 #   naive's.
-# - Causal attention with $n = N/b$ square tiles per side visits $n(n+1)/2$ of the $n^2$ tiles:
-#   1.60 times fewer at $N = 2048$.
-# - A tile's floor is the sum of its NumPy calls' own times, and the floor model, floor × tiles /
-#   worker threads, is what the kernel cannot beat; the matmuls are most of it. On AVX-512 the
-#   exponential is a tenth of it, and float32's is `exp2`, in half `exp`'s time; with AVX2 loops
-#   float64's `exp` is scalar and takes about 40% (measured on an AMD EPYC Zen 4 with NumPy's
-#   AVX-512 loops off).
-# - The rates of flash and naive ($4 N^2 d$ flops over the best time) against this machine's GEMM
-#   rate, their growth with $N$, the kernel against its floor, the fastest tiles and the causal
-#   speed-up are in the ignored cells and the plots above: observations of this build, not claims.
+# - Causal attention visits chapter 6's count of tiles, 1.60 times fewer at $N = 2048$.
+# - A tile's floor is the sum of its NumPy calls' own times; the floor model, floor × tiles /
+#   worker threads, is what the kernel cannot beat, and the matmuls are most of it. Small tiles
+#   pay for their calls: per score, a 16 × 16 tile's floor was about 15 times a 256 × 256
+#   tile's on the 2-core Intel Xeon this chapter was last revised on (a timing, not asserted).
+# - The rates against this machine's GEMM rate, their growth with $N$, the kernel against its
+#   floor and the causal speed-up are in the ignored cells and the plots: observations of this
+#   build, not claims. Compare a kernel against the machine's own matrix-product rate, measured
+#   in the same run, not against another machine's numbers.
 
 # %%
 # 1e-4: float32 attention over up to 2048 keys errs by about 1e-6 (chapter 7); a wrong kernel by 0.1

@@ -17,12 +17,10 @@
 #
 # GPUs run attention in 16-bit formats: float16 and bfloat16 inputs, matrix products on tensor
 # cores that accumulate in float32. This chapter measures what those formats cost, with the
-# tools of chapter 7. In this chapter:
+# tools of chapter 7:
 #
-# - the two formats, and the NumPy facts we rely on for bfloat16 (which comes from the
-#   `ml_dtypes` package), each checked against the installed package;
-# - the error of each kernel against the truth, per dtype;
-# - FlashAttention's own accuracy rule, reproduced on our kernels: the kernel's error at most
+# - the two formats, and the error of each kernel against the truth, per dtype;
+# - chapter 7's rule, as FlashAttention applies it to 16-bit kernels: the kernel's error at most
 #   twice that of a reference computed in the same low precision, both against a float32
 #   reference; and a kernel that fails it;
 # - what rounding $P$ to the input dtype before the $PV$ product costs (GPU kernels do it to feed
@@ -32,8 +30,6 @@
 #   against the rule, float64 and bfloat16, and what a random rotation of $q$ and $k$ does to it.
 
 # %%
-import time
-
 import ml_dtypes
 import numpy as np
 import matplotlib.pyplot as plt
@@ -48,11 +44,8 @@ rng = np.random.default_rng(11)
 # ## Two 16-bit formats
 #
 # float16 (IEEE half precision) has 10 fraction bits and 5 exponent bits; bfloat16 ("brain
-# float") has 7 and float32's 8: float16 is eight times finer (eps $2^{-10}$ against $2^{-7}$),
-# bfloat16 reaches as far as float32. This chapter uses `ml_dtypes.finfo`: NumPy's `np.finfo`
-# knows bfloat16 only since ml_dtypes 0.7, which writes its entries into NumPy's private
-# `np.finfo._finfo_cache` on import (`ml_dtypes/_finfo.py`); with 0.5 and 0.6 it raises
-# `ValueError`.
+# float", from the `ml_dtypes` package) has 7 and float32's 8: float16 is eight times finer
+# (eps $2^{-10}$ against $2^{-7}$), bfloat16 reaches as far as float32.
 
 # %%
 formats = {"float16": np.float16, "bfloat16": bfloat16, "float32": np.float32}
@@ -61,107 +54,26 @@ print(f"{'dtype':<9} {'fraction bits':>13} {'eps':>10} {'u = eps/2':>10} {'max':
 for name, fi in info.items():
     print(f"{name:<9} {fi.nmant:>13} {float(fi.eps):>10.3e} {float(fi.eps) / 2:>10.3e} "
           f"{float(fi.max):>11.4e}")
-np_info = np.finfo(bfloat16)
-np_agrees = all(getattr(np_info, f) == getattr(info["bfloat16"], f)
-                for f in ("eps", "max", "tiny", "nmant", "maxexp"))
-print("np.finfo(bfloat16) agrees with ml_dtypes.finfo on eps, max, tiny, nmant, maxexp:",
-      np_agrees)
 
 # %% [markdown]
-# One more version difference touches every bfloat16 input this chapter makes. Rounding float64
-# to bfloat16 by way of float32 rounds twice, and twice is not once: a float64 just above the
-# midpoint of two bfloat16 neighbours can land, in float32, exactly on that midpoint, and the tie
-# then goes to the even neighbour, which is the farther one. $1 + 2^{-8} + 2^{-40}$ lies between
-# 1 and $1 + 2^{-7}$, nearer the second; float32 drops the $2^{-40}$. ml_dtypes 0.6 converted
-# through float32; 0.7 rounds once, the fix of its pull request #401 ("Fix double rounding in
-# conversions to the custom float types"), as the cell below measures.
-
-# %%
-x64 = np.random.default_rng(1).standard_normal(1_000_000)
-once, twice = x64.astype(bfloat16), x64.astype(np.float32).astype(bfloat16)
-differ = once != twice
-err_once = np.abs(once.astype(np.float64) - x64)[differ]
-err_twice = np.abs(twice.astype(np.float64) - x64)[differ]
-midpoint_plus = np.float64(1 + 2**-8 + 2**-40)
-print(f"float64 -> bfloat16 directly vs by way of float32: {differ.sum()} of {x64.size:,} "
-      f"differ; the direct one is the nearer in all of them: {bool((err_once < err_twice).all())}")
-print(f"1 + 2^-8 + 2^-40 -> {float(midpoint_plus.astype(bfloat16))} directly, "
-      f"{float(midpoint_plus.astype(np.float32).astype(bfloat16))} by way of float32")
-
-# %% [markdown]
-# ## What NumPy does with bfloat16
+# NumPy's own machinery treats bfloat16 unevenly (`@` returns float32, `np.dot` bfloat16, a
+# plain `sum` accumulates in bfloat16 and 1000 ones sum to 256; the
+# {doc}`appendix on testing <26_how_this_tutorial_is_tested>` checks each). So `flash_lib`
+# widens 16-bit inputs to float32 tile by tile and computes everything in float32, returning the
+# output in the input's dtype (and the lse in float32, as FlashAttention stores it).
 #
-# `ml_dtypes` registers bfloat16 as a NumPy dtype, but NumPy's own machinery treats it unevenly.
-# What this chapter relies on, each checked below on the installed versions:
-#
-# - `np.matmul` (the `@` operator) of two bfloat16 arrays returns **float32**;
-# - `np.dot` of the same arrays returns **bfloat16**, through a plain loop (timed below);
-# - `np.einsum` rejects bfloat16 with a `TypeError`;
-# - elementwise functions (`np.exp`) and reductions stay in bfloat16, and a reduction
-#   **accumulates** in bfloat16 unless given `dtype=np.float32`: the sum of 1000 ones is 256,
-#   because $256 + 1$ rounds back to 256 with 8 significant bits.
-#
-# This is why `flash_lib` converts 16-bit inputs to float32 tile by tile and computes everything
-# in float32, returning the output in the input's dtype (and the lse in float32, as FlashAttention
-# stores it).
-
-# %%
-a = rng.standard_normal((256, 256)).astype(bfloat16)
-b = rng.standard_normal((256, 256)).astype(bfloat16)
-matmul_dtype, dot_dtype = (a @ b).dtype, np.dot(a, b).dtype
-try:
-    np.einsum("ij,jk->ik", a, b)
-    einsum_error = None
-except TypeError:  # the message's wording is NumPy's and may change between releases
-    einsum_error = "raises TypeError"
-ones = np.ones(1000, dtype=bfloat16)
-sum_bf16, sum_f32 = ones.sum(), ones.sum(dtype=np.float32)
-print("a @ b:", matmul_dtype, "| np.dot(a, b):", dot_dtype)
-print("np.einsum:", einsum_error)
-print("np.exp(a).dtype:", np.exp(a).dtype, "| a.max().dtype:", a.max().dtype)
-print(f"1000 ones summed in bfloat16: {float(sum_bf16):g} ({sum_bf16.dtype}); "
-      f"with dtype=np.float32: {float(sum_f32):g}")
-# np.dot rounds each entry to bfloat16, changing it by at most u = 2^-8 of itself; the two float32
-# sums differ by far less. The measured difference is printed with the timing below.
-matmul_vs_dot = np.abs((a @ b) - np.dot(a, b).astype(np.float32)).max() / np.abs(a @ b).max()
-u_bf16 = float(ml_dtypes.finfo(bfloat16).eps) / 2
-print(f"a @ b vs np.dot(a, b), relative to the largest entry: within bfloat16's u = {u_bf16:.2e} "
-      f"(its rounding): {matmul_vs_dot <= 1.01 * u_bf16}")
-
-
-# %% tags=["nbval-ignore-output"]
-def best_of(fn, repeats=7):
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-t_matmul, t_dot = best_of(lambda: a @ b), best_of(lambda: np.dot(a, b))
-print(f"on the machine that built this page, 256 x 256 bfloat16: np.dot takes "
-      f"{t_dot / t_matmul:.0f}x\nas long as np.matmul; their results differ by {matmul_vs_dot:.1e} "
-      f"of the largest entry")
-
-# %% [markdown]
 # ## Each kernel's error, per dtype
 #
 # As in chapter 7: one set of inputs ($N_q = 64$, $N_k = 2048$, $d = 64$, standard normal),
 # rounded to each dtype, the truth computed by `flash_lib.precise_attention` from *the rounded
-# inputs* (so only the kernels' own arithmetic is measured), and chapter 7's metric,
-# `flash_lib.rowwise_relative_error`. flash_lib's functions take 16-bit arrays as they are and
-# widen them exactly.
+# inputs*, and chapter 7's metric, `flash_lib.rowwise_relative_error`.
 #
-# For 16-bit inputs both kernels compute in float32 and round once, at the end. Rounding to a
-# format with unit roundoff $u = \text{eps}/2$ moves a number by at most $u$ of itself, so each
-# entry adds at most $u \cdot \max_c |o_{ic}|$ to its row's error: the 16-bit error is bounded by
-# $u_{16}$ plus the float32 computation's own. The cell checks that bound and the stronger fact
-# behind it: the 16-bit output *is* the float32 output on the widened inputs, rounded. In float32
-# and float64 the error is the computation's own, about ten $u$ (the picture below shows each),
-# below $100u$ at every NumPy CPU level and BLAS kernel tried. Which of flash and naive is
-# smaller depends on the CPU (chapter 7); flash's error at most twice naive's holds in every
-# dtype.
+# For 16-bit inputs both kernels compute in float32 and round once, at the end, which moves each
+# entry by at most $u$ of itself: the 16-bit error is bounded by $u_{16}$ plus the float32
+# computation's own. The cell checks that bound and the stronger fact behind it: the 16-bit
+# output *is* the float32 output on the widened inputs, rounded. In float32 and float64 the
+# error is the computation's own, below $100u$ at every NumPy CPU level and BLAS kernel tried;
+# flash's error at most twice naive's holds in every dtype.
 
 # %%
 n_q, n_k, d = 64, 2048, 64
@@ -180,20 +92,17 @@ outputs = {name: {"flash": flash_lib.flash_attention(*qkv), "naive": flash_lib.n
 kernel_error = {name: {kernel: row_error(out, name) for kernel, out in outs.items()}
                 for name, outs in outputs.items()}
 # The float32 computation's own error on the widened 16-bit inputs, for the 16-bit bound
-err32 = {name: {"flash": row_error(flash_lib.flash_attention(*(x.astype(np.float32)
-                                                               for x in inputs[name])), name),
-                "naive": row_error(flash_lib.naive_attention(*(x.astype(np.float32)
-                                                               for x in inputs[name])), name)}
-         for name in ("float16", "bfloat16")}
+widened = {name: tuple(x.astype(np.float32) for x in inputs[name]) for name in ("float16", "bfloat16")}
+err32 = {name: {"flash": row_error(flash_lib.flash_attention(*qkv), name),
+                "naive": row_error(flash_lib.naive_attention(*qkv), name)} for name, qkv in widened.items()}
 kernel_bound, bound_text = {}, {}
 for name in dtypes:
     u = float(ml_dtypes.finfo(dtypes[name]).eps) / 2
-    if name in err32:  # |round(o32) - o*| <= u |o32| + |o32 - o*|, relative to the row's max |o*|
-        kernel_bound[name] = {kr: u * (1 + e) + e for kr, e in err32[name].items()}
-        bound_text[name] = "u + the float32 computation's error"
-    else:  # measured: 10 to 17 u at every CPU level and BLAS kernel tried
-        kernel_bound[name] = {"flash": 100 * u, "naive": 100 * u}
-        bound_text[name] = "100 u"
+    # 16-bit: |round(o32) - o*| <= u |o32| + |o32 - o*|, relative to the row's max |o*|; else
+    # 100 u (measured 10 to 17 u at every CPU level and BLAS kernel tried)
+    kernel_bound[name] = ({kr: u * (1 + e) + e for kr, e in err32[name].items()} if name in err32
+                          else {"flash": 100 * u, "naive": 100 * u})
+    bound_text[name] = "u + the float32 computation's error" if name in err32 else "100 u"
 within_bound = {name: {kr: kernel_error[name][kr] <= kernel_bound[name][kr] for kr in ("flash", "naive")}
                 for name in dtypes}
 twice_naive = {name: errs["flash"] <= 2 * errs["naive"] for name, errs in kernel_error.items()}
@@ -205,28 +114,19 @@ for name in dtypes:
           f"{bound_text[name]}")
 print("flash's error at most twice naive's, in every dtype:", all(twice_naive.values()))
 
-widened_then_rounded = {
-    name: np.array_equal(
-        outputs[name]["flash"],
-        flash_lib.flash_attention(*(x.astype(np.float32) for x in inputs[name])).astype(dtypes[name]))
-    for name in ("float16", "bfloat16")
-}
-print("16-bit output == float32 output on the widened inputs, rounded:")
-print("  ", widened_then_rounded)
+widened_then_rounded = {name: np.array_equal(outputs[name]["flash"],
+                                              flash_lib.flash_attention(*qkv).astype(dtypes[name]))
+                        for name, qkv in widened.items()}
+print("16-bit output == float32 output on the widened inputs, rounded:", widened_then_rounded)
 
 # %% [markdown]
-# ## FlashAttention's accuracy rule
+# ## FlashAttention's rule in 16 bits
 #
-# FlashAttention does not test its kernels against a fixed tolerance. Its test suite
-# (`tests/test_flash_attn.py` in Dao-AILab/flash-attention) computes, from the same 16-bit
-# inputs, a reference in float32 (`attention_ref(..., upcast=True)`) and "PyTorch in the same
-# dtype" (`attention_ref(..., upcast=False, reorder_ops=True)`), and requires
-#
-# $$\max |O - O_{\text{ref}}| \;\le\; 2 \max |O_{\text{pt}} - O_{\text{ref}}| :$$
-#
-# the kernel may err at most twice as much as a straightforward implementation in the same
-# precision. Its comment: "Check that FlashAttention's numerical error is at most twice the
-# numerical error of a Pytorch implementation."
+# {doc}`Chapter 7 <07_exactness>` gave FlashAttention's accuracy rule: the kernel's error at
+# most twice that of a straightforward implementation in the same dtype, both measured against a
+# reference in float32. For 16-bit inputs the same-dtype implementation is
+# `attention_ref(..., upcast=False, reorder_ops=True)` in FlashAttention's tests, and the
+# reference `attention_ref(..., upcast=True)`.
 #
 # We reproduce it with NumPy. $O_{\text{ref}}$ is `naive_attention` on the inputs widened to
 # float32. $O_{\text{pt}}$ follows `attention_ref(upcast=False, reorder_ops=True)` step by step,
@@ -254,22 +154,19 @@ def attention_same_dtype(q, k, v, p_dtype=None):
     return (p.astype(f32) @ v.astype(f32)).astype(dt)
 
 
-def unnormalised_weights(q, k):
-    """P = exp(S - m) in float32 and its row sum l, as a tiled kernel holds them."""
+def unnormalised_weights(q, k):  # P = exp(S - m) in float32 and its row sum l
     f32 = np.float32
     s = (q.astype(f32) @ k.astype(f32).T) * f32(1 / np.sqrt(q.shape[-1]))
     p = np.exp(s - s.max(axis=-1, keepdims=True))
     return p, p.sum(axis=-1, keepdims=True)
 
 
-def p_rounded(q, k, v):
-    """P rounded to the input dtype before P·V (float32 accumulation), l from the float32 P."""
+def p_rounded(q, k, v):  # P rounded to the input dtype before P·V, l from the float32 P
     p, l = unnormalised_weights(q, k)
     return ((p.astype(q.dtype).astype(np.float32) @ v.astype(np.float32)) / l).astype(q.dtype)
 
 
-def acc_in_input_dtype(q, k, v, block_k=16):
-    """A defective kernel: acc rounded to the input dtype after every key block."""
+def acc_in_input_dtype(q, k, v, block_k=16):  # a defective kernel: acc rounded every key block
     p, l = unnormalised_weights(q, k)
     acc = np.zeros((q.shape[0], v.shape[1]), dtype=q.dtype)
     for j in range(0, k.shape[0], block_k):
@@ -289,30 +186,23 @@ for name in ("float16", "bfloat16"):
     for kernel, fn in candidates.items():
         err = float(np.abs(fn(q, k, v).astype(np.float32) - o_ref).max())
         rule[name][kernel] = (err, err / err_pt)
-    print(f"{name}: max |O - O_ref| over the same-dtype reference's (rule: <= 2)")
-    for kernel, (err, ratio) in rule[name].items():
-        size = "1 (itself)" if kernel == "same-dtype reference" else (
-            "below 1" if ratio < 1 else "1 to 2" if ratio <= 2 else "above 2")
-        print(f"   {kernel:<24} {size:>10}   {'passes' if ratio <= 2 else 'FAILS'}")
+    print(f"{name}: max |O - O_ref| over the same-dtype reference's (rule: <= 2)\n   " + ", ".join(
+        f"{kernel} {'below 1' if ratio < 1 else '1 to 2' if ratio <= 2 else 'above 2: FAILS'}"
+        for kernel, (err, ratio) in list(rule[name].items())[1:]))
 
 # %% [markdown]
-# The ratios printed as "below 1" were about 0.4 to 0.6 on the machine that built this page, the
-# failing ones 3 to 5: far from the bar of 2, so no CPU's rounding moves a verdict (the errors
-# themselves, against the truth, are in the picture at the end). Both of our kernels pass with
-# room to spare: they round once, where the same-dtype reference rounds the scores, the weights
-# and the output. Keeping the accumulator in 16 bits fails in
-# both dtypes: each of the 128 block additions rounds the running sum to the format's 11 or 8
-# significant bits, and those errors add up.
+# Far from the bar of 2 either way (the passing ratios were about 0.4 to 0.6 on the machine that
+# built this page, the failing ones 3 to 5), so no CPU's rounding moves a verdict. Our kernels
+# round once, where the same-dtype reference rounds the scores, the weights and the output. A
+# 16-bit accumulator fails: each of the 128 block additions rounds the running sum to the
+# format's 11 or 8 significant bits, and those errors add up.
 #
 # ## Rounding $P$ before $PV$
 #
-# A GPU kernel computes $P = e^{S - m'}$ in float32 registers and then converts it to the input
-# dtype, because the tensor cores multiply 16-bit operands (accumulating in float32). The row sum
-# $l$ is taken from the float32 $P$. Rounding changes each weight $p_j \in [0, 1]$ by at most
-# $u\,p_j$, so the output row moves by at most $u \sum_j p_j |v_j| / l \le u \max_j |v_j|$, and by
-# much less when the weights are spread and their rounding errors partly cancel. The table above
-# has it ("P rounded before PV"); here it is as a rowwise error against the truth, next to the
-# error of the output rounding alone (the picture at the end shows the three errors).
+# A GPU kernel computes $P = e^{S - m'}$ in float32 registers and converts it to the input dtype,
+# because the tensor cores multiply 16-bit operands (accumulating in float32); $l$ is taken from
+# the float32 $P$. Rounding moves each weight $p_j$ by at most $u\,p_j$, so the output row by at
+# most $u \max_j |v_j|$, and by much less when the rounding errors of spread weights cancel.
 
 # %%
 p_cost = {}
@@ -328,24 +218,19 @@ for name in ("float16", "bfloat16"):
 # %% [markdown]
 # ## Scores past 65504
 #
-# float16's largest number is 65504. A score is a dot product of $d$ products, so two float16
-# vectors with entries of a few dozen already have a dot product beyond it: with $q_c = k_c = 40$
-# and $d = 64$, $q \cdot k = 102400$. Computed in float16 it is $\infty$, and the softmax of a row
-# holding $\infty$ is NaN. Scaling $q$ by $\tau = 1/8$ first helps only until the *scaled* score
-# passes 65504 ($q_c = k_c = 100$: $\tau\, q \cdot k = 80000$). `flash_lib` computes scores in
-# float32, whose range (about $3.4 \times 10^{38}$) a product of two float16 numbers summed $d$
-# times cannot leave, so it returns the right answer; bfloat16 has float32's range and no such
-# limit.
+# float16's largest number is 65504: with $q_c = k_c = 40$ and $d = 64$, $q \cdot k = 102400$ is
+# $\infty$ in float16, and the softmax of a row holding $\infty$ is NaN. Scaling $q$ by
+# $\tau = 1/8$ first helps only until the *scaled* score passes 65504 ($q_c = k_c = 100$).
+# `flash_lib` computes scores in float32, whose range a sum of $d$ products of float16 numbers
+# cannot leave; bfloat16 has float32's range and no such limit.
 #
-# Range is not the only reason. A score in float16 carries an absolute error of about
-# $u_{16} |s|$ with $u_{16} = 2^{-11}$ (chapter 7: that error becomes a relative error of the
-# weight): at $|s| = 1000$ float16's spacing is 0.5, so a score is off by up to 0.25 and its weight
-# by up to $e^{0.25}$, about 28%. The cell computes one row of 256 competing scores near 1000
-# (built as in chapter 7) with float16 scores and with flash_lib.
+# Range is not the only reason. A float16 score carries an absolute error of about
+# $u_{16} |s|$, $u_{16} = 2^{-11}$ (chapter 7: it becomes a relative error of the weight): at
+# $|s| = 1000$ the spacing is 0.5, so a weight is off by up to $e^{0.25}$, about 28%. The cell
+# computes one row of 256 competing scores near 1000 (built as in chapter 7) both ways.
 
 # %%
-def scores_then_softmax_in(dt, q, k, v, prescale):
-    """Scores as a dt tensor (float32 accumulation, rounded), then softmax and P·V in float32."""
+def scores_then_softmax_in(dt, q, k, v, prescale):  # scores rounded to dt, the rest float32
     tau = np.float32(1 / np.sqrt(q.shape[-1]))
     qs = (q.astype(np.float32) * tau).astype(dt) if prescale else q
     with np.errstate(over="ignore", invalid="ignore"):
@@ -387,19 +272,10 @@ err_flash_big = float(flash_lib.rowwise_relative_error(
 s_big = (q_big.astype(np.float32) @ k_big.astype(np.float32).T) / 8
 print(f"a row of scores from {s_big.min():.0f} to {s_big.max():.0f}: error with float16 scores "
       f"above 0.05: {err_f16_scores > 0.05},\n   flash_lib's within float16's u: "
-      f"{err_flash_big <= u16 * 1.01} (both errors are in the picture below)")
-
-# %% [markdown]
-# ## The picture
-#
-# The errors of this chapter against the truth, per dtype, on a log axis, with each dtype's unit
-# roundoff $u$ drawn as a line (left); and each kernel's error in units of its output dtype's
-# $u$, for all four dtypes and for the row of scores near 1000 (right). These are the measured
-# numbers the cells above checked against their bounds; another CPU draws slightly different
-# points.
+      f"{err_flash_big <= u16 * 1.01}")
 
 # %%
-fig, (ax, ax_u) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [1.2, 1]})
+# The picture: the 16-bit errors of this chapter against the truth, with each dtype's u
 names16 = ["float16", "bfloat16"]
 series = {
     "flash_attention": [kernel_error[n]["flash"] for n in names16],
@@ -408,8 +284,10 @@ series = {
     "same-dtype reference": [p_cost[n][2] for n in names16],
     "acc in the input dtype": [row_error(acc_in_input_dtype(*inputs[n]), n) for n in names16],
 }
-# points, not bars: on a log axis a bar's length would be measured from an arbitrary floor
-width = 0.16
+
+# %% tags=["hide-input"]
+fig, ax = plt.subplots(figsize=(7.5, 4.5))
+width = 0.16  # points, not bars: on a log axis a bar's length would start at an arbitrary floor
 for i, (label, values) in enumerate(series.items()):
     ax.plot(np.arange(2) + (i - 2) * width, values, "osD^v"[i], ms=8, ls="none", label=label,
             color=f"C{i}")
@@ -425,40 +303,21 @@ ax.legend(fontsize=8, loc="upper left")
 ax.set_ylim(1e-4, 1)
 ax.set_xlim(-0.6, 1.6)
 ax.grid(True, axis="y", which="major", alpha=0.3)
-names_all = list(dtypes)
-for i, kernel in enumerate(("flash", "naive")):
-    ax_u.plot(np.arange(len(names_all)) + (i - 0.5) * 0.3,
-              [kernel_error[n][kernel] / (float(ml_dtypes.finfo(dtypes[n]).eps) / 2)
-               for n in names_all], "os"[i], ms=8, ls="none", color=f"C{i}",
-              label=f"{kernel}_attention")
-x_big = len(names_all) + 0.3
-ax_u.plot(x_big - 0.15, err_flash_big / u16, "o", ms=8, color="C0")
-ax_u.plot(x_big + 0.15, err_f16_scores / u16, "X", ms=9, color="C5", label="float16 scores")
-ax_u.axhline(1, color="k", ls="--", lw=1, label="u")
-ax_u.axhline(100, color="k", ls=":", lw=1, label="100 u, the float32 and float64 bound")
-ax_u.set_yscale("log")
-ax_u.set_xticks(list(range(len(names_all))) + [x_big], names_all + ["float16,\nscores ≈ 1000"])
-ax_u.set_ylabel("error / u of the output's dtype")
-ax_u.set_title("The same errors in units of u")
-ax_u.legend(fontsize=8, loc="upper left")
-ax_u.set_ylim(0.1, 3e3)
-ax_u.grid(True, axis="y", which="major", alpha=0.3)
 fig.tight_layout()
 plt.show()
 
 # %% [markdown]
 # ## FP8: e4m3 and e5m2
 #
-# Hopper's tensor cores also multiply 8-bit floats, at twice the 16-bit rate (chapter 16).
-# `ml_dtypes` has both formats: `float8_e4m3fn` (4 exponent bits, 3 fraction bits; "fn":
-# finite, no infinity) and `float8_e5m2` (5 and 2, IEEE-like). From `ml_dtypes.finfo`, and from
-# all 256 bit patterns:
+# Hopper's tensor cores also multiply 8-bit floats, at twice the 16-bit rate (chapter 16):
+# `float8_e4m3fn` (4 exponent bits, 3 fraction bits, finite: no infinity) and `float8_e5m2`
+# (5 and 2, IEEE-like), here from `ml_dtypes.finfo` and all 256 bit patterns:
 
 # %%
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 fp8 = {}
-print(f"{'dtype':<13} {'exp, frac bits':>14} {'eps':>6} {'max':>6} {'min normal':>11} "
-      f"{'min subnormal':>13} {'spacing below max':>17} {'NaNs':>4} {'infs':>4}")
+print(f"{'dtype':<13} {'exp, frac bits':>15} {'eps':>5} {'max':>5} {'min normal':>11} {'min subnormal':>14} "
+      f"{'spacing below max':>18} {'NaNs':>5} {'infs':>5}")
 for name, dt in {"float8_e4m3fn": E4M3, "float8_e5m2": E5M2}.items():
     fi = ml_dtypes.finfo(dt)
     every = np.arange(256, dtype=np.uint8).view(dt).astype(np.float64)
@@ -467,12 +326,11 @@ for name, dt in {"float8_e4m3fn": E4M3, "float8_e5m2": E5M2}.items():
                          tiny=float(fi.tiny), sub=float(fi.smallest_subnormal), top=top[1],
                          gap=top[1] - top[0], nans=int(np.isnan(every).sum()),
                          infs=int(np.isinf(every).sum()))
-    print(f"{name:<13} {f'{fi.nexp}, {fi.nmant}':>14} {f['eps']:>6g} {f['max']:>6g} "
-          f"{f['tiny']:>11g} {f['sub']:>13g} {f['gap']:>17g} {f['nans']:>4} {f['infs']:>4}")
+    print(f"{name:<13} {f'{fi.nexp}, {fi.nmant}':>15} {f['eps']:>5g} {f['max']:>5g} {f['tiny']:>11g} "
+          f"{f['sub']:>14g} {f['gap']:>18g} {f['nans']:>5} {f['infs']:>5}")
 big = np.array([464, 480, 1e5])
 print("464, 480, 1e5 ->", big.astype(E4M3), "in e4m3fn,", big.astype(E5M2), "in e5m2")
-e4, e5 = fp8["float8_e4m3fn"], fp8["float8_e5m2"]
-# eps is the spacing in [1, 2); below max the spacing is eps·2^(exponent of max)
+e4, e5 = fp8["float8_e4m3fn"], fp8["float8_e5m2"]  # below max the spacing is eps·2^(max's exponent)
 assert e4["bits"] == (4, 3) and (e4["eps"], e4["tiny"], e4["sub"]) == (2**-3, 2**-6, 2**-9)
 assert e5["bits"] == (5, 2) and (e5["eps"], e5["tiny"], e5["sub"]) == (2**-2, 2**-14, 2**-16)
 assert e4["max"] == e4["top"] == 1.75 * 2**8 and e4["gap"] == 2**-3 * 2**8
@@ -482,34 +340,29 @@ assert float(big[0].astype(E4M3)) == 448 and np.isnan(big[1:].astype(E4M3)).all(
 assert np.isinf(big[2].astype(E5M2))
 
 # %% [markdown]
-# e4m3 has twice e5m2's precision ($u = 2^{-4}$, not $2^{-3}$) and far less range: past 448
-# there is no infinity to round to, and 480 becomes NaN. FlashAttention-3's forward takes e4m3
-# only (`hopper/flash_api.cpp`: "FlashAttention only supports fp16, bf16, and fp8_e4m3 data
-# type"), so each tensor is scaled into e4m3's range first and the kernel is given the
-# inverse, **descale**, factors.
+# e4m3 has twice e5m2's precision and far less range: past 448 there is no infinity to round
+# to, and 480 becomes NaN. FlashAttention-3's forward takes e4m3 only (`hopper/flash_api.cpp`),
+# so each tensor is scaled into e4m3's range and the kernel is given the **descale** factors.
 #
 # ## FlashAttention-3's FP8 forward
 #
-# The paper (Shah et al. 2024, arXiv 2407.08608, Section 3.3, "Accuracy: block quantization and
-# incoherent processing") keeps "one scalar per block": $Q$, $K$, $V$ are quantised in blocks of
-# $B_r \times d$ or $B_c \times d$, and "we can scale each block of S" at no cost. The released
-# kernel (Dao-AILab/flash-attention, `hopper/`, read at commit 0251105) takes `q_descale`,
-# `k_descale`, `v_descale` as float32 arrays of shape `(batch, heads_k)` (`flash_api.cpp`): one
-# per head, the per-tensor case. In it, $q_\text{descale} k_\text{descale}$ is folded into the
-# softmax scale (`flash_fwd_kernel_sm90.h`: `softmax_scale_log2 *= q_descale * k_descale`);
-# the row max is lowered by 8 before `exp2`, "so that the value after exp2 is in the range of
-# [0, 256]. This lets us use more of the FP8 range (instead of just [0, 1]) to reduce underflow"
-# (`softmax.h`), with $\ell$ summed from that fp32 $P$ (the $2^8$ cancels in $\mathrm{acc}/\ell$);
-# $P$ is converted to e4m3 in registers (`convert_type_out(tOrP_acc, tOrP)` in
-# `mainloop_fwd_sm90_tma_gmma_ws.hpp`) for the FP8 $PV$, accumulated in fp32; $v_\text{descale}$
-# multiplies $1/\ell$ at the end (`softmax.finalize(v_descale)`); the output is bfloat16.
+# The paper (Shah et al. 2024, arXiv 2407.08608, Section 3.3) keeps "one scalar per block":
+# $Q$, $K$, $V$ are quantised in blocks of $B_r \times d$ or $B_c \times d$, and "we can scale
+# each block of S" at no cost. The released kernel (Dao-AILab/flash-attention, `hopper/`, read at
+# commit 0251105) takes `q_descale`, `k_descale`, `v_descale` of shape `(batch, heads_k)`
+# (`flash_api.cpp`): one per head, the per-tensor case. $q_\text{descale} k_\text{descale}$ is
+# folded into the softmax scale (`flash_fwd_kernel_sm90.h`); the row max is lowered by 8 before
+# `exp2`, "so that the value after exp2 is in the range of [0, 256]. This lets us use more of the
+# FP8 range (instead of just [0, 1]) to reduce underflow" (`softmax.h`), with $\ell$ summed from
+# that fp32 $P$ (the $2^8$ cancels in $\mathrm{acc}/\ell$); $P$ is converted to e4m3 in
+# registers for the FP8 $PV$ (`mainloop_fwd_sm90_tma_gmma_ws.hpp`), accumulated in fp32;
+# $v_\text{descale}$ multiplies $1/\ell$ at the end; the output is bfloat16.
 #
-# `fp8_attention` does the same with the paper's per-block factors ($V$'s applied to each
-# $P V_j$), tiles of 128. Our descale factors are the smallest powers of two that bring a block
-# within 448, so dividing by one is exact and quantisation's only error is e4m3's rounding
-# (FlashAttention-3 takes any float32 factors). A power-of-two scale moves no significand, so
-# per-block and per-tensor scaling store the same numbers unless a block would leave e4m3's
-# normal range.
+# `fp8_attention` does the same with the paper's per-block factors, tiles of 128. Our descale
+# factors are the smallest powers of two that bring a block within 448, so dividing by one is
+# exact and quantisation's only error is e4m3's rounding (FlashAttention-3 takes any float32
+# factors). A power of two moves no significand, so per-block and per-tensor scaling store the
+# same numbers unless a block would leave e4m3's normal range.
 
 # %%
 BLOCK = 128
@@ -589,14 +442,12 @@ assert n_differ == 0 and flushed["per-block"] == 0 and flushed["per-tensor"] > B
 # %% [markdown]
 # ## FP8 against the rule
 #
-# FlashAttention-3's FP8 test (`hopper/test_flash_attn.py`, `test_flash_attn_output`) keeps this
-# chapter's rule, `(out - out_ref).abs().max() <= rtol * (out_pt - out_ref).abs().max() +
-# fwd_atol` with `rtol = 2`: the inputs are FP8 numbers held in bfloat16, `out_ref` is computed
-# in float32 and `out_pt` in bfloat16 with `intermediate_dtype` e4m3, the weights rounded to
-# bfloat16 and then to e4m3 before $PV$ (`hopper/test_util.py`, `attention_ref`). The rule
-# measures the kernel's arithmetic on FP8 inputs, not the quantisation. Two input sets: the
-# standard normal ones above, and FlashAttention-3's outliers (Section 4.3): every entry
-# $\mathcal N(0, 1)$ plus, for 0.1% of entries, an independent $\mathcal N(0, 100)$ term.
+# FlashAttention-3's FP8 test (`hopper/test_flash_attn.py`, `test_flash_attn_output`) keeps the
+# 2× rule (`rtol = 2`, plus a small `fwd_atol`): the inputs are FP8 numbers held in bfloat16,
+# `out_ref` is computed in float32 and `out_pt` in bfloat16 with the weights rounded to bfloat16
+# and then to e4m3 before $PV$ (`hopper/test_util.py`, `attention_ref`, `intermediate_dtype`).
+# Two input sets: the standard normal ones above, and FlashAttention-3's outliers (Section 4.3):
+# every entry $\mathcal N(0, 1)$ plus, for 0.1% of entries, an independent $\mathcal N(0, 100)$.
 
 # %%
 outlier = [x + fp8_rng.standard_normal(x.shape) * 10 * (fp8_rng.random(x.shape) < 0.001)
@@ -616,33 +467,27 @@ for name, xs in sets.items():
     w = np.exp(s - s.max(axis=-1, keepdims=True))
     zeroed = float((w / w.sum(axis=-1, keepdims=True) < 2.0**-10).mean())
     fp8_rule[name] = (err_ours / err_pt, zeroed)
-    print(f"{name}: FP8 inputs held exactly in bfloat16: {exact}; fp8_attention's error over the "
-          f"reference's: {'below 1' if err_ours < err_pt else 'above 1'}, "
-          f"{'passes' if err_ours <= 2 * err_pt else 'FAILS'}; more than half the reference's "
-          f"weights rounded to 0: {zeroed > 0.5}")
+    print(f"{name}: FP8 inputs held exactly in bfloat16: {exact}; fp8_attention's error below the "
+          f"reference's: {err_ours < err_pt}; over half its weights 0: {zeroed > 0.5}")
     assert exact and err_ours < err_pt and zeroed > 0.5
 
 # %% [markdown]
-# So this bar is loose: the reference loses most of its weights to e4m3's range (88% and 91%
-# here; the kernel's shift of $P$ into $[0, 256]$ is what avoids that), and a kernel could err
-# ten times more than ours and pass (ours: 0.05 and 0.18 of the reference's, on the machine
-# that built this page). What FP8 costs shows against the float64 attention of the inputs
-# *before* quantisation, next to the same inputs rounded to bfloat16 through `flash_lib`.
+# So this bar is loose: the reference loses most of its weights to e4m3's range (the kernel's
+# shift of $P$ into $[0, 256]$ is what avoids that), and a kernel could err several times more
+# than ours and pass. What FP8 costs shows against the float64 attention of the inputs *before*
+# quantisation, next to the same inputs rounded to bfloat16 through `flash_lib`.
 #
 # ## Incoherent processing
 #
 # The paper's second technique (Section 3.3): "we multiply Q and K with a random orthogonal
 # matrix M before quantizing to FP8. Since M is orthogonal, $MM^\top = I$ and so
-# $(QM)(KM)^\top = QK^\top$ [...] This serves to 'spread out' the outliers since each entry of
-# QM or KM is a random sum of entries of Q or K", with $M$ "the product of random diagonal
-# matrices of ±1 and a Hadamard matrix", $O(d \log d)$ to apply. Why it helps even though
-# scaling does not: a score $\sum_c q_c k_c$ from rounded $q_c, k_c$ is off by about
-# $u \sqrt{\sum_c (q_c k_c)^2}$. When a query and a key carry outliers in the same feature, one
-# product dominates and errs by $u$ times itself; rotated, it is spread into $d$ products
-# $d$ times smaller whose errors partly cancel. $V$ is not rotated ($M$ would have to be undone
-# inside $PV$), so its rounding stays. `hadamard` applies $M = DH/\sqrt d$ by the Walsh–Hadamard
-# butterflies: sums, differences and a division by 8, each correctly rounded, so the rotated
-# inputs are the same bits on every machine.
+# $(QM)(KM)^\top = QK^\top$ [...] This serves to 'spread out' the outliers", with $M$ "the
+# product of random diagonal matrices of ±1 and a Hadamard matrix", $O(d \log d)$ to apply. A
+# score from rounded $q_c, k_c$ is off by about $u \sqrt{\sum_c (q_c k_c)^2}$: when a query and
+# a key carry outliers in the same feature one product dominates; rotated, it is spread into $d$
+# products $d$ times smaller whose errors partly cancel. $V$ is not rotated ($M$ would have to be
+# undone inside $PV$). `hadamard` applies $M = DH/\sqrt d$ by the Walsh–Hadamard butterflies,
+# each step correctly rounded, so the rotated inputs are the same bits on every machine.
 
 # %%
 def hadamard(x, signs):
@@ -685,22 +530,10 @@ assert rmse["outliers"]["FP8"] > 1.5 * rmse["outliers"]["FP8, rotated q, k"]
 assert abs(rmse["normal"]["FP8"] / rmse["normal"]["FP8, rotated q, k"] - 1) < 0.1
 
 # %% [markdown]
-# The RMSE of each (left), and how many of the $1024 \times 2048$ scores the quantisation moves
-# by more than a given amount, before and after the rotation (right). Measured: another CPU
-# draws slightly different points.
+# How many of the $1024 \times 2048$ scores quantisation moves by more than a given amount:
 
-# %%
-fig, (ax, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5))
-for i, label in enumerate(["bfloat16", "FP8", "FP8, rotated q, k"]):
-    ax.plot(np.arange(2) + (i - 1) * 0.15, [rmse[n][label] for n in sets], "osD"[i], ms=8,
-            ls="none", color=f"C{i}", label=label)
-ax.set_yscale("log")
-ax.set_xticks(range(2), ["standard normal inputs", "with 0.1% outliers (FA3, Section 4.3)"])
-ax.set_xlim(-0.5, 1.5)
-ax.set_ylabel("RMSE of the output vs float64 (units of V)")
-ax.set_title(f"FP8 forward, $N_q$ = {n_q}, $N_k$ = {n_k}, $d$ = {d}, blocks of {BLOCK}")
-ax.legend(fontsize=8, loc="upper left")
-ax.grid(True, axis="y", which="both", alpha=0.3)
+# %% tags=["hide-input"]
+fig, ax_s = plt.subplots(figsize=(7.5, 4.5))
 thresholds = np.logspace(-4, 1, 101)
 for (name, label), err in score_err.items():
     above = 1 - np.searchsorted(err, thresholds, side="right") / err.size
@@ -708,7 +541,7 @@ for (name, label), err in score_err.items():
                 color="C1" if label == "FP8" else "C2", label=f"{label}, {name}")
 ax_s.set_xlabel("|score error| from e4m3 quantisation (units of the scaled score τ q·k)")
 ax_s.set_ylabel("fraction of scores with a larger error")
-ax_s.set_title("The rotation shortens the tail of the score errors")
+ax_s.set_title(f"The rotation shortens the tail of the score errors ($d$ = {d}, e4m3)")
 ax_s.set_ylim(1 / (n_q * n_k), 1.5)
 ax_s.legend(fontsize=8, loc="lower left")
 ax_s.grid(True, which="major", alpha=0.3)
@@ -716,55 +549,33 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# With outliers the rotation divides the RMSE by about 1.6 here (the largest score error falls
-# from 1.8 to 1.2). FlashAttention-3 reports 2.4e-2 for a per-tensor FP8 baseline and 9.1e-3
-# for its kernel on its own inputs, 2.6× (Section 4.3, Table 3), and in the same table 9.3e-3
-# without block quantisation but 2.4e-2 without incoherent processing: there too the rotation
-# does nearly all the work and the block scales almost none, as the power-of-two argument
-# predicts. Without outliers the rotation changes the RMSE by about 1%. FP8's RMSE is 9 to 16
-# times bfloat16's throughout.
+# With outliers the rotation divides the RMSE by about 1.6 here. FlashAttention-3 reports 2.4e-2
+# for a per-tensor FP8 baseline and 9.1e-3 for its kernel, 2.6× (Section 4.3, Table 3), and
+# 9.3e-3 without block quantisation but 2.4e-2 without incoherent processing: there too the
+# rotation does nearly all the work and the block scales almost none, as the power-of-two
+# argument predicts. Without outliers the rotation changes the RMSE by about 1%.
 
 # %% [markdown]
 # ## What we showed
 #
-# - float16 has $u = 2^{-11} \approx 4.9 \times 10^{-4}$ and overflows past 65504; bfloat16 has
-#   $u = 2^{-7}/2 \approx 3.9 \times 10^{-3}$ and float32's range. `ml_dtypes.finfo` describes
-#   both; `np.finfo` agrees with it for bfloat16 only since ml_dtypes 0.7, which also rounds
-#   float64 to bfloat16 once instead of twice (through float32).
-# - With ml_dtypes' bfloat16, `@` returns float32, `np.dot` returns bfloat16 (and is much slower
-#   on the machine that built this page), `np.einsum` raises `TypeError`, and a plain `sum`
-#   accumulates in bfloat16: 1000 ones sum to 256.
-# - `flash_attention` and `naive_attention` on 16-bit inputs return exactly the float32 result on
-#   the widened inputs, rounded: their error is at most the dtype's $u$ plus the float32
-#   computation's error. In float32 and float64 their error is the computation's own, about ten
-#   $u$ (below $100u$), and flash's is at most twice naive's.
-# - FlashAttention's rule, error $\le 2\times$ that of the same-dtype reference against a float32
-#   reference, holds for both our kernels (ratios below 1: they err less than the same-dtype
-#   reference) and for rounding $P$ before $PV$, and fails for a kernel that keeps its
-#   accumulator in the 16-bit input dtype.
-# - Rounding $P$ to the input dtype adds little to the output's own rounding.
-# - float16 scores overflow to $\infty$ past 65504 (and give NaN), even after scaling; scores near
-#   1000 in float16 carry errors above 5% (about 15% on the machine that built this page).
+# - float16 has $u = 2^{-11}$, overflowing past 65504; bfloat16 $u = 2^{-8}$ and float32's range.
+#   On 16-bit inputs `flash_attention` and `naive_attention` return exactly the float32
+#   result on the widened inputs, rounded: error at most $u$ plus the float32 computation's. In
+#   float32 and float64 it is below $100u$, and flash's is at most twice naive's.
+# - Chapter 7's rule, error $\le 2\times$ the same-dtype reference's against a float32
+#   reference, holds for both our kernels (ratios below 1) and for rounding $P$ before $PV$, which
+#   costs less than the reference's rounding of everything; a 16-bit accumulator fails it.
+# - float16 scores overflow past 65504 (NaN), even after scaling, and near 1000 err by over 5%;
 #   flash_lib, scoring in float32, is exact to the output's rounding in both cases.
-# - FP8: e4m3fn has $u = 2^{-4}$, range to 448 and no infinity; e5m2 $u = 2^{-3}$ and range to
-#   57344. FlashAttention-3's FP8 forward (S in fp32, $P$ shifted into $[0, 256]$ and rounded to
-#   e4m3 before $PV$, fp32 sums, descale factors folded into the scale) passes its own 2× rule
-#   with room to spare, a loose bar whose reference rounds most weights to 0; against float64 its
-#   RMSE is 9 to 16 times bfloat16's. Power-of-two block scales change nothing unless a block
-#   would leave e4m3's range; a Hadamard rotation with random signs of $q$ and $k$ leaves
-#   $qk^\top$ unchanged and, with outlier features, cuts the error by more than 1.5×.
+# - FP8: e4m3fn has $u = 2^{-4}$, range to 448, no infinity; e5m2 $u = 2^{-3}$, range to 57344.
+#   FlashAttention-3's FP8 forward passes the 2× rule against a reference that rounds most
+#   weights to 0; its RMSE is over 5 times bfloat16's. Power-of-two block scales change nothing
+#   unless a block would leave e4m3's range; a Hadamard rotation of $q$ and $k$ cuts the error
+#   by more than 1.5× where there are outlier features.
 
 # %%
-assert np_agrees
-assert differ.sum() > 0 and (err_once < err_twice).all()
-assert float(midpoint_plus.astype(bfloat16)) == 1 + 2**-7
-assert float(midpoint_plus.astype(np.float32).astype(bfloat16)) == 1.0
 assert float(info["float16"].eps) == 2.0**-10 and float(info["bfloat16"].eps) == 2.0**-7
 assert float(info["float16"].max) == 65504 and float(info["bfloat16"].max) > 3e38
-assert matmul_dtype == np.float32 and dot_dtype == bfloat16 and einsum_error is not None
-assert float(sum_bf16) == 256 and float(sum_f32) == 1000 and sum_bf16.dtype == bfloat16
-assert np.exp(a).dtype == bfloat16
-assert matmul_vs_dot <= 1.01 * u_bf16, matmul_vs_dot
 for name in ("float16", "bfloat16"):
     assert outputs[name]["flash"].dtype == dtypes[name] and outputs[name]["naive"].dtype == dtypes[name]
     assert widened_then_rounded[name]

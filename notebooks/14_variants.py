@@ -480,8 +480,9 @@ print(f"lse of attention-gym's form minus ours, by head: "
 # ## What we showed
 #
 # - Each variant is one step of a score, in FlashAttention's order: scale, cap, ALiBi, masks.
-#   flash equals naive, and naive the dense construction, to below $10^{-14}$ (the appendix on
-#   how this tutorial is tested draws the differences measured).
+#   flash equals naive, and naive the dense construction, to below $10^{-14}$
+#   ({doc}`the appendix on how this tutorial is tested <26_how_this_tutorial_is_tested>` draws
+#   the differences measured).
 # - The tiles `tile_schedule` lists are exactly those holding an allowed pair. A (left, 0) window
 #   computes about $N b\,(\lceil \text{left}/b \rceil + 1)$ pairs: 3.95 times the pairs needed
 #   at left = 256 with 512-wide tiles, 1.49 with 128-wide.

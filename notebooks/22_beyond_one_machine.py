@@ -26,8 +26,8 @@
 # level up, here on a `distributed.LocalCluster` of two worker processes. Then flash-decoding,
 # ring attention forward and backward, a training step, what changes on GPUs, and a worker
 # killed mid-computation. The cluster runs on this machine (TCP on 127.0.0.1); the same graph
-# runs unchanged on many. Its settings and its speed against one process are in the appendix on
-# how this tutorial is tested.
+# runs unchanged on many. Its settings and its speed against one process are in
+# {doc}`the appendix on how this tutorial is tested <26_how_this_tutorial_is_tested>`.
 
 # %%
 import collections
@@ -53,7 +53,8 @@ d = 64
 # Two worker processes of one thread each: shards run side by side in separate processes, each
 # worker running `flash_lib` on one thread (`FLASH_LIB_THREADS=1`, set before it starts), so a
 # worker is one core; the scheduler runs in this notebook's process. (The other two settings
-# keep glibc's adaptive memory trimming and the workers' logs off this page: see the appendix.)
+# keep glibc's adaptive memory trimming and the workers' logs off this page: see
+# {doc}`the appendix <26_how_this_tutorial_is_tested>`.)
 
 # %%
 logging.getLogger("distributed").setLevel(logging.ERROR)
