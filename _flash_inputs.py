@@ -111,15 +111,14 @@ class Problem:
             out = out[..., : stop - start, :]
         return np.multiply(q, dtype.type(self.scale_q), dtype=dtype, out=out)
 
-    def k_tile(self, start, stop, dtype=None, unit=1.0):
-        """``τ_k · unit · k`` for keys ``start:stop``: ``unit`` is log2(e) for base-2 scores (one
-        multiply: τ_k is a power of two, so this is ``(τ_k k)·log2(e)`` bit for bit)."""
+    def k_tile(self, start, stop, dtype=None):
+        """``τ_k · k`` for keys ``start:stop`` (τ_k a power of two: exact). Base-2 scores get
+        log2(e) on the product, never here (``_flash_tiles.tile_scores``)."""
         dtype = self.dtype if dtype is None else dtype
-        if self.scale_k * unit == 1:
+        if self.scale_k == 1:
             return self.k[..., start:stop, :].astype(dtype, copy=False)
         # a k shared by every head is scaled once, not once per head
-        return np.multiply(self.k_stored[..., start:stop, :], dtype.type(self.scale_k * unit),
-                           dtype=dtype)
+        return np.multiply(self.k_stored[..., start:stop, :], dtype.type(self.scale_k), dtype=dtype)
 
     def v_tile(self, start, stop, dtype=None):
         return self.v[..., start:stop, :].astype(self.dtype if dtype is None else dtype, copy=False)

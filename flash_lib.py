@@ -173,11 +173,16 @@ def _finalize(acc, l, m, exp=np.exp):
     """
     empty = l == 0
     out = acc / np.where(empty, 1, l)[..., None]
+    if exp is np.exp2:  # back to natural units in float64 (one per row): rounded once, as in base e
+        wide = np.result_type(l, np.float64)
+        lse = np.full_like(l, -np.inf, dtype=wide)
+        np.log2(l, out=lse, where=~empty, dtype=wide)
+        lse += m
+        lse *= LN2
+        return out, lse.astype(l.dtype)
     lse = np.full_like(l, -np.inf)
-    (np.log2 if exp is np.exp2 else np.log)(l, out=lse, where=~empty)
+    np.log(l, out=lse, where=~empty)
     lse += m
-    if exp is np.exp2:
-        lse *= LN2  # back to natural units: one multiply per row
     return out, lse
 
 
@@ -434,8 +439,10 @@ def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=
     hold P ∘ Z (with dropout), then dP and dS (the kernel reuses one per worker: a fresh 2 MiB
     tile each time can cost its page faults again), or None.
     ``exp``: ``np.exp``, or ``np.exp2`` with S_ij and lse_i in base-2 units (multiplied by
-    log2(e)), S_ij then computed from ``k_scores`` = log2(e)·K_j (scaled), while dQ's share
-    uses ``k``. By default ``k_scores`` is ``k``.
+    log2(e)): ``scores`` then returns S_ij·log2(e) (the kernel's multiplies the product, as
+    FlashAttention does), or, without ``scores``, S_ij is computed from ``k_scores`` (log2(e)
+    folded into the keys, one more rounding per key element) while dQ's share uses ``k``. By
+    default ``k_scores`` is ``k``.
     """
     matmul = matmul or (lambda a, b, which: a @ b)
     k_scores = k if k_scores is None else k_scores
@@ -540,13 +547,20 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
     for q_start, q_stop in tiles.blocks(n_q, block_q):
         rows = slice(q_start, q_stop)
         dout_rows = dout[..., rows, :].astype(dtype, copy=False)
-        D[..., rows] = np.einsum("...c,...c->...", dout_rows, out[..., rows, :].astype(dtype, copy=False))
+        # NumPy's sum over the last, contiguous axis is pairwise (einsum's loop is not): float32
+        # error 1.9-2.1x smaller at d = 224-256, random rows (tests/test_fa_rule.py measures D)
+        with np.errstate(over="ignore", invalid="ignore"):  # inf or NaN: as IEEE says, unwarned
+            D[..., rows] = np.multiply(dout_rows, out[..., rows, :].astype(dtype, copy=False)).sum(
+                axis=-1)
         # An inf in dO_i makes every allowed dS_ij NaN in the dense chain (dP_ij - rowsum(P ∘ dP)
         # is inf - inf or NaN there); dO_i·O_i is ±inf instead, and dP_ij - D_i could be ±inf.
         D[..., rows] = np.where(np.isfinite(dout_rows).all(axis=-1), D[..., rows], np.nan)
     lse = np.where(lse == -np.inf, np.inf, lse).astype(dtype, copy=False)
-    # P = e^(S - lse), or 2^(S·log2 e - lse·log2 e): the forward's exponential, the same scores
-    exp, unit = problem.base(exponential(dtype))
+    # P = e^(S - lse), in base e whatever the forward's base: base 2 would round each P's exponent
+    # twice more (S·log2 e and lse·log2 e, each of the size of S or lse, where base e rounds only
+    # S - lse), which measured took float32 dk past FlashAttention's own 2× rule
+    # (tests/test_fa_rule.py), for 1.6% of the backward's time (bench/RESULTS.md, 2026-12-02)
+    exp, unit = np.exp, 1.0
     dq = np.zeros(problem.q.shape, dtype)  # the shares Σ_j dS_ij K_j, times τ_q at the end
     dk = np.zeros(problem.k.shape, problem.k.dtype)
     dv = np.zeros(problem.v.shape, problem.v.dtype)
@@ -589,9 +603,7 @@ def attention_backward_block(problem, key_block, cancelled, *, block_q, block_k,
     j = k_start // block_k
     dq, dk, dv = grads
     dtype, batch = problem.dtype, problem.batch
-    k_j = problem.k_tile(k_start, k_stop)  # τ_k K_j, for dQ's shares
-    # τ_k·log2(e)·K_j in base 2, for S
-    k_s = problem.k_tile(k_start, k_stop, unit=unit) if unit != 1 else k_j
+    k_j = problem.k_tile(k_start, k_stop)  # τ_k K_j, for S and dQ's shares
     v_j = problem.v_tile(k_start, k_stop)
     dk_j = np.zeros(batch + k_j.shape[-2:], dtype)
     dv_j = np.zeros(batch + v_j.shape[-2:], dtype)
@@ -610,7 +622,7 @@ def attention_backward_block(problem, key_block, cancelled, *, block_q, block_k,
                 lse=lse[..., rows] * dtype.type(unit), D=D[..., rows], dk=dk_j, dv=dv_j,
                 allowed=tile.allowed, matmul=tile.backward_matmul(dout, products),
                 scores=functools.partial(tile.scores_of, out=s_buf, grad=True),
-                dropout=tile.dropout(), dp_buffer=dp_buf, exp=exp, k_scores=k_s)
+                dropout=tile.dropout(), dp_buffer=dp_buf, exp=exp)
             share = sum_to(share, dq.shape[:-2] + share.shape[-2:])
         with turns.turn(i, j, cancelled) as mine:  # dQ_i += dS_ij K_j, in key-block order
             if not mine:
