@@ -109,10 +109,7 @@ def tile_scores(problem, q, k, q_start, q_stop, k_start, k_stop, out=None, grad=
 
     ``q``, ``k``: the tile's scaled queries and keys. With ``grad=True`` also returns
     ``dS_capped / dS = 1 - tanh²(S / softcap)`` (None without softcap), which the backward needs.
-    ``unit``: log2(e) for base-2 scores: the product ``S`` is multiplied by it after the matmul, as
-    FlashAttention multiplies its float32 ``QKᵀ`` by ``softmax_scale_log2`` (one rounding per
-    score, never one per key element); with softcap ``unit`` rides on the cap's final multiply
-    (FlashAttention's ``softcap·log2(e)``), and on the slopes.
+    ``unit``: log2(e) when ``k`` carries it (base-2 scores): the cap and the slopes carry it too.
     """
     if out is None:  # the whole batch, as the forward's buffer: v, mask may add batch dims
         out = np.empty(problem.batch + (q_stop - q_start, k_stop - k_start), np.result_type(q, k))
@@ -122,12 +119,11 @@ def tile_scores(problem, q, k, q_start, q_stop, k_start, k_stop, out=None, grad=
         s = np.matmul(q, np.swapaxes(k, -1, -2), out=out)
     slope = None
     if problem.softcap is not None:
+        cap = s.dtype.type(problem.softcap * unit)
         with np.errstate(over="ignore"):  # |s / c| beyond the dtype is ±inf, and tanh(±inf) = ±1
-            t = np.tanh(np.divide(s, s.dtype.type(problem.softcap), out=s), out=s)  # tanh(s / c)
+            t = np.tanh(np.divide(s, cap, out=s), out=s)  # t = tanh(s / c)
         slope = 1 - t * t if grad else None
-        np.multiply(t, s.dtype.type(problem.softcap * unit), out=s)  # s ← c·tanh(s / c) (· unit)
-    elif unit != 1:
-        s *= s.dtype.type(unit)  # S·log2(e): base-2 units, one rounding per score
+        np.multiply(t, cap, out=s)  # s ← c·tanh(s / c)
     if problem.alibi is not None:
         i = np.arange(q_start, q_stop)[:, None] + (problem.n_k - problem.n_q)
         distance = np.abs(i - np.arange(k_start, k_stop)[None, :]).astype(s.dtype)
@@ -170,11 +166,11 @@ class Tile:
     def scores(self, q, out=None):
         """``S_ij = τ Q_i K_jᵀ`` (times ``unit``) with softcap and ALiBi; ``q`` is ``τ_q Q_i``;
         into ``out``, a buffer of the block's rows and at least the tile's keys."""
-        k = self.problem.k_tile(self.k_start, self.k_stop)
+        k = self.problem.k_tile(self.k_start, self.k_stop, unit=self.unit)
         return self.scores_of(q, k, out=out)
 
     def scores_of(self, q, k, out=None, grad=False):
-        """:meth:`scores` given the tile's keys ``k`` (``τ_k·K_j``) already scaled; with
+        """:meth:`scores` given the tile's keys ``k`` (``τ_k·unit·K_j``) already scaled; with
         ``grad=True`` also softcap's slope (:func:`tile_scores`)."""
         if out is not None:
             out = out[..., : self.k_stop - self.k_start]
