@@ -21,12 +21,14 @@ multiplies the score and the maximum by ``τ·log2(e)`` (``csrc/flash_attn/src/s
 kernel; the kernels here multiply the difference ``x = s - m`` (forward) or ``s - lse``
 (backward) instead, and keep the scores, ``m`` and the lse in nats, so the forward and the
 backward compute the same ``S`` and the lse the backward reads is the one the forward's rows
-summed to. Its cost in precision: ``x`` is rounded twice more (the product by ``log2 e``, and
-``log2 e`` itself), ``|δx| <= 2u|x|`` on top of base e's, relative to the exponent, never to the
-score; within the derived bound of chapter 7 (``γ_{d+4}`` for ``γ_{d+2}``, since ``|x| <= 2
-max|S|``). Folding ``log2 e`` into the keys, or into the scores (FlashAttention's place) and the
-lse, rounds ``S`` and the lse at their own size, which took float32 gradients past
-FlashAttention's own acceptance rule (``tests/test_fa_rule.py``).
+summed to. Its cost in precision, derived: ``x`` is rounded twice more (``log2 e`` to the dtype,
+and the product), ``|δx| <= 2u|x|`` on top of base e's, relative to the exponent, never to the
+score. With ``|x| = |s - m| <= 2μ`` (``μ`` chapter 7's magnitude, ``|s| <= μ``) a weight's
+relative error grows from ``2γ_{d+2}μ`` to at most ``2γ_{d+2}μ + 4uμ <= 2γ_{d+4}μ``: chapter 7's
+bound with ``γ_{d+4}`` for ``γ_{d+2}`` (``s - lse`` adds ``log Nk`` to ``|x|``, a term ``u log Nk``).
+Folding ``log2 e`` into the keys, or into the scores (FlashAttention's place) and the lse, rounds
+``S`` and the lse at their own size, which took float32 gradients past FlashAttention's own
+acceptance rule (``tests/test_fa_rule.py``).
 
 =========== ===============================================================================
 ``Nq, Nk``  number of queries, number of keys
@@ -332,7 +334,8 @@ def attention_forward_block(problem, query_block, cancelled, *, block_k, exp, un
     :func:`flash_attention` runs it on its worker threads, one query block each: ``problem`` is
     its checked problem (``_flash_inputs.Problem``), ``query_block`` is ``(q_start, q_stop)``,
     ``cancelled`` an event that stops the loop before its next tile, ``exp`` and ``unit`` the
-    call's exponential and the scores' unit (1, or log2(e) in base 2). Every extra of a tile (its
+    call's exponential and the scores' unit (:func:`flash_attention` passes ``np.exp`` or
+    :func:`exp_as_exp2` and 1: scores in nats; log2(e) with ``np.exp2``). Every extra of a tile (its
     allowed pairs, the masked-key product, the dropout keep mask) is behind ``tile``
     (``_flash_tiles.Tile``), so what is left is the box. ``threshold``: FA4's conditional
     rescaling, in the scores' units (:func:`online_softmax_update`).
