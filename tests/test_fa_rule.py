@@ -48,7 +48,8 @@ HEADS = {"mha": (6, 6), "gqa": (6, 2), "mqa": (6, 1)}
 HEAD_DIMS = (32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256)
 SEQLENS = ((1, 147), (1, 239), (3, 799), (113, 203), (128, 217), (113, 211), (108, 256),
            (127, 512), (127, 513), (256, 512), (512, 256))
-#: the issue's case: float32 dk 2.98e-7 against 2.38e-7 allowed, base 2 with log2(e) in the keys
+#: the issue's case (its draw gave base-2 dk 2.98e-7 against 2.38e-7 allowed, log2(e) in the keys;
+#: this seeded draw of it is within the rule on main too: dk 0.58 of what it allows)
 ISSUE_CASE = dict(seed=0, batch=4, heads="mqa", n_q=3, n_k=799, d=96, causal=False,
                   window=(477, 448), alibi=False, softcap=0.0, sinks=False, dropout_p=0.0)
 GRADS = ("out", "dq", "dk", "dv")
