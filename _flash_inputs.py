@@ -132,39 +132,11 @@ class Problem:
                             for n, st in zip(self.k.shape[:-2], self.k.strides))]
 
     @functools.cached_property
-    def score_bound(self):
-        """An upper bound on every ``|S_ij|`` after the variants (a Python float, inf when there
-        is none: inf or NaN inputs, or a bound beyond float64). No dot product of ``d`` terms
-        exceeds ``d · max|τ_q q| · max|τ_k k|``; softcap caps it at ``softcap``; ALiBi adds at
-        most ``max|slope| · (max(Nq, Nk) - 1)``. Over the finite entries only: an inf or NaN
-        gives the same inf or NaN scores in base e and in base 2, so it must not change the base
-        of the other rows (a NaN in row ``i`` leaves every other row's bits as they were)."""
-        bound = self.softcap if self.softcap is not None else self.product_bound
-        if self.alibi is not None:
-            bound += largest_finite(self.alibi) * max(self.n_q - 1, self.n_k - 1, 0)
-        return bound if math.isfinite(bound) else math.inf
-
-    @functools.cached_property
     def product_bound(self):
         """An upper bound on every ``|τ q·k|``, the scores before the variants: ``d · max|τ_q q| ·
         max|τ_k k|`` over the finite entries (a Python float; inf beyond float64)."""
         return (self.q.shape[-1] * (largest_finite(self.q) * self.scale_q)
                 * (largest_finite(self.k) * self.scale_k))
-
-    def base(self, exp):
-        """The call's exponential and the unit of its scores, ``(exp, unit)``: ``exp`` is the
-        machine's choice for the compute dtype (``flash_lib.exponential``); ``unit`` is what the
-        scores are multiplied by for it, 1 for ``np.exp``, log2(e) for ``np.exp2``. Base e
-        instead where a base-2 score could overflow and the natural one does not: the largest
-        ``|S|`` (:attr:`score_bound`, or a sink) times log2(e) beyond half the dtype's range
-        (room for the scores' rounding beyond the exact bound)."""
-        if exp is np.exp2:
-            largest = self.score_bound
-            if self.sinks is not None:
-                largest = max(largest, float(np.abs(self.sinks).max()))
-            if not largest * LOG2E < 0.5 * float(np.finfo(self.dtype).max):
-                exp = np.exp
-        return exp, (LOG2E if exp is np.exp2 else 1.0)
 
     def mask_mod_tile(self, q_start, q_stop, k_start, k_stop):
         """``mask_mod`` on one tile, checked, with its head axis split for grouped queries."""

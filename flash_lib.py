@@ -15,10 +15,20 @@ backward (:func:`flash_attention_backward`, FlashAttention-2's) recomputes each 
 ``P = exp(S - lse)`` and needs ``D = rowsum(dout ∘ out)`` (:func:`attention_backward_tile`).
 
 Where NumPy computes ``2^x`` faster than ``e^x`` (its AVX-512 loops: :func:`exponential`), the
-kernels work in base 2, as FlashAttention does on a GPU: ``log2(e)`` is folded into the keys'
-scale, so the scores come out as ``S·log2(e)`` and ``e^(s - m) = 2^(s·log2 e - m·log2 e)``;
-``m`` and the tile's ``lse`` are then in base-2 units, and the returned lse is converted back
-with one multiply per row (``lse = (m + log2 l) · ln 2``).
+kernels compute every ``e^x`` as ``2^(x·log2 e)``, as FlashAttention does on a GPU. FlashAttention
+multiplies the score and the maximum by ``τ·log2(e)`` (``csrc/flash_attn/src/softmax.h``,
+``scale_apply_exp2``: ``exp2f(s·scale - max·scale)``) and keeps its lse in base 2 inside the
+kernel; the kernels here multiply the difference ``x = s - m`` (forward) or ``s - lse``
+(backward) instead, and keep the scores, ``m`` and the lse in nats, so the forward and the
+backward compute the same ``S`` and the lse the backward reads is the one the forward's rows
+summed to. Its cost in precision, derived: ``x`` is rounded twice more (``log2 e`` to the dtype,
+and the product), ``|δx| <= 2u|x|`` on top of base e's, relative to the exponent, never to the
+score. With ``|x| = |s - m| <= 2μ`` (``μ`` chapter 7's magnitude, ``|s| <= μ``) a weight's
+relative error grows from ``2γ_{d+2}μ`` to at most ``2γ_{d+2}μ + 4uμ <= 2γ_{d+4}μ``: chapter 7's
+bound with ``γ_{d+4}`` for ``γ_{d+2}`` (``s - lse`` adds ``log Nk`` to ``|x|``, a term ``u log Nk``).
+Folding ``log2 e`` into the keys, or into the scores (FlashAttention's place) and the lse, rounds
+``S`` and the lse at their own size, which took float32 gradients past FlashAttention's own
+acceptance rule (``tests/test_fa_rule.py``).
 
 =========== ===============================================================================
 ``Nq, Nk``  number of queries, number of keys
@@ -28,7 +38,7 @@ with one multiply per row (``lse = (m + log2 l) · ln 2``).
 ``m``       running row maximum of the scaled, masked scores
 ``l``       running row sum of ``exp(s - m)``
 ``lse``     log-sum-exp of a row's scaled, masked scores: ``m + log(l)`` (natural log)
-``unit``    what the kernels' scores are multiplied by: 1 (base e), or ``log2(e)`` (base 2)
+``unit``    what the scores are multiplied by: 1 in the kernels (``log2(e)`` for a caller's base-2 loop)
 ``D``       ``rowsum(dout ∘ out)`` per query row, in the backward: ``Σ_j P_ij dP_ij``
 =========== ===============================================================================
 
@@ -48,9 +58,8 @@ Contracts, the same in every kernel here (README.md and the chapters say why and
 * Threads (:func:`threads`, ``FLASH_LIB_THREADS``) and BLAS held at one thread: the same bits
   on any number of threads, from any calling thread; Ctrl-C stops a call within about a tile.
 * The exponential (:func:`exponential`; ``FLASH_LIB_EXP``, :func:`use_exponential`) is one per
-  compute dtype and machine, chosen from the loops NumPy dispatches to, never from a timing; a
-  call whose base-2 scores could overflow where the natural ones do not (``|S|`` beyond
-  ``max / log2(e)``) uses ``e``.
+  compute dtype and machine, chosen from the loops NumPy dispatches to, never from a timing; in
+  either base the scores, the maxima and the lse are in nats (``e^x`` as ``2^(x·log2 e)``).
 * The same bits in any memory layout: an input not in C order is copied to it once per call
   (axes broadcast with stride 0 stay views), since BLAS and NumPy pick kernels by strides.
 * float16 and bfloat16 (``ml_dtypes``) compute in float32; without ml_dtypes bfloat16 is refused.
@@ -86,6 +95,7 @@ __all__ = [
     "DEFAULT_BLOCK_K",
     "exponential",
     "use_exponential",
+    "exp_as_exp2",
     "online_softmax_update",
     "flash_attention",
     "attention_forward_block",
@@ -135,9 +145,10 @@ def online_softmax_update(m, l, acc, s, v, matmul=np.matmul, exp=np.exp, thresho
     m, l: (..., rows); acc: (..., rows, dv); v: the tile's values, (..., keys, dv);
     s: the tile's scaled scores, (..., rows, keys), -inf where a pair is not allowed;
     s is overwritten with p. ``matmul(p, v)`` is ``p @ v``: the kernel passes one that
-    reuses a buffer and keeps masked keys out (``_matmul_allowed``). ``exp``: ``np.exp``, or
-    ``np.exp2`` when ``s`` and ``m`` are in base-2 units (multiplied by log2(e)); the kernel
-    passes :func:`exponential`'s choice. Below, e^x is ``exp`` in either base.
+    reuses a buffer and keeps masked keys out (``_matmul_allowed``). ``exp``: ``np.exp`` or
+    :func:`exp_as_exp2` (the kernel's, by :func:`exponential`'s choice: ``s``, ``m`` in nats),
+    or ``np.exp2`` when ``s`` and ``m`` are in base-2 units (multiplied by log2(e)). Below, e^x
+    is ``exp`` in either base.
     ``threshold`` (in the units of ``s``): FA4's conditional rescaling, a row's finite ``m`` moves
     only when the tile's maximum exceeds it by more than ``threshold``; ``p`` is then at most
     ``e^threshold`` and the final ``acc / l`` is the same quotient.
@@ -162,6 +173,23 @@ def online_softmax_update(m, l, acc, s, v, matmul=np.matmul, exp=np.exp, thresho
     acc *= alpha[..., None]
     acc += matmul(p, v)
     m[...] = m_new
+
+
+def exp_as_exp2(x, out=None):
+    """``e^x`` computed as ``2^(x·log2 e)``, ``x`` an array in nats: what the kernels use for ``e^x``
+    where :func:`exponential` is ``np.exp2``. ``log2 e`` is rounded to ``x``'s dtype and the
+    product once more, so ``x`` errs by at most ``2u|x|`` more than in base e, relative to the
+    exponent itself (``s - m`` or ``s - lse``, never the score's size). A product beyond the
+    dtype is ``-inf`` (``2^-inf = 0``, as ``e^x`` underflows there), without a warning."""
+    with np.errstate(over="ignore"):
+        x2 = np.multiply(x, x.dtype.type(LOG2E), out=out)
+    return np.exp2(x2, out=x2)
+
+
+def _kernel_exp(dtype):
+    """The kernels' ``e^x`` for ``dtype``: ``np.exp``, or :func:`exp_as_exp2` where
+    :func:`exponential` (this machine's choice, or ``use_exponential``'s) is ``np.exp2``."""
+    return exp_as_exp2 if exponential(dtype) is np.exp2 else np.exp
 
 
 def _finalize(acc, l, m, exp=np.exp):
@@ -285,10 +313,10 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
     out = np.zeros(problem.batch + (problem.n_q, problem.dv), dtype=problem.out_dtype)
     # Not allocated unless asked for: it would be O(Nq) scratch.
     lse = np.full(problem.batch + (problem.n_q,), -np.inf, problem.dtype) if return_lse else None
-    # e^x, or 2^x with the scores in base-2 units: log2(e) rides on the keys' scale τ_k
-    exp, unit = problem.base(exponential(problem.dtype))
-    if threshold is not None:  # base-2 units, as FA4; in base e the scores' units are ln 2 larger
-        threshold = threshold if exp is np.exp2 else threshold * LN2
+    # e^x, by np.exp or as 2^(x·log2 e): the scores, m and the lse in nats either way
+    exp, unit = _kernel_exp(problem.dtype), 1.0
+    if threshold is not None:  # given in base-2 units, as FA4; the scores' nats are ln 2 larger
+        threshold = threshold * LN2
     block = functools.partial(attention_forward_block, problem, block_k=block_k, exp=exp,
                               unit=unit, out=out, lse=lse, threshold=threshold)
     with _runtime.ieee_quiet():  # the workers inherit it
@@ -306,7 +334,8 @@ def attention_forward_block(problem, query_block, cancelled, *, block_k, exp, un
     :func:`flash_attention` runs it on its worker threads, one query block each: ``problem`` is
     its checked problem (``_flash_inputs.Problem``), ``query_block`` is ``(q_start, q_stop)``,
     ``cancelled`` an event that stops the loop before its next tile, ``exp`` and ``unit`` the
-    call's exponential and the scores' unit (1, or log2(e) in base 2). Every extra of a tile (its
+    call's exponential and the scores' unit (:func:`flash_attention` passes ``np.exp`` or
+    :func:`exp_as_exp2` and 1: scores in nats; log2(e) with ``np.exp2``). Every extra of a tile (its
     allowed pairs, the masked-key product, the dropout keep mask) is behind ``tile``
     (``_flash_tiles.Tile``), so what is left is the box. ``threshold``: FA4's conditional
     rescaling, in the scores' units (:func:`online_softmax_update`).
@@ -540,13 +569,17 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
     for q_start, q_stop in tiles.blocks(n_q, block_q):
         rows = slice(q_start, q_stop)
         dout_rows = dout[..., rows, :].astype(dtype, copy=False)
-        D[..., rows] = np.einsum("...c,...c->...", dout_rows, out[..., rows, :].astype(dtype, copy=False))
+        # NumPy's sum over the last, contiguous axis is pairwise (einsum's loop is not): float32
+        # RMS error 0.6 of einsum's at dv = 256, the largest about half (tests/test_fa_rule.py)
+        with np.errstate(over="ignore", invalid="ignore"):  # inf or NaN: as IEEE says, unwarned
+            D[..., rows] = np.multiply(dout_rows, out[..., rows, :].astype(dtype, copy=False)).sum(
+                axis=-1)
         # An inf in dO_i makes every allowed dS_ij NaN in the dense chain (dP_ij - rowsum(P ∘ dP)
         # is inf - inf or NaN there); dO_i·O_i is ±inf instead, and dP_ij - D_i could be ±inf.
         D[..., rows] = np.where(np.isfinite(dout_rows).all(axis=-1), D[..., rows], np.nan)
     lse = np.where(lse == -np.inf, np.inf, lse).astype(dtype, copy=False)
-    # P = e^(S - lse), or 2^(S·log2 e - lse·log2 e): the forward's exponential, the same scores
-    exp, unit = problem.base(exponential(dtype))
+    # P = e^(S - lse), by the forward's exponential, from the forward's scores and lse in nats
+    exp, unit = _kernel_exp(dtype), 1.0
     dq = np.zeros(problem.q.shape, dtype)  # the shares Σ_j dS_ij K_j, times τ_q at the end
     dk = np.zeros(problem.k.shape, problem.k.dtype)
     dv = np.zeros(problem.v.shape, problem.v.dtype)

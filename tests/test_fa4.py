@@ -114,7 +114,10 @@ def test_threshold_agrees_with_dense(threshold, dtype):
                                    rescale_threshold=threshold, causal=True)
         ref, ref_lse = naive_attention(*(a.astype(np.float64) for a in (q, k, v)), causal=True,
                                        return_lse=True)
-        tol = 1e-12 if dtype == np.float64 else 2e-6
+        # growing()'s scores reach |S| ≈ 70, so float32's error is about u·70 ≈ 4e-6 in either
+        # base (chapter 7's law; base e measured 2.1e-6 · max|v| here): 2e-6 held only for the
+        # keys' folded log2(e), which issue 33 removed
+        tol = 1e-12 if dtype == np.float64 else 8e-6
         assert np.max(np.abs(out - ref)) <= tol * np.max(np.abs(v))
         assert np.max(np.abs(lse - ref_lse)) <= tol * np.max(np.abs(ref_lse))
 
