@@ -190,9 +190,13 @@ for name, (e_out, e_lse) in scratch_errors.items():
 # $\text{lse} = (Lm + \log_2 l) \ln 2$. $l$ and $\text{acc}$ are the same numbers in either
 # base. Why: a GPU's special function unit computes $2^x$ (`ex2.approx`), so FlashAttention works
 # in base 2, folding $L$ into the scale it multiplies by anyway
-# ({doc}`chapter 16 <16_on_a_gpu>`). flash_lib can run either;
-# `flash_lib.use_exponential("exp" or "exp2")` forces one (which it picks on a CPU, and why, is
-# in the {doc}`appendix on how this tutorial is tested <26_how_this_tutorial_is_tested>`).
+# ({doc}`chapter 16 <16_on_a_gpu>`). flash_lib, where NumPy's `exp2` is the faster, keeps its
+# scores, $m$ and lse in nats and computes each $e^x$ as $2^{Lx}$ with $x = s - m$
+# (`flash_lib.exp_as_exp2`): one multiply per exponent more, but its rounding is then relative to
+# $s - m$, not to the score, which keeps flash_lib within FlashAttention's own 2× rule where
+# scaling the scores did not (`tests/test_fa_rule.py`). `flash_lib.use_exponential("exp" or
+# "exp2")` forces one (which it picks on a CPU, and why, is in the
+# {doc}`appendix on how this tutorial is tested <26_how_this_tutorial_is_tested>`).
 # {doc}`Chapter 7 <07_exactness>` measures what base 2's extra roundings cost. The cell runs the
 # from-scratch forward in base 2 against `flash_attention` in each base.
 

@@ -194,8 +194,8 @@ for dt in (np.float64, np.float32):
 #    err by up to 2.52 ulp (numpy pull request 13134; the
 #    {doc}`appendix on testing <26_how_this_tutorial_is_tested>` measures the installed NumPy).
 # 6. **In base 2** ({doc}`chapter 5 <05_tiling>`; flash_lib's float32 where NumPy's `exp2` is
-#    the faster), the keys are multiplied by $\tau_k \log_2 e$, with $\log_2 e$ itself rounded:
-#    two more roundings of each score, $\gamma_{d+4}$ for $\gamma_{d+2}$ in step 1 (the
+#    the faster), each exponent $x = s - m$ is multiplied by $\log_2 e$, itself rounded: two more
+#    roundings, at most $2u|x| \le 4u\mu_i$, so $\gamma_{d+4}$ for $\gamma_{d+2}$ in step 1 (the
 #    {doc}`appendix on testing <26_how_this_tutorial_is_tested>` compares the bases row by row).
 #
 # Dividing by the row's size $\max_c |o_{ic}|$, with $\kappa_i = \max|v| / \max_c |o_{ic}|$:

@@ -339,7 +339,7 @@ def backward_loop(q, k, v, out, lse, dout, block_q, block_k, D=None, reverse_dq=
     n_q, n_k = q.shape[-2], k.shape[-2]
     tau = 1 / np.sqrt(q.shape[-1])  # a power of two here: on q alone it gives flash_lib's bits
     if D is None:  # D_i = rowsum(dO_i ∘ O_i), once per row
-        D = np.concatenate([np.einsum("...c,...c->...", dout[i:i + block_q], out[i:i + block_q])
+        D = np.concatenate([np.sum(dout[i:i + block_q] * out[i:i + block_q], axis=-1)  # pairwise
                             for i in range(0, n_q, block_q)])
     lse = np.where(lse == -np.inf, np.inf, lse)  # the empty-row guard (below)
     shares = {}

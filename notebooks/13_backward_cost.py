@@ -311,8 +311,7 @@ print(f"kept for the backward at N = 4096: O and P {naive_kept[-1] / 2**20:.0f} 
       f"{naive_kept[-1] / flash_kept[at_4096]:.0f} times less")
 print(f"naive backward holds {n_by_n:.1f} N×N float32 arrays at N = 4096; "
       f"grows as N^{slope_naive:.1f}")
-# (the MiB themselves move by a few hundredths with the kernel's exponential: base 2 scales one
-# more key block; the figure draws them)
+# (the MiB themselves are this machine's, within a few hundredths; the figure draws them)
 print(f"flash backward holds under 1 MiB at every N from 256 to 8192: {flash_held.max() < 2**20}; "
       f"without D and the lse (8 bytes per row), largest / smallest = "
       f"{tiles_part.max() / tiles_part.min():.2f}")

@@ -251,8 +251,8 @@ for dtype in (np.float32, np.float16):
 # mathematics, not an approximation. Per tile that removes one multiply per score, and the lse
 # costs one multiply by $\ln 2$ per *row* at the very end. Forgetting it (chapter 23's
 # `lse_base2` bug) returns every lse times $1 / \ln 2$, which the lse check above fails by far
-# more than its bound. flash_lib does the same on a CPU where NumPy's `exp2` is faster than its
-# `exp` ({doc}`chapter 5 <05_tiling>`).
+# more than its bound. flash_lib uses `exp2` where NumPy's is faster, but multiplies each exponent
+# $s - m$ by $\log_2 e$ instead, which costs less precision ({doc}`chapter 5 <05_tiling>`).
 #
 # ## Causal: tiles skipped, the diagonal masked
 #
