@@ -1,26 +1,42 @@
-<!--
-Material moved out of chapters 1-6 by issue 35 (the third pass), to be pasted into
-notebooks/26_how_this_tutorial_is_tested.py, in the format of _appendix_from_later_chapters.md.
-Each "###" below is one or two cells: prose as a markdown cell, each ```python block as a code
-cell with the tags named above it. Each section's code is self-contained (its own imports and
-inputs): its blocks run, in order, in a fresh interpreter. Where the chapters link here they say
-"the appendix on how this tutorial is tested".
--->
+# ---
+# jupyter:
+#   jupytext:
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
 
-### Rounding against the derived bounds: the online state and the merges (chapters 2 and 3)
+# %% [markdown]
+# # 26. Appendix A: how chapters 1–6 are tested
+#
+# Chapters 1–6 hold each rounding-level difference they meet to a bound they derive, and print
+# only whether it holds: `make test` runs every chapter under nbval, which compares each cell's
+# output with the stored one, and a difference's last bits are the CPU's. This appendix gathers
+# the evidence behind those bounds, measured on the machine that built this page, and the rule by
+# which `flash_lib` picks base e or base 2 on a CPU. What depends on the machine is in the
+# figures; the printed outputs say only whether each bound holds.
+# {doc}`Appendix B <27_how_chapters_7_to_25_are_tested>` does the same for chapters 7–25, and says
+# what on a machine decides those last bits.
 
-Chapters 2 and 3 derive a bound for each rounding-level difference they meet (the online $l$
-against its definition and against two passes, within $4t$ machine epsilons after $t$ scores;
-a merged $l$ within the block sums' 20 epsilons each plus 3 per merge; `flash_lib`'s weights and
-lse against the online state; merged partial outputs within $10^{-14}$, their lse within
-$10^{-13}$ nats) and print only whether each difference is under it, because its last bits are
-the CPU's: which exp and sum loops NumPy picked, which matrix kernel OpenBLAS did, and the
-platform's `math.exp`. This is the evidence: the differences measured on the machine that built
-this page, a dot each, with the chapter's bound. An exact 0 is an open circle at the left edge.
+# %% [markdown]
+# ## Rounding against the derived bounds: the online state and the merges (chapters 2 and 3)
+#
+# Chapters 2 and 3 derive a bound for each rounding-level difference they meet (the online $l$
+# against its definition and against two passes, within $4t$ machine epsilons after $t$ scores;
+# a merged $l$ within the block sums' 20 epsilons each plus 3 per merge; `flash_lib`'s weights and
+# lse against the online state; merged partial outputs within $10^{-14}$, their lse within
+# $10^{-13}$ nats) and print only whether each difference is under it, because its last bits are
+# the CPU's: which exp and sum loops NumPy picked, which matrix kernel OpenBLAS did, and the
+# platform's `math.exp`. This is the evidence: the differences measured on the machine that built
+# this page, a dot each, with the chapter's bound. An exact 0 is an open circle at the left edge.
 
-Code cell, compared:
-
-```python
+# %%
 import math
 
 import matplotlib.pyplot as plt
@@ -103,11 +119,8 @@ measured += [("ch 3: merged halves vs all keys: output",
 print(f"{len(measured)} differences, each within the bound its chapter derived:",
       all(d <= b for _, d, b in measured))
 assert all(d <= b for _, d, b in measured), measured
-```
 
-Code cell, tags `hide-input` (a figure: nbval does not compare it):
-
-```python
+# %% tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(8.5, 4.8))
 rows = np.arange(len(measured))[::-1]
 floor = 0.01  # eps: where an exact 0 is drawn
@@ -126,23 +139,21 @@ ax.legend(loc="lower right", fontsize=8)
 ax.grid(True, axis="x", alpha=0.3)
 fig.tight_layout()
 plt.show()
-```
 
-### Every block size against naive_attention (chapter 5)
+# %% [markdown]
+# ## Every block size against naive_attention (chapter 5)
+#
+# Chapter 5 checks ten block-size pairs for $N_q = 37$, $N_k = 53$ (primes: no block size but 1 and
+# $N$ divides them), output and lse, against `naive_attention` within $10^{-13}$, about 450 machine
+# epsilons, and states that more tiles do not mean more error, although each tile rescales once
+# more: $\alpha = 1$ exactly wherever a row's maximum did not move, which after a few tiles is most
+# rows. Left: the ten pairs; right: a grid of 121 pairs from 1 to 1961 tiles, each pair's error
+# against its number of tiles. A pair with a single key block does `naive_attention`'s own
+# operations and agrees bit for bit: its error, exactly 0, is an open circle at 0.1 epsilons, not a
+# missing bar. Every error is a few epsilons, two orders of magnitude under the bound (the dashed
+# line).
 
-Chapter 5 checks ten block-size pairs for $N_q = 37$, $N_k = 53$ (primes: no block size but 1 and
-$N$ divides them), output and lse, against `naive_attention` within $10^{-13}$, about 450 machine
-epsilons, and states that more tiles do not mean more error, although each tile rescales once
-more: $\alpha = 1$ exactly wherever a row's maximum did not move, which after a few tiles is most
-rows. Left: the ten pairs; right: a grid of 121 pairs from 1 to 1961 tiles, each pair's error
-against its number of tiles. A pair with a single key block does `naive_attention`'s own
-operations and agrees bit for bit: its error, exactly 0, is an open circle at 0.1 epsilons, not a
-missing bar. Every error is a few epsilons, two orders of magnitude under the bound (the dashed
-line).
-
-Code cell, compared:
-
-```python
+# %%
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -173,11 +184,8 @@ print(f"{len(cases)} block sizes and {len(grid)} grid pairs ({grid_tiles.min():.
       f"{grid_tiles.max():.0f} tiles), every error within {BOUND:.0e}:",
       max(max(map(max, case_errors)), grid_err.max()) <= BOUND)
 assert max(max(map(max, case_errors)), grid_err.max()) <= BOUND
-```
 
-Code cell, tags `hide-input` (a figure: nbval does not compare it):
-
-```python
+# %% tags=["hide-input"]
 floor = 0.1  # eps: where an exact 0 is drawn, as an open marker, not a missing bar
 fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4.2))
 positions = np.arange(len(cases))
@@ -209,19 +217,17 @@ ax1.set_title("121 block-size pairs: no growth with the tiles")
 ax1.legend(fontsize=7, loc="center left")
 fig.tight_layout()
 plt.show()
-```
 
-### Correct computations against $10^{-13}$ (chapters 4 and 6)
+# %% [markdown]
+# ## Correct computations against $10^{-13}$ (chapters 4 and 6)
+#
+# Chapters 4 and 6 compare every correct computation (chapter 4's one-query stream at every
+# `block_k` and score spread; chapter 6's masked rows against their allowed keys alone, a KV cache
+# with NaN and inf in its unused slots against its tokens alone, `causal=True` against the
+# bottom-right mask) with `naive_attention`, and print only whether the largest row error is within
+# $10^{-13}$. Their measured errors, on the machine that built this page:
 
-Chapters 4 and 6 compare every correct computation (chapter 4's one-query stream at every
-`block_k` and score spread; chapter 6's masked rows against their allowed keys alone, a KV cache
-with NaN and inf in its unused slots against its tokens alone, `causal=True` against the
-bottom-right mask) with `naive_attention`, and print only whether the largest row error is within
-$10^{-13}$. Their measured errors, on the machine that built this page:
-
-Code cell, compared:
-
-```python
+# %%
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -280,11 +286,8 @@ for n_qc, n_kc in ((6, 6), (2, 5), (5, 2), (16, 40)):
         out[keep], flash_lib.naive_attention(qc, kc, vc, mask=allowed)[keep])
 print(f"{len(measured)} errors, every one within {BOUND:.0e}:", max(measured.values()) <= BOUND)
 assert max(measured.values()) <= BOUND, measured
-```
 
-Code cell, tags `hide-input` (a figure: nbval does not compare it):
-
-```python
+# %% tags=["hide-input"]
 floor = 0.01  # eps: where an exact 0 is drawn
 names = list(measured)
 values = np.array([measured[name] for name in names]) / eps
@@ -303,24 +306,22 @@ ax.legend(loc="lower right", fontsize=8)
 ax.grid(True, axis="x", alpha=0.3)
 fig.tight_layout()
 plt.show()
-```
 
-### Base e or base 2 on a CPU: NumPy's exp and exp2 (chapter 5)
+# %% [markdown]
+# ## Base e or base 2 on a CPU: NumPy's exp and exp2 (chapter 5)
+#
+# Chapter 5 derives the forward in base 2 ($e^{s - m} = 2^{Ls - Lm}$, $L = \log_2 e$), as
+# FlashAttention computes on a GPU, and checks it against `flash_attention` in either base, forced
+# with `flash_lib.use_exponential`. Which one `flash_lib` picks by itself is a CPU matter. NumPy
+# computes `np.exp2` in float32 with Intel's SVML where the CPU has AVX-512, in less than half the
+# time of its `np.exp` (chapter 10 measures it); elsewhere `exp2` is the slower one. So flash_lib
+# chooses per machine and dtype from the loops NumPy reports (`numpy.lib.introspect.opt_func_info`),
+# never from a timing: base 2 for float32 where NumPy's float32 `exp2` loop is an AVX-512 one,
+# base e otherwise and always for float64. `flash_lib.exponential(dtype)` says which; it folds $L$
+# into the keys' factor $\tau_k$, a multiply it already does (appendix 25). The cell checks the rule
+# against this machine's dispatch table; which way it went is the machine's, so it is not printed.
 
-Chapter 5 derives the forward in base 2 ($e^{s - m} = 2^{Ls - Lm}$, $L = \log_2 e$), as
-FlashAttention computes on a GPU, and checks it against `flash_attention` in either base, forced
-with `flash_lib.use_exponential`. Which one `flash_lib` picks by itself is a CPU matter. NumPy
-computes `np.exp2` in float32 with Intel's SVML where the CPU has AVX-512, in less than half the
-time of its `np.exp` (chapter 10 measures it); elsewhere `exp2` is the slower one. So flash_lib
-chooses per machine and dtype from the loops NumPy reports (`numpy.lib.introspect.opt_func_info`),
-never from a timing: base 2 for float32 where NumPy's float32 `exp2` loop is an AVX-512 one,
-base e otherwise and always for float64. `flash_lib.exponential(dtype)` says which; it folds $L$
-into the keys' factor $\tau_k$, a multiply it already does (appendix 25). The cell checks the rule
-against this machine's dispatch table; which way it went is the machine's, so it is not printed.
-
-Code cell, compared:
-
-```python
+# %%
 import numpy as np
 from numpy.lib.introspect import opt_func_info
 
@@ -336,16 +337,16 @@ with flash_lib.use_exponential("exp2"):
 print("flash_lib.exponential follows NumPy's dispatch table as the rule says:", rule_holds)
 print("use_exponential('exp2') forces base 2 for both dtypes:", forced)
 assert rule_holds and forced
-```
 
-### Where chapters 1-6's bounds were checked
-
-Each bound in chapters 1-6 was set against measurements at every `NPY_DISABLE_CPU_FEATURES` level
-(AVX-512, AVX2, baseline; CONTRIBUTING.md) and with OpenBLAS's Haswell kernel, recorded when the
-bound was chosen: chapter 1's 4 machine epsilons for the softmax against its higher-precision
-truth, measured at most 1.84 (a margin of 2.2; a softmax off by $10^{-6}$ relative misses it by
-nine orders of magnitude); chapter 3's $10^{-14}$ for merged outputs and $10^{-13}$ nats for the
-lse, measured at most $1.6 \times 10^{-15}$ and $1.8 \times 10^{-15}$ (margins 6 and 55), and
-ring attention's at most $2.2 \times 10^{-15}$ (margin 4.5); chapter 4's $10^{-13}$ over 1000
-keys, at most $2.5 \times 10^{-15}$ (11 epsilons, margin 40); chapter 5's $10^{-13}$ over 53
-keys, at most 8.2 epsilons; chapter 6's $10^{-13}$, at most $2.2 \times 10^{-15}$ (margin 45).
+# %% [markdown]
+# ## Where chapters 1–6's bounds were checked
+#
+# Each bound in chapters 1–6 was set against measurements at every `NPY_DISABLE_CPU_FEATURES` level
+# (AVX-512, AVX2, baseline; CONTRIBUTING.md) and with OpenBLAS's Haswell kernel, recorded when the
+# bound was chosen: chapter 1's 4 machine epsilons for the softmax against its higher-precision
+# truth, measured at most 1.84 (a margin of 2.2; a softmax off by $10^{-6}$ relative misses it by
+# nine orders of magnitude); chapter 3's $10^{-14}$ for merged outputs and $10^{-13}$ nats for the
+# lse, measured at most $1.6 \times 10^{-15}$ and $1.8 \times 10^{-15}$ (margins 6 and 55), and
+# ring attention's at most $2.2 \times 10^{-15}$ (margin 4.5); chapter 4's $10^{-13}$ over 1000
+# keys, at most $2.5 \times 10^{-15}$ (11 epsilons, margin 40); chapter 5's $10^{-13}$ over 53
+# keys, at most 8.2 epsilons; chapter 6's $10^{-13}$, at most $2.2 \times 10^{-15}$ (margin 45).

@@ -13,7 +13,7 @@
 # ---
 
 # %% [markdown]
-# # 26. Appendix: how this tutorial is tested and measured
+# # 27. Appendix B: how chapters 7–25 are tested and measured
 #
 # Every chapter ends with asserts, and `make test` runs every chapter under nbval, which compares
 # each cell's output with the stored one. So a chapter prints only what mathematics fixes: an
@@ -24,9 +24,8 @@
 # picks, its caches and its cores. This appendix gathers those measurements, and the figures
 # behind the limits the chapters assert, so that the chapters can stay on FlashAttention.
 # Outputs that depend on the machine are figures or in cells tagged `nbval-ignore-output`.
-
-# %% [markdown]
-# ## From chapters 1–6
+# This appendix covers chapters 7–25; {doc}`appendix A <26_how_chapters_1_to_6_are_tested>` gathers
+# the evidence behind chapters 1–6's bounds.
 
 # %% [markdown]
 # ## From chapters 7–11
