@@ -32,7 +32,7 @@
 # keys' (finite) contents cannot matter. The cell checks both on 6 queries and 50 keys, each
 # comparison within $10^{-13}$ (about 450 float64 epsilons: far above rounding, far below a wrong
 # weight or a missing key; the errors measured are drawn in the
-# {doc}`appendix on how this tutorial is tested <26_how_this_tutorial_is_tested>`).
+# {doc}`appendix on how this tutorial is tested <26_how_chapters_1_to_6_are_tested>`).
 
 # %%
 import numpy as np

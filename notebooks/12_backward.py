@@ -160,7 +160,7 @@ print("dV, the formulas against naive, bit for bit (the same product of the same
 
 # %% [markdown]
 # The three computations agree to rounding
-# ({doc}`the appendix on how this tutorial is tested <26_how_this_tutorial_is_tested>` draws
+# ({doc}`the appendix on how this tutorial is tested <27_how_chapters_7_to_25_are_tested>` draws
 # the differences measured). The formulas needed $P$ from the forward (for $dV$ and $dS$) and $O$
 # (for $D$); the next section removes the need to keep $P$.
 #
@@ -471,7 +471,7 @@ print("flash_attention_backward: dq row 3 exactly 0:", empty_row_zero,
 # one row: D from O equals D from P; P ∘ (dP - D) equals the explicit Jacobian's product
 # (ROUNDING = 1e-14, 45 eps: every difference "to rounding" below was at most 1e-15 at every
 # NPY_DISABLE_CPU_FEATURES level and with OpenBLAS's Haswell and Sandybridge kernels; the
-# appendix, chapter 26, draws them)
+# appendix, chapter 27, draws them)
 assert abs(D_from_p - D_from_o) <= ROUNDING * abs(D_from_o)
 assert jacobian_diff < ROUNDING
 # the dense formulas, naive and flash agree to rounding; dV is naive's own product of the same P
