@@ -317,9 +317,10 @@ plt.show()
 # time of its `np.exp` (chapter 10 measures it); elsewhere `exp2` is the slower one. So flash_lib
 # chooses per machine and dtype from the loops NumPy reports (`numpy.lib.introspect.opt_func_info`),
 # never from a timing: base 2 for float32 where NumPy's float32 `exp2` loop is an AVX-512 one,
-# base e otherwise and always for float64. `flash_lib.exponential(dtype)` says which; it folds $L$
-# into the keys' factor $\tau_k$, a multiply it already does (appendix 25). The cell checks the rule
-# against this machine's dispatch table; which way it went is the machine's, so it is not printed.
+# base e otherwise and always for float64. `flash_lib.exponential(dtype)` says which. In base 2 it
+# keeps the scores, $m$ and the lse in nats and computes each $e^x$, $x = s - m$, as $2^{Lx}$
+# (`flash_lib.exp_as_exp2`, chapter 5). The cell checks the rule against this machine's dispatch
+# table; which way it went is the machine's, so it is not printed.
 
 # %%
 import numpy as np
@@ -337,6 +338,9 @@ with flash_lib.use_exponential("exp2"):
 print("flash_lib.exponential follows NumPy's dispatch table as the rule says:", rule_holds)
 print("use_exponential('exp2') forces base 2 for both dtypes:", forced)
 assert rule_holds and forced
+for dt in (np.float32, np.float64):  # e^x as 2^(x log2 e), log2 e rounded to the dtype
+    x = np.linspace(-80, 0, 101, dtype=dt)
+    assert np.array_equal(flash_lib.exp_as_exp2(x), np.exp2(x * dt(flash_lib.LOG2E))), dt
 
 # %% [markdown]
 # ## Where chapters 1–6's bounds were checked

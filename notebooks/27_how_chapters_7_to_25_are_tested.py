@@ -60,12 +60,13 @@ assert all(err <= exp_ulps[dt] for (f, dt), err in exp_err.items()), exp_err
 # and naive errs less on a row depends on the order in which BLAS adds a score's terms (per
 # row, flash's error / naive's ranged from 0.08 to 2.4 over the NumPy levels, OpenBLAS kernels
 # and feature orders tried). Where NumPy's `exp2` is the faster (its AVX-512 float32 loop),
-# flash_lib computes in base 2 (chapter 5), at the cost of two more roundings per score (chapter
-# 7's step 6). Each base must hold its own derived bound on every row, and their largest errors
-# should be of one size: a score's last bit in base 2 is worth 0.69 to 1.39 times base e's in
-# nats, and the roundings are other draws. So base 2's largest error against base e's is held
-# within a factor 3 either way (measured 0.59 to 1.82 over the NumPy levels and OpenBLAS's
-# Haswell, SkylakeX and Sandybridge kernels), on chapter 7's two families of rows.
+# flash_lib computes each $e^{s - m}$ as $2^{(s - m) \log_2 e}$ (chapter 5), at the cost of two
+# more roundings per exponent (chapter 7's step 6). Each base must hold its own derived bound on
+# every row, and their largest errors should be of one size: a score's last bit in base 2 is
+# worth 0.69 to 1.39 times base e's in nats, and the roundings are other draws. So base 2's
+# largest error against base e's is held within a factor 3 either way (measured 0.59 to 1.82 over
+# the NumPy levels and OpenBLAS's Haswell, SkylakeX and Sandybridge kernels), on chapter 7's two
+# families of rows.
 
 # %%
 import matplotlib.pyplot as plt
