@@ -192,7 +192,8 @@ class Problem:
         its keys add nothing to ends with ``lse = sink + log 1 = sink`` exactly."""
         if self.sinks is None:
             return np.full(rows, -np.inf, self.dtype), np.zeros(rows, self.dtype)
-        return np.broadcast_to(self.sinks.astype(self.dtype), rows).copy(), np.ones(rows, self.dtype)
+        m = np.broadcast_to(self.sinks.astype(self.dtype), rows).copy()
+        return m, np.ones(rows, self.dtype)
 
     def dsinks(self, lse, D):
         """``dsinks_h = -Σ_i exp(sink_h - lse_i) · D_i`` over head h's rows, summed to sinks' shape.
