@@ -111,15 +111,13 @@ class Problem:
             out = out[..., : stop - start, :]
         return np.multiply(q, dtype.type(self.scale_q), dtype=dtype, out=out)
 
-    def k_tile(self, start, stop, dtype=None, unit=1.0):
-        """``τ_k · unit · k`` for keys ``start:stop``: ``unit`` is log2(e) for base-2 scores (one
-        multiply: τ_k is a power of two, so this is ``(τ_k k)·log2(e)`` bit for bit)."""
+    def k_tile(self, start, stop, dtype=None):
+        """``τ_k · k`` for keys ``start:stop`` (``τ_k = 2^b``, a power of two)."""
         dtype = self.dtype if dtype is None else dtype
-        if self.scale_k * unit == 1:
+        if self.scale_k == 1:
             return self.k[..., start:stop, :].astype(dtype, copy=False)
         # a k shared by every head is scaled once, not once per head
-        return np.multiply(self.k_stored[..., start:stop, :], dtype.type(self.scale_k * unit),
-                           dtype=dtype)
+        return np.multiply(self.k_stored[..., start:stop, :], dtype.type(self.scale_k), dtype=dtype)
 
     def v_tile(self, start, stop, dtype=None):
         return self.v[..., start:stop, :].astype(self.dtype if dtype is None else dtype, copy=False)
@@ -162,16 +160,16 @@ class Problem:
                             (j + k_start, j + k_stop), self.dropout_scratch, out)
         return keep.reshape(self.batch + keep.shape[-2:])
 
-    def row(self, q_start, q_stop, block_k, unit=1.0):
+    def row(self, q_start, q_stop, block_k):
         """The forward's walk for query block ``q_start:q_stop``: a :class:`tiles.Tile` for each
         key block of its band, in order (exactly its tiles of ``tile_schedule``, plus those
         where ``mask_mod`` allows nothing, whose ``allowed`` is False)."""
         key_blocks = functools.partial(self.band.key_blocks, q_start, q_stop, block_k)
         keep = self._keep_walk((q_start, q_stop, k_start, k_stop) for k_start, k_stop in key_blocks())
         for k_start, k_stop in key_blocks():
-            yield tiles.Tile(self, q_start, q_stop, k_start, k_stop, unit, keep)
+            yield tiles.Tile(self, q_start, q_stop, k_start, k_stop, keep)
 
-    def column(self, k_start, k_stop, block_q, unit=1.0):
+    def column(self, k_start, k_stop, block_q):
         """The backward's walk for key block ``k_start:k_stop``: a :class:`tiles.Tile` for every
         query block in order; for those the band leaves out ``allowed`` is False (the backward
         still takes its turn at adding to their ``dQ_i``)."""
@@ -179,7 +177,7 @@ class Problem:
                                for q_start, q_stop in tiles.blocks(self.n_q, block_q)
                                if self.band.visits(q_start, q_stop, k_start, k_stop))
         for q_start, q_stop in tiles.blocks(self.n_q, block_q):
-            yield tiles.Tile(self, q_start, q_stop, k_start, k_stop, unit, keep,
+            yield tiles.Tile(self, q_start, q_stop, k_start, k_stop, keep,
                              visits=self.band.visits(q_start, q_stop, k_start, k_stop))
 
     def _keep_walk(self, walk):
@@ -188,22 +186,14 @@ class Problem:
             return None
         return tiles.KeepWalk(self, walk, tiles.tiles_per_draw(self))
 
-    def initial_state(self, rows, unit=1.0):
+    def initial_state(self, rows):
         """Each row's ``(m, l)`` before its first key: ``(-inf, 0)``; with a sink, ``(sink, 1)``:
-        the sink is one key already seen, of score ``sink`` (times ``unit``) and value 0 (``acc``
-        stays 0)."""
+        the sink is one key already seen, of score ``sink`` and value 0 (``acc`` stays 0). A row
+        its keys add nothing to ends with ``lse = sink + log 1 = sink`` exactly."""
         if self.sinks is None:
             return np.full(rows, -np.inf, self.dtype), np.zeros(rows, self.dtype)
-        sinks = (self.sinks * unit).astype(self.dtype)
-        return np.broadcast_to(sinks, rows).copy(), np.ones(rows, self.dtype)
-
-    def exact_sink_lse(self, lse, l, m, unit):
-        """A row its keys added nothing to has ``lse = sink`` exactly: in base 2 the kernel's
-        ``(sink·log2 e)·ln 2`` rounds, so such rows get the sink back."""
-        if self.sinks is None or unit == 1:
-            return lse
-        sink = np.broadcast_to(self.sinks.astype(self.dtype), lse.shape)
-        return np.where((l == 1) & (m == (self.sinks * unit).astype(self.dtype)), sink, lse)
+        m = np.broadcast_to(self.sinks.astype(self.dtype), rows).copy()
+        return m, np.ones(rows, self.dtype)
 
     def dsinks(self, lse, D):
         """``dsinks_h = -Σ_i exp(sink_h - lse_i) · D_i`` over head h's rows, summed to sinks' shape.

@@ -104,12 +104,11 @@ def allowed_pairs(problem, q_start, q_stop, k_start, k_stop):
     return pairs
 
 
-def tile_scores(problem, q, k, q_start, q_stop, k_start, k_stop, out=None, grad=False, unit=1.0):
+def tile_scores(problem, q, k, q_start, q_stop, k_start, k_stop, out=None, grad=False):
     """``S = (τ_q q)(τ_k k)ᵀ`` for one tile, then the score variants: softcap, then ALiBi.
 
     ``q``, ``k``: the tile's scaled queries and keys. With ``grad=True`` also returns
     ``dS_capped / dS = 1 - tanh²(S / softcap)`` (None without softcap), which the backward needs.
-    ``unit``: log2(e) when ``k`` carries it (base-2 scores): the cap and the slopes carry it too.
     """
     if out is None:  # the whole batch, as the forward's buffer: v, mask may add batch dims
         out = np.empty(problem.batch + (q_stop - q_start, k_stop - k_start), np.result_type(q, k))
@@ -119,7 +118,7 @@ def tile_scores(problem, q, k, q_start, q_stop, k_start, k_stop, out=None, grad=
         s = np.matmul(q, np.swapaxes(k, -1, -2), out=out)
     slope = None
     if problem.softcap is not None:
-        cap = s.dtype.type(problem.softcap * unit)
+        cap = s.dtype.type(problem.softcap)
         with np.errstate(over="ignore"):  # |s / c| beyond the dtype is ±inf, and tanh(±inf) = ±1
             t = np.tanh(np.divide(s, cap, out=s), out=s)  # t = tanh(s / c)
         slope = 1 - t * t if grad else None
@@ -127,7 +126,7 @@ def tile_scores(problem, q, k, q_start, q_stop, k_start, k_stop, out=None, grad=
     if problem.alibi is not None:
         i = np.arange(q_start, q_stop)[:, None] + (problem.n_k - problem.n_q)
         distance = np.abs(i - np.arange(k_start, k_stop)[None, :]).astype(s.dtype)
-        s -= (problem.alibi * unit).astype(s.dtype) * distance  # -slope·|i + (Nk - Nq) - j|
+        s -= problem.alibi.astype(s.dtype) * distance  # -slope·|i + (Nk - Nq) - j|
     return (s, slope) if grad else s
 
 
@@ -138,12 +137,11 @@ class Tile:
     (every pair allowed), a boolean array ``(..., rows, keys)``, or False (nothing allowed: the
     band leaves the tile out, ``visits`` False, or ``mask_mod`` allows none; the kernel skips
     it). ``keep``: the dropout keep mask ``Z_ij``, drawn by ``keep_walk`` when first read (None
-    without dropout). ``unit``: 1, or log2(e) for base-2 scores.
+    without dropout).
     """
 
-    def __init__(self, problem, q_start, q_stop, k_start, k_stop, unit=1.0, keep_walk=None,
-                 visits=True):
-        self.problem, self.unit, self.keep_walk, self.visits = problem, unit, keep_walk, visits
+    def __init__(self, problem, q_start, q_stop, k_start, k_stop, keep_walk=None, visits=True):
+        self.problem, self.keep_walk, self.visits = problem, keep_walk, visits
         self.q_start, self.q_stop, self.k_start, self.k_stop = q_start, q_stop, k_start, k_stop
 
     @functools.cached_property
@@ -164,18 +162,18 @@ class Tile:
         return self.problem.v_tile(self.k_start, self.k_stop)
 
     def scores(self, q, out=None):
-        """``S_ij = τ Q_i K_jᵀ`` (times ``unit``) with softcap and ALiBi; ``q`` is ``τ_q Q_i``;
+        """``S_ij = τ Q_i K_jᵀ`` with softcap and ALiBi; ``q`` is ``τ_q Q_i``;
         into ``out``, a buffer of the block's rows and at least the tile's keys."""
-        k = self.problem.k_tile(self.k_start, self.k_stop, unit=self.unit)
+        k = self.problem.k_tile(self.k_start, self.k_stop)
         return self.scores_of(q, k, out=out)
 
     def scores_of(self, q, k, out=None, grad=False):
-        """:meth:`scores` given the tile's keys ``k`` (``τ_k·unit·K_j``) already scaled; with
+        """:meth:`scores` given the tile's keys ``k`` (``τ_k K_j``) already scaled; with
         ``grad=True`` also softcap's slope (:func:`tile_scores`)."""
         if out is not None:
             out = out[..., : self.k_stop - self.k_start]
         return tile_scores(self.problem, q, k, self.q_start, self.q_stop, self.k_start,
-                           self.k_stop, out=out, grad=grad, unit=self.unit)
+                           self.k_stop, out=out, grad=grad)
 
     def mask(self, s):
         """``-inf`` into ``s`` where the tile's pairs are not allowed."""

@@ -38,7 +38,6 @@ acceptance rule (``tests/test_fa_rule.py``).
 ``m``       running row maximum of the scaled, masked scores
 ``l``       running row sum of ``exp(s - m)``
 ``lse``     log-sum-exp of a row's scaled, masked scores: ``m + log(l)`` (natural log)
-``unit``    what the scores are multiplied by: 1 in the kernels (``log2(e)`` for a caller's base-2 loop)
 ``D``       ``rowsum(dout ∘ out)`` per query row, in the backward: ``Σ_j P_ij dP_ij``
 =========== ===============================================================================
 
@@ -192,9 +191,8 @@ def _kernel_exp(dtype):
     return exp_as_exp2 if exponential(dtype) is np.exp2 else np.exp
 
 
-def _finalize(acc, l, m, exp=np.exp):
+def _finalize(acc, l, m):
     """``out = acc / l`` and ``lse = m + log(l)``, with empty rows (``l == 0``) as 0 and -inf.
-    With ``exp = np.exp2`` (``m`` in base 2), ``lse = (m + log2(l)) · ln 2``, in natural units.
 
     ``l == 0`` exactly when no key was allowed, because the largest allowed score contributes
     ``exp(0) = 1``. A NaN row has ``l`` NaN, which is not 0, so it stays NaN in both outputs.
@@ -202,10 +200,8 @@ def _finalize(acc, l, m, exp=np.exp):
     empty = l == 0
     out = acc / np.where(empty, 1, l)[..., None]
     lse = np.full_like(l, -np.inf)
-    (np.log2 if exp is np.exp2 else np.log)(l, out=lse, where=~empty)
+    np.log(l, out=lse, where=~empty)
     lse += m
-    if exp is np.exp2:
-        lse *= LN2  # back to natural units: one multiply per row
     return out, lse
 
 
@@ -314,11 +310,11 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
     # Not allocated unless asked for: it would be O(Nq) scratch.
     lse = np.full(problem.batch + (problem.n_q,), -np.inf, problem.dtype) if return_lse else None
     # e^x, by np.exp or as 2^(x·log2 e): the scores, m and the lse in nats either way
-    exp, unit = _kernel_exp(problem.dtype), 1.0
-    if threshold is not None:  # given in base-2 units, as FA4; the scores' nats are ln 2 larger
+    exp = _kernel_exp(problem.dtype)
+    if threshold is not None:  # given in base-2 units, as FA4: 2^t = e^(t·ln 2), t·ln 2 nats
         threshold = threshold * LN2
     block = functools.partial(attention_forward_block, problem, block_k=block_k, exp=exp,
-                              unit=unit, out=out, lse=lse, threshold=threshold)
+                              out=out, lse=lse, threshold=threshold)
     with _runtime.ieee_quiet():  # the workers inherit it
         _runtime.run_blocks(block, tiles.blocks(problem.n_q, block_q), threads=thread_count(),
                             n_blocks=-(-problem.n_q // block_q), n_scores=problem.n_scores)
@@ -326,29 +322,28 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, block_q=DEF
     return (out, lse) if return_lse else out
 
 
-def attention_forward_block(problem, query_block, cancelled, *, block_k, exp, unit, out, lse,
+def attention_forward_block(problem, query_block, cancelled, *, block_k, exp, out, lse,
                             threshold=None):
     """The forward's tile loop for one query block ``Q_i = q[q_start:q_stop]``: chapter 5's
     algorithm box, over the key blocks ``K_j, V_j`` of its band, into ``out`` (and ``lse``).
 
     :func:`flash_attention` runs it on its worker threads, one query block each: ``problem`` is
     its checked problem (``_flash_inputs.Problem``), ``query_block`` is ``(q_start, q_stop)``,
-    ``cancelled`` an event that stops the loop before its next tile, ``exp`` and ``unit`` the
-    call's exponential and the scores' unit (:func:`flash_attention` passes ``np.exp`` or
-    :func:`exp_as_exp2` and 1: scores in nats; log2(e) with ``np.exp2``). Every extra of a tile (its
-    allowed pairs, the masked-key product, the dropout keep mask) is behind ``tile``
-    (``_flash_tiles.Tile``), so what is left is the box. ``threshold``: FA4's conditional
-    rescaling, in the scores' units (:func:`online_softmax_update`).
+    ``cancelled`` an event that stops the loop before its next tile, ``exp`` the call's ``e^x``
+    (:func:`flash_attention` passes ``np.exp`` or :func:`exp_as_exp2`: scores, ``m`` and the lse
+    in nats either way). Every extra of a tile (its allowed pairs, the masked-key product, the
+    dropout keep mask) is behind ``tile`` (``_flash_tiles.Tile``), so what is left is the box.
+    ``threshold``: FA4's conditional rescaling, in nats (:func:`online_softmax_update`).
     """
     q_start, q_stop = query_block
     rows = problem.batch + (q_stop - q_start,)
     q_i = problem.q_tile(q_start, q_stop)  # τ_q Q_i, read once
-    m, l = problem.initial_state(rows, unit)  # -inf and 0 (with a sink: the sink and 1)
+    m, l = problem.initial_state(rows)  # -inf and 0 (with a sink: the sink and 1)
     acc = np.zeros(rows + (problem.dv,), dtype=problem.dtype)
     # S_ij and P_ij V_j: one buffer each for the whole loop
     s_buf = np.empty(rows + (min(block_k, problem.n_k),), dtype=problem.dtype)
     pv = np.empty(rows + (problem.dv,), dtype=problem.dtype)
-    for tile in problem.row(q_start, q_stop, block_k, unit):  # K_j, V_j of Q_i's band, in order
+    for tile in problem.row(q_start, q_stop, block_k):  # K_j, V_j of Q_i's band, in order
         if cancelled.is_set():  # Ctrl-C, or another worker failed
             return
         if tile.allowed is False:  # mask_mod allows no pair here: never multiplied
@@ -358,9 +353,9 @@ def attention_forward_block(problem, query_block, cancelled, *, block_k, exp, un
         online_softmax_update(m, l, acc, s, tile.v, tile.pv(out=pv), exp, threshold)
     if problem.dropout_p:  # out = (P ∘ Z / (1 - p)) V: the 1 / (1 - p) once per row
         acc *= problem.dropout_scale(problem.dtype)
-    out[..., q_start:q_stop, :], lse_i = _finalize(acc, l, m, exp)  # O_i = acc / l, once
+    out[..., q_start:q_stop, :], lse_i = _finalize(acc, l, m)  # O_i = acc / l, once
     if lse is not None:
-        lse[..., q_start:q_stop] = problem.exact_sink_lse(lse_i, l, m, unit)
+        lse[..., q_start:q_stop] = lse_i
 
 
 def _rescale_threshold(value):
@@ -446,7 +441,7 @@ def causal_mask(n_q, n_k):
 
 
 def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=None,
-                            scores=None, dropout=None, dp_buffer=None, exp=np.exp, k_scores=None):
+                            scores=None, dropout=None, dp_buffer=None, exp=np.exp):
     """One tile (i, j) of FlashAttention-2's backward: adds to dK_j and dV_j in place,
     returns this tile's share of dQ_i.
 
@@ -462,14 +457,12 @@ def attention_backward_tile(q, k, v, dout, lse, D, dk, dv, allowed=None, matmul=
     factor, as the forward drew them (or None). ``dp_buffer``: an array of the tile's shape to
     hold P ∘ Z (with dropout), then dP and dS (the kernel reuses one per worker: a fresh 2 MiB
     tile each time can cost its page faults again), or None.
-    ``exp``: ``np.exp``, or ``np.exp2`` with S_ij and lse_i in base-2 units (multiplied by
-    log2(e)), S_ij then computed from ``k_scores`` = log2(e)·K_j (scaled), while dQ's share
-    uses ``k``. By default ``k_scores`` is ``k``.
+    ``exp``: ``np.exp`` or :func:`exp_as_exp2` (the kernel's), S_ij and lse_i in nats; or
+    ``np.exp2`` when ``scores`` returns S_ij in base-2 units (times log2(e)) and lse_i is in them.
     """
     matmul = matmul or (lambda a, b, which: a @ b)
-    k_scores = k if k_scores is None else k_scores
     # S_ij, recomputed as the forward computed it
-    s, slope = scores(q, k_scores) if scores else (q @ np.swapaxes(k_scores, -1, -2), None)
+    s, slope = scores(q, k) if scores else (q @ np.swapaxes(k, -1, -2), None)
     if allowed is not None:
         np.copyto(s, -np.inf, where=~allowed)
     # P_ij = e^(S_ij - lse_i): one exp, no max, no sum
@@ -579,7 +572,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
         D[..., rows] = np.where(np.isfinite(dout_rows).all(axis=-1), D[..., rows], np.nan)
     lse = np.where(lse == -np.inf, np.inf, lse).astype(dtype, copy=False)
     # P = e^(S - lse), by the forward's exponential, from the forward's scores and lse in nats
-    exp, unit = _kernel_exp(dtype), 1.0
+    exp = _kernel_exp(dtype)
     dq = np.zeros(problem.q.shape, dtype)  # the shares Σ_j dS_ij K_j, times τ_q at the end
     dk = np.zeros(problem.k.shape, problem.k.dtype)
     dv = np.zeros(problem.v.shape, problem.v.dtype)
@@ -593,7 +586,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
          "q": np.empty(batch + (keys_max, d), dtype),  # dSᵀ Q_i, for dK_j
          "k": np.empty(batch + (rows_max, d), dtype)}))  # dS K_j, dQ_i's share
     block = functools.partial(attention_backward_block, problem, block_q=block_q, block_k=block_k,
-                              exp=exp, unit=unit, dout=dout, lse=lse, D=D, grads=(dq, dk, dv),
+                              exp=exp, dout=dout, lse=lse, D=D, grads=(dq, dk, dv),
                               turns=_runtime.InOrder(-(-n_q // block_q)), buffers=buffers)
     with _runtime.ieee_quiet():  # the workers inherit it
         _runtime.run_blocks(block, tiles.blocks(n_k, block_k), threads=thread_count(),
@@ -606,8 +599,8 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
         return grads + (problem.dsinks(lse, D),)
 
 
-def attention_backward_block(problem, key_block, cancelled, *, block_q, block_k, exp, unit, dout,
-                             lse, D, grads, turns, buffers):
+def attention_backward_block(problem, key_block, cancelled, *, block_q, block_k, exp, dout, lse,
+                             D, grads, turns, buffers):
     """The backward's tile loop for one key block ``K_j, V_j = k, v[k_start:k_stop]``:
     chapter 12's loop, over every query block ``Q_i`` in order, with ``dK_j`` and ``dV_j`` held
     here and ``dQ_i``'s shares added in key-block order.
@@ -622,15 +615,13 @@ def attention_backward_block(problem, key_block, cancelled, *, block_q, block_k,
     j = k_start // block_k
     dq, dk, dv = grads
     dtype, batch = problem.dtype, problem.batch
-    k_j = problem.k_tile(k_start, k_stop)  # τ_k K_j, for dQ's shares
-    # τ_k·log2(e)·K_j in base 2, for S
-    k_s = problem.k_tile(k_start, k_stop, unit=unit) if unit != 1 else k_j
+    k_j = problem.k_tile(k_start, k_stop)  # τ_k K_j, for S and dQ's shares
     v_j = problem.v_tile(k_start, k_stop)
     dk_j = np.zeros(batch + k_j.shape[-2:], dtype)
     dv_j = np.zeros(batch + v_j.shape[-2:], dtype)
     tile_buffers, q_buf, products = buffers()
     tile_buffers = [t[..., : k_stop - k_start] for t in tile_buffers]
-    for i, tile in enumerate(problem.column(k_start, k_stop, block_q, unit)):  # every Q_i
+    for i, tile in enumerate(problem.column(k_start, k_stop, block_q)):  # every Q_i
         if cancelled.is_set():  # Ctrl-C, or another worker failed
             return
         share = None
@@ -640,10 +631,10 @@ def attention_backward_block(problem, key_block, cancelled, *, block_q, block_k,
             share = attention_backward_tile(
                 problem.q_tile(tile.q_start, tile.q_stop, out=q_buf), k_j, v_j,
                 dout=dout[..., rows, :].astype(dtype, copy=False),
-                lse=lse[..., rows] * dtype.type(unit), D=D[..., rows], dk=dk_j, dv=dv_j,
+                lse=lse[..., rows], D=D[..., rows], dk=dk_j, dv=dv_j,
                 allowed=tile.allowed, matmul=tile.backward_matmul(dout, products),
                 scores=functools.partial(tile.scores_of, out=s_buf, grad=True),
-                dropout=tile.dropout(), dp_buffer=dp_buf, exp=exp, k_scores=k_s)
+                dropout=tile.dropout(), dp_buffer=dp_buf, exp=exp)
             share = sum_to(share, dq.shape[:-2] + share.shape[-2:])
         with turns.turn(i, j, cancelled) as mine:  # dQ_i += dS_ij K_j, in key-block order
             if not mine:

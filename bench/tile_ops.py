@@ -160,16 +160,17 @@ def floor_loop(q, k, v, *, block_q=flash_lib.DEFAULT_BLOCK_Q, block_k=flash_lib.
     def backward_block(j, lse2, D, grads, lock):
         s, dp = (np.empty((block_q, block_k), dtype) for _ in range(2))
         dq, dk, dv = grads
+        # S from the keys with log2(e) folded in base 2 (as backward_ops), dQ's share from K_j
+        k_s = ks[j:j + block_k]
 
         def scores(q_i, k_j):  # S into its buffer, no variants
-            return np.matmul(q_i, k_j.T, out=s), None
+            return np.matmul(q_i, k_s.T, out=s), None
 
         for i in range(0, n, block_q):
             rows = slice(i, i + block_q)
             share = flash_lib.attention_backward_tile(
                 qs[rows], k[j:j + block_k], v[j:j + block_k], dout[rows], lse2[rows], D[rows],
-                dk[j:j + block_k], dv[j:j + block_k], scores=scores, dp_buffer=dp, exp=exp,
-                k_scores=ks[j:j + block_k])
+                dk[j:j + block_k], dv[j:j + block_k], scores=scores, dp_buffer=dp, exp=exp)
             with lock:
                 dq[rows] += share
 

@@ -125,7 +125,7 @@ print(inspect.getsource(flash_lib.attention_forward_block))
 #   variants (chapter 14); `tile.mask(s)`: $-\infty$ at disallowed pairs (chapter 6).
 # - `online_softmax_update(...)`: the box's inner lines, with $V_j$ = `tile.v`.
 # - `_finalize`: $O_i = \operatorname{diag}(l)^{-1}\text{acc}$, $\text{lse}_i = m + \log l$ (and
-#   chapter 6's empty rows); **store**. Dropout's $1/(1 - p)$ and a sink's lse: chapters 17, 18.
+#   chapter 6's empty rows); **store**. Dropout's $1/(1 - p)$: chapter 17.
 #
 # ## The forward from scratch
 #

@@ -232,7 +232,7 @@ print(inspect.getsource(flash_lib.attention_backward_tile))
 print(inspect.getsource(flash_lib.attention_backward_block))
 
 # %% [markdown]
-# Against the box: `k_j`, `v_j` (and `k_s`, the keys in the scores' unit) are the **load** of
+# Against the box: `k_j`, `v_j` (`k_j` for both $S_{ij}$ and $dQ_i$'s share) are the **load** of
 # $K_j, V_j$; `dk_j`, `dv_j` the zeroed $dK_j$, $dV_j$. The `for` loop walks every query block in
 # order; a tile the forward does not visit (`tile.allowed is False`) computes nothing, but the
 # worker still takes its turn at $dQ_i$. `attention_backward_tile(...)` is the inner body;
