@@ -23,13 +23,11 @@
 # on an older CPU, and CONTRIBUTING.md runs the chapters at each level), which kernel OpenBLAS
 # picks, its caches and its cores. This appendix gathers those measurements, and the figures
 # behind the limits the chapters assert, so that the chapters can stay on FlashAttention.
-# Outputs that depend on the machine are figures or in cells tagged `nbval-ignore-output`.
-# This appendix covers chapters 7–25; {doc}`appendix A <26_how_chapters_1_to_6_are_tested>` gathers
-# the evidence behind chapters 1–6's bounds.
+# Outputs that depend on the machine are figures or tagged `nbval-ignore-output`. Chapters 1–6'
+# evidence is in {doc}`appendix A <26_how_chapters_1_to_6_are_tested>`.
 
 # %% [markdown]
 # ## From chapters 7–11
-#
 # ### exp and exp2 in ulps (chapter 7)
 #
 # Chapter 7's error bound allows `exp` (and `exp2`) an error of 1 ulp in float64 and 3 in
@@ -62,11 +60,11 @@ assert all(err <= exp_ulps[dt] for (f, dt), err in exp_err.items()), exp_err
 # and feature orders tried). Where NumPy's `exp2` is the faster (its AVX-512 float32 loop),
 # flash_lib computes each $e^{s - m}$ as $2^{(s - m) \log_2 e}$ (chapter 5), at the cost of two
 # more roundings per exponent (chapter 7's step 6). Each base must hold its own derived bound on
-# every row, and their largest errors should be of one size: a score's last bit in base 2 is
-# worth 0.69 to 1.39 times base e's in nats, and the roundings are other draws. So base 2's
-# largest error against base e's is held within a factor 3 either way (measured 0.59 to 1.82 over
-# the NumPy levels and OpenBLAS's Haswell, SkylakeX and Sandybridge kernels), on chapter 7's two
-# families of rows.
+# every row, and their largest errors should be of one size: the two extra roundings are each at
+# most one unit of the exponent's last place, and the rest are the same roundings drawn again. So
+# base 2's largest error against base e's is held within a factor 3 either way (measured 0.59 to
+# 1.82 over the NumPy levels and OpenBLAS's Haswell, SkylakeX and Sandybridge kernels when base 2
+# still scaled the keys; this machine's, the figure below), on chapter 7's two families of rows.
 
 # %%
 import matplotlib.pyplot as plt
@@ -498,6 +496,7 @@ import os
 import dask
 from distributed import Client, LocalCluster
 
+logging.getLogger("distributed").setLevel(logging.ERROR)  # the scheduler runs here (as chapter 22)
 seen, before = {}, os.environ.get("MALLOC_TRIM_THRESHOLD_")
 # chapter 22's setting first: a nanny started with Dask's default sets the variable in this
 # process's environment too, where every later worker would inherit it (undone below)
@@ -543,6 +542,7 @@ from distributed import Client, LocalCluster
 import flash_dask
 import flash_lib
 
+logging.getLogger("distributed").setLevel(logging.ERROR)  # the scheduler runs here (as chapter 22)
 settings = {"distributed.nanny.pre-spawn-environ.FLASH_LIB_THREADS": "1",
             "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
             "distributed.nanny.pre-spawn-environ.DASK_LOGGING__DISTRIBUTED": "critical",
