@@ -22,7 +22,8 @@ measured side by side, are the result.
 A FlashAttention tile in NumPy is a handful of calls: two matmuls, a row maximum, a subtraction,
 an exponential, a row sum and the rescale of ``acc`` in the forward; five matmuls and four
 elementwise passes in the backward. The exponential is the kernel's own, ``flash_lib.exponential``
-(``exp2`` with ``log2(e)`` folded into the keys for float32 on AVX-512, ``exp`` elsewhere). No
+(``exp_as_exp2``, the exponent times ``log2(e)`` then ``exp2``, for float32 on AVX-512, ``exp``
+elsewhere). No
 NumPy kernel can do a tile in less than the sum of those calls, so that sum, times the tiles a
 call visits, over the threads that share them, is the kernel's *floor* on this machine;
 ``kernel time / floor`` is then what the kernel loses to everything else (Python between the
@@ -278,8 +279,8 @@ def forward_ops(dtype, block_q=flash_lib.DEFAULT_BLOCK_Q, block_k=flash_lib.DEFA
     """The forward tile's calls as ``[(name, fn)]``, sharing one tile's state.
 
     ``exp``: ``"exp"``, ``"exp2"`` or None, the kernel's (:func:`kernel_exponential`). With
-    ``"exp2"`` the scores come out of ``q·kᵀ`` already multiplied by ``log2(e)`` (the kernel folds
-    it into the keys' scale, a multiply it does anyway) and ``exp2`` replaces ``exp``;
+    ``"exp2"`` each exponential is the kernel's ``flash_lib.exp_as_exp2``: the exponent (in nats)
+    times ``log2(e)``, then ``exp2``;
     ``temporaries``: ``np.exp(s - m)`` as a plain expression, two fresh tiles, instead of in
     place; ``sum_in_matmul``: ``l`` is taken by the ``p·v`` matmul from a column of ones
     appended to v (once per key block), instead of by a row sum.
@@ -287,9 +288,7 @@ def forward_ops(dtype, block_q=flash_lib.DEFAULT_BLOCK_Q, block_k=flash_lib.DEFA
     dtype = np.dtype(dtype).type
     exp = exp or kernel_exponential(dtype)
     q, k, v, _ = _tile_inputs(dtype, block_q, block_k, d)
-    if exp == "exp2":
-        q = q * dtype(LOG2E)
-    expf = {"exp": np.exp, "exp2": np.exp2}[exp]
+    expf = {"exp": np.exp, "exp2": flash_lib.exp_as_exp2}[exp]
     kt = k.T
     s = np.empty((block_q, block_k), dtype)
     pv = np.empty((block_q, d + sum_in_matmul), dtype)
@@ -357,14 +356,12 @@ def backward_ops(dtype, block_q=flash_lib.DEFAULT_BLOCK_Q, block_k=flash_lib.DEF
                  d=D, *, exp=None, temporaries=False):
     """The backward tile's calls as ``[(name, fn)]`` (``flash_lib.attention_backward_tile``):
     recompute S and P = e^(S - lse), then dV, dP, dS, dK, dQ's share. ``exp``: as for
-    :func:`forward_ops`; with ``"exp2"``, log2(e) folded into k's tile (once per key block: the
-    outer loop) and into the lse; ``temporaries``: the elementwise steps as plain expressions."""
+    :func:`forward_ops`; ``temporaries``: the elementwise steps as plain expressions."""
     dtype = np.dtype(dtype).type
     exp = exp or kernel_exponential(dtype)
     q, k, v, dout = _tile_inputs(dtype, block_q, block_k, d)
-    k_s = k * dtype(LOG2E) if exp == "exp2" else k
-    expf = {"exp": np.exp, "exp2": np.exp2}[exp]
-    kt, vt = k_s.T, v.T
+    expf = {"exp": np.exp, "exp2": flash_lib.exp_as_exp2}[exp]
+    kt, vt = k.T, v.T
     s = np.empty((block_q, block_k), dtype)
     dp = np.empty((block_q, block_k), dtype)
     # The forward's lse and out for these rows, as if this were their only key block: P is a
@@ -373,8 +370,6 @@ def backward_ops(dtype, block_q=flash_lib.DEFAULT_BLOCK_Q, block_k=flash_lib.DEF
     m = s_nat.max(axis=-1)
     lse = m + np.log(np.exp(s_nat - m[:, None]).sum(axis=-1))
     D_ = np.einsum("ij,ij->i", dout, np.exp(s_nat - lse[:, None]) @ v)
-    if exp == "exp2":
-        lse = lse * dtype(LOG2E)  # the base-2 lse of the base-2 scores
     dk, dv, dq = (np.zeros((n, d), dtype) for n in (block_k, block_k, block_q))
     st = {}
 
