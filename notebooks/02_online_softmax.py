@@ -236,7 +236,7 @@ print(f"stream + 1000: largest change of any l_t: {l_changes}; m_t moved by {m_s
 # the weights. `flash_lib.flash_attention` carries $m$ and $l$ per query row with this update,
 # `block_k` keys at a time (chapter 5); `block_k=1` reads one score per step, as our loop does.
 # (The differences this chapter measures are drawn against their bounds in the
-# {doc}`appendix on how this tutorial is tested <26_how_chapters_1_to_6_are_tested>`.)
+# {doc}`appendix on how this tutorial is tested <27_how_chapters_1_to_6_are_tested>`.)
 
 # %%
 n = len(stream)

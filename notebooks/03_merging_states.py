@@ -228,7 +228,7 @@ print("logaddexp(lse, -inf) - lse:", np.logaddexp(lse_by_merge, -np.inf) - lse_b
 # ($\mathrm{lse} = -\infty$) weighs 0 (chapter 6). We attend to two halves of the keys, merge,
 # and compare with all keys at once (the error metric, chapter 7's: each row's largest difference
 # relative to its largest entry). The differences this chapter measures are drawn against their
-# bounds in the {doc}`appendix on how this tutorial is tested <26_how_chapters_1_to_6_are_tested>`.
+# bounds in the {doc}`appendix on how this tutorial is tested <27_how_chapters_1_to_6_are_tested>`.
 
 # %%
 n_q, d = 64, 32

@@ -155,7 +155,7 @@ print(f"streamed output vs naive_attention within {BOUND:.0e}: "
 # attached, `block_k` $\ge N_k$ the two-pass computation, and other sizes may end with a partial
 # block. Each is also compared with `flash_lib.flash_attention`, which runs this update on blocks
 # of query rows (chapter 5). The errors measured are drawn in the
-# {doc}`appendix on how this tutorial is tested <26_how_chapters_1_to_6_are_tested>`.
+# {doc}`appendix on how this tutorial is tested <27_how_chapters_1_to_6_are_tested>`.
 
 # %%
 print(f"block_k  blocks  within {BOUND:.0e} of naive  of flash_attention")

@@ -114,7 +114,7 @@ print(inspect.getsource(flash_lib.attention_forward_block))
 # Against the box, line for line:
 #
 # - `q_i = problem.q_tile(...)`: **load** $Q_i$, already multiplied by its share of $\tau$
-#   (flash_lib's own choice, appendix 25); `initial_state` and `np.zeros`: $m = -\infty$, $l = 0$,
+#   (flash_lib's own choice, appendix 26); `initial_state` and `np.zeros`: $m = -\infty$, $l = 0$,
 #   $\text{acc} = 0$ (a sink starts at $m$ = sink, $l = 1$: chapter 18).
 # - `for tile in problem.row(...)`: **for** each key block the band can reach (causal and sliding
 #   window skip the others: chapters 6 and 14); `tile` also knows which pairs are allowed, the
@@ -196,7 +196,7 @@ for name, (e_out, e_lse) in scratch_errors.items():
 # $s - m$, not to the score, which keeps flash_lib within FlashAttention's own 2× rule where
 # scaling the scores did not (`tests/test_fa_rule.py`). `flash_lib.use_exponential("exp" or
 # "exp2")` forces one (which it picks on a CPU, and why, is in the
-# {doc}`appendix on how this tutorial is tested <26_how_chapters_1_to_6_are_tested>`).
+# {doc}`appendix on how this tutorial is tested <27_how_chapters_1_to_6_are_tested>`).
 # {doc}`Chapter 7 <07_exactness>` measures what base 2's extra roundings cost. The cell runs the
 # from-scratch forward in base 2 against `flash_attention` in each base.
 
@@ -320,7 +320,7 @@ print(f"from scratch, bytes beyond its output: the same at N = 512 and 2048 (wit
 # cover block size 1 (chapter 2's scalar recurrence), sizes that do not divide $N$, equal to $N$,
 # and larger than $N$ (one partial tile). The errors measured, and those of 121 block-size pairs
 # against their number of tiles, are drawn in the
-# {doc}`appendix on how this tutorial is tested <26_how_chapters_1_to_6_are_tested>`.
+# {doc}`appendix on how this tutorial is tested <27_how_chapters_1_to_6_are_tested>`.
 
 # %%
 rng = np.random.default_rng(5)

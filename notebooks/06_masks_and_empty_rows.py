@@ -20,7 +20,7 @@
 # stored at a masked key out of every row that may not see it, aligns causal attention
 # bottom-right and counts the tiles it skips, and guards the row with no allowed key, whose
 # $e^{-\infty - (-\infty)}$ is NaN. Other libraries' choices for empty rows and the causal
-# diagonal are compared in {doc}`chapter 24 <24_other_libraries>`.
+# diagonal are compared in {doc}`chapter 25 <25_other_libraries>`.
 
 # %% [markdown]
 # ## Boolean masks
@@ -32,7 +32,7 @@
 # keys' (finite) contents cannot matter. The cell checks both on 6 queries and 50 keys, each
 # comparison within $10^{-13}$ (about 450 float64 epsilons: far above rounding, far below a wrong
 # weight or a missing key; the errors measured are drawn in the
-# {doc}`appendix on how this tutorial is tested <26_how_chapters_1_to_6_are_tested>`).
+# {doc}`appendix on how this tutorial is tested <27_how_chapters_1_to_6_are_tested>`).
 
 # %%
 import numpy as np
@@ -339,14 +339,14 @@ for i in range(n_q):
 #
 # While a row has seen no allowed key, $p_j = e^{-\infty} = 0$ and $\alpha = 0$: no NaN, and rows
 # with a finite max are unchanged. Any finite reference would do; 0 is FlashAttention's choice
-# too (chapter 24). In flash_lib it is `m_ref` in the tile update (chapter 5), and
+# too (chapter 25). In flash_lib it is `m_ref` in the tile update (chapter 5), and
 # `naive_attention` uses it for whole rows.
 #
 # At the end $l = 0$ exactly for a row with no allowed key (otherwise its largest score gives
 # $e^0 = 1$, so $l \ge 1$). There `_finalize` returns output 0 and lse $= -\infty$, without
 # $0/0$ or $\log 0$: the empty weighted sum and $\log \sum_{j \in \emptyset} e^{s_j}$. That lse
 # composes: `merge_attention` (chapter 3) weights an empty part by $e^{-\infty} = 0$. Other
-# libraries store other values ({doc}`chapter 24 <24_other_libraries>`). The cell runs the guarded
+# libraries store other values ({doc}`chapter 25 <25_other_libraries>`). The cell runs the guarded
 # stream, `flash_attention` (`block_k = 4`: row 2's first tile is fully masked) and
 # `naive_attention` with invalid operations, division by zero and overflow raising exceptions,
 # then merges the empty row with a non-empty one.

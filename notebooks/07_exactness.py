@@ -192,11 +192,11 @@ for dt in (np.float64, np.float32):
 #    and the division: $2u$ relative per ulp (a unit in the last place) of `exp`'s error. We
 #    allow 1 ulp in float64 and 3 in float32, for `exp2` too: NumPy's vectorised float32 loops
 #    err by up to 2.52 ulp (numpy pull request 13134; the
-#    {doc}`appendix on testing <27_how_chapters_7_to_25_are_tested>` measures the installed NumPy).
+#    {doc}`appendix on testing <28_how_chapters_7_to_23_are_tested>` measures the installed NumPy).
 # 6. **In base 2** ({doc}`chapter 5 <05_tiling>`; flash_lib's float32 where NumPy's `exp2` is
 #    the faster), each exponent $x = s - m$ is multiplied by $\log_2 e$, itself rounded: two more
 #    roundings, at most $2u|x| \le 4u\mu_i$, so $\gamma_{d+4}$ for $\gamma_{d+2}$ in step 1 (the
-#    {doc}`appendix on testing <27_how_chapters_7_to_25_are_tested>` compares the bases row by row).
+#    {doc}`appendix on testing <28_how_chapters_7_to_23_are_tested>` compares the bases row by row).
 #
 # Dividing by the row's size $\max_c |o_{ic}|$, with $\kappa_i = \max|v| / \max_c |o_{ic}|$:
 #
@@ -368,7 +368,7 @@ plt.show()
 #
 # Which of the two is smaller on a given row depends on the order in which BLAS adds each
 # score's terms, chosen by matrix shape, CPU and version (the
-# {doc}`appendix on testing <27_how_chapters_7_to_25_are_tested>` draws the per-row ratios). So FlashAttention tests neither row by row nor against a fixed tolerance. Its
+# {doc}`appendix on testing <28_how_chapters_7_to_23_are_tested>` draws the per-row ratios). So FlashAttention tests neither row by row nor against a fixed tolerance. Its
 # test suite (`tests/test_flash_attn.py` in Dao-AILab/flash-attention) computes, from the
 # kernel's inputs, a reference in higher precision, $O_\text{ref}$, and a straightforward
 # implementation in the kernel's dtype, $O_\text{pt}$, and requires

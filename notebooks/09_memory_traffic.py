@@ -193,7 +193,7 @@ def flash_bytes(n, d, b_q, itemsize):
 # $N$ = 256, 512 and 1000 (not a multiple of the tile) both pipelines run instrumented; the cell
 # checks each output against `flash_lib` and each tally against the formulas above, to the
 # byte. The output's error is printed against a limit: its last digits depend on the CPU, the
-# bytes do not ({doc}`the appendix on testing <27_how_chapters_7_to_25_are_tested>` draws them).
+# bytes do not ({doc}`the appendix on testing <28_how_chapters_7_to_23_are_tested>` draws them).
 
 # %%
 d, itemsize = 64, 2
@@ -413,7 +413,7 @@ plt.show()
 # and how many thread blocks an SM runs at once. What it gets right is the order of things: the
 # textbook pipeline is bound by memory, and tiling in two dimensions removes that.
 # (A CPU has the same hierarchy with far larger caches, so there the $N^2$ arrays cost mostly
-# memory *capacity*, chapter 8; the {doc}`appendix on testing <27_how_chapters_7_to_25_are_tested>`
+# memory *capacity*, chapter 8; the {doc}`appendix on testing <28_how_chapters_7_to_23_are_tested>`
 # times it.)
 #
 # ## What we showed

@@ -338,7 +338,7 @@ plt.show()
 # The matmuls are most of the floor; the rest splits between the exponential and four cheap
 # passes. How large the exponential's share is, and whether the kernel uses `exp` or `exp2`,
 # depends on which vector loops NumPy runs on the CPU: the
-# {doc}`appendix on testing <27_how_chapters_7_to_25_are_tested>` measures the floor again with
+# {doc}`appendix on testing <28_how_chapters_7_to_23_are_tested>` measures the floor again with
 # NumPy's AVX-512 loops switched off.
 #
 # ## Tile size: the floor per score

@@ -58,7 +58,7 @@ for name, fi in info.items():
 # %% [markdown]
 # NumPy's own machinery treats bfloat16 unevenly (`@` returns float32, `np.dot` bfloat16, a
 # plain `sum` accumulates in bfloat16 and 1000 ones sum to 256; the
-# {doc}`appendix on testing <27_how_chapters_7_to_25_are_tested>` checks each). So `flash_lib`
+# {doc}`appendix on testing <28_how_chapters_7_to_23_are_tested>` checks each). So `flash_lib`
 # widens 16-bit inputs to float32 tile by tile and computes everything in float32, returning the
 # output in the input's dtype (and the lse in float32, as FlashAttention stores it).
 #

@@ -114,7 +114,7 @@ print(f"P ∘ (dP - D) against J dP: largest difference {below(jacobian_diff, RO
 # $$
 #
 # In this chapter $\tau$ is a power of two ($1/8$ for $d = 64$), so where flash_lib applies it
-# (appendix 25) changes no bit. The cell computes the six formulas densely, for two heads with
+# (appendix 26) changes no bit. The cell computes the six formulas densely, for two heads with
 # $N_q = 37$, $N_k = 53$, $d = 64$ and a causal mask, and compares them, relative to each
 # gradient's largest entry, with `naive_attention_backward` (which takes
 # $\operatorname{rowsum}(P \circ dP)$ from $P$, not $D$ from $O$) and `flash_attention_backward`.
@@ -160,7 +160,7 @@ print("dV, the formulas against naive, bit for bit (the same product of the same
 
 # %% [markdown]
 # The three computations agree to rounding
-# ({doc}`the appendix on how this tutorial is tested <27_how_chapters_7_to_25_are_tested>` draws
+# ({doc}`the appendix on how this tutorial is tested <28_how_chapters_7_to_23_are_tested>` draws
 # the differences measured). The formulas needed $P$ from the forward (for $dV$ and $dS$) and $O$
 # (for $D$); the next section removes the need to keep $P$.
 #
@@ -220,7 +220,7 @@ print(f"its rows' sums minus 1: {below(np.abs(row_sums - 1).max(), ROUNDING)}; l
 print(inspect.getsource(flash_lib.attention_backward_tile))
 
 # %% [markdown]
-# `q` and `k` arrive already scaled (appendix 25), so `q @ kᵀ` is the forward's $S_{ij}$ bit for
+# `q` and `k` arrive already scaled (appendix 26), so `q @ kᵀ` is the forward's $S_{ij}$ bit for
 # bit; what is left of $\tau$ is applied once per block afterwards. The `matmul` argument and the
 # `np.copyto` lines keep an inf or NaN at a masked pair out of the sums (chapter 6); `scores` is
 # for the score variants (chapter 14).
@@ -408,7 +408,7 @@ print("dq, dk, dv bit-identical on 1, 2 and 4 workers:", threads_identical)
 # `flash_attention_backward`: an lse of $-\infty$ becomes $+\infty$ before the tile loop. Then
 # $e^{S_{ij} - \infty} = 0$ for every score the row could hold: its weights, its $dS$ and its
 # $dq$ row are exactly 0, and it adds nothing to $dk$, $dv$. The lse other libraries store for
-# an empty row, and how their backwards cope, are in {doc}`chapter 24 <24_other_libraries>`.
+# an empty row, and how their backwards cope, are in {doc}`chapter 25 <25_other_libraries>`.
 #
 # The cell shows the NaN, then runs the real tile function on one tile covering a masked problem
 # whose row 3 is empty, with the raw lse and the guarded one, then `flash_attention_backward` on
@@ -471,7 +471,7 @@ print("flash_attention_backward: dq row 3 exactly 0:", empty_row_zero,
 # one row: D from O equals D from P; P ∘ (dP - D) equals the explicit Jacobian's product
 # (ROUNDING = 1e-14, 45 eps: every difference "to rounding" below was at most 1e-15 at every
 # NPY_DISABLE_CPU_FEATURES level and with OpenBLAS's Haswell and Sandybridge kernels; the
-# appendix, chapter 27, draws them)
+# appendix, chapter 28, draws them)
 assert abs(D_from_p - D_from_o) <= ROUNDING * abs(D_from_o)
 assert jacobian_diff < ROUNDING
 # the dense formulas, naive and flash agree to rounding; dV is naive's own product of the same P

@@ -90,7 +90,7 @@ def backward_from_scratch(q, k, v, out, lse, dout, *, causal=False, block_q=16, 
 # %% [markdown]
 # The check: against `flash_lib.flash_attention_backward` on a problem the blocks do not divide
 # ($N_q = 150$, $N_k = 100$, $d = 24$, 32 × 48 tiles; $\tau$ is not a power of two, and
-# flash_lib places it differently, appendix 25), without and with the causal mask, which leaves
+# flash_lib places it differently, appendix 26), without and with the causal mask, which leaves
 # the first 50 rows empty, so that the guard is tested too. They agree to rounding, not bit for
 # bit: the operations differ in order. Then the loop with $D$ omitted, the classic slip of a
 # backward written from the Jacobian's first term alone: the check must fail, by a margin no

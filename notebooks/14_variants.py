@@ -481,7 +481,7 @@ print(f"lse of attention-gym's form minus ours, by head: "
 #
 # - Each variant is one step of a score, in FlashAttention's order: scale, cap, ALiBi, masks.
 #   flash equals naive, and naive the dense construction, to below $10^{-14}$
-#   ({doc}`the appendix on how this tutorial is tested <27_how_chapters_7_to_25_are_tested>` draws
+#   ({doc}`the appendix on how this tutorial is tested <28_how_chapters_7_to_23_are_tested>` draws
 #   the differences measured).
 # - The tiles `tile_schedule` lists are exactly those holding an allowed pair. A (left, 0) window
 #   computes about $N b\,(\lceil \text{left}/b \rceil + 1)$ pairs: 3.95 times the pairs needed

@@ -360,7 +360,7 @@ else:
 # - GQA pairs query head $h$ with kv head $\lfloor h / (H_q/H_{kv}) \rfloor$ (`np.repeat`, not
 #   `np.tile`), forward and backward, without copying k and v; every check to below $10^{-14}$
 #   (drawn in
-#   {doc}`the appendix on how this tutorial is tested <27_how_chapters_7_to_25_are_tested>`).
+#   {doc}`the appendix on how this tutorial is tested <28_how_chapters_7_to_23_are_tested>`).
 # - FlexAttention's `BlockMask` marks the same tiles as flash_lib, and `flex_attention` gives
 #   flash_lib's output to below $10^{-12}$ (asserted where PyTorch is installed).
 

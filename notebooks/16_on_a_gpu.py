@@ -218,7 +218,7 @@ for fn in (flash_triton.allowed_pairs, flash_triton.dot_allowed, flash_triton.mm
 
 # %% tags=["needs-triton"]
 # Bounds in eps of the input dtype, about 4x (float32) or 2x (float16) the largest error
-# measured (how: appendix 27, on testing); the lse, fp32 for both, in float32 eps, about 4x
+# measured (how: appendix 28, on testing); the lse, fp32 for both, in float32 eps, about 4x
 FWD_BOUND, LSE_BOUND, EPS32 = {"float32": 20, "float16": 2}, 25, float(np.finfo(np.float32).eps)
 
 # Nq > Nk: under causal, bottom-right, the first Nq - Nk = 100 rows of each sequence see no key

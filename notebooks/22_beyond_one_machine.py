@@ -27,7 +27,7 @@
 # ring attention forward and backward, a training step, what changes on GPUs, and a worker
 # killed mid-computation. The cluster runs on this machine (TCP on 127.0.0.1); the same graph
 # runs unchanged on many. Its settings and its speed against one process are in
-# {doc}`the appendix on how this tutorial is tested <27_how_chapters_7_to_25_are_tested>`.
+# {doc}`the appendix on how this tutorial is tested <28_how_chapters_7_to_23_are_tested>`.
 
 # %%
 import collections
@@ -54,7 +54,7 @@ d = 64
 # worker running `flash_lib` on one thread (`FLASH_LIB_THREADS=1`, set before it starts), so a
 # worker is one core; the scheduler runs in this notebook's process. (The other two settings
 # keep glibc's adaptive memory trimming and the workers' logs off this page: see
-# {doc}`the appendix <27_how_chapters_7_to_25_are_tested>`.)
+# {doc}`the appendix <28_how_chapters_7_to_23_are_tested>`.)
 
 # %%
 logging.getLogger("distributed").setLevel(logging.ERROR)

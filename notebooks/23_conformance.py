@@ -189,7 +189,7 @@ for dtype, (runs, within, ratio, floor) in flash_stats.items():
 # Sandybridge kernel the ratio reached 2.0 (float64) and 2.3 (float32), and the floor of 8 eps
 # carried the difference; in float16 the error is nearly everywhere the final rounding, the same
 # for naive, so a floor of one eps suffices.
-# {doc}`The appendix on how this tutorial is tested <27_how_chapters_7_to_25_are_tested>` lists
+# {doc}`The appendix on how this tutorial is tested <28_how_chapters_7_to_23_are_tested>` lists
 # what each CPU configuration measured.
 
 # %% tags=["hide-input"]
@@ -349,7 +349,7 @@ for claim in (None, "flash_lib"):
 # `scaled_dot_product_attention`: it forces the backend with `sdpa_kernel` (so the call fails
 # rather than silently falling back to another), and for `causal=True` passes PyTorch's own
 # bottom-right bias `torch.nn.attention.bias.causal_lower_right`, since `is_causal=True` is
-# top-left ({doc}`chapter 24 <24_other_libraries>` cites each library's conventions). Pass
+# top-left ({doc}`chapter 25 <25_other_libraries>` cites each library's conventions). Pass
 # `device="cuda"` to check the GPU backends.
 
 # %%
@@ -441,9 +441,9 @@ for name, report in real.items():
 #   float16 its lse can be up to about $5 \cdot 10^{-5}$ off (relative), far beyond float32
 #   rounding: harmless for a float16 backward, whose $P = e^{s - \text{lse}}$ is rounded to
 #   $10^{-3}$ anyway. Which cases fail depends on the CPU's vector width
-#   ({doc}`the testing appendix <27_how_chapters_7_to_25_are_tested>` traces it to the vector
+#   ({doc}`the testing appendix <28_how_chapters_7_to_23_are_tested>` traces it to the vector
 #   loop's lanes).
-# - **JAX**: a fully masked row gets uniform weights ({doc}`chapter 24 <24_other_libraries>`
+# - **JAX**: a fully masked row gets uniform weights ({doc}`chapter 25 <25_other_libraries>`
 #   says why); float64 inputs come out only as exact as float32, because
 #   `jax.nn.dot_product_attention` always computes its softmax in float32 (the comment "Softmax
 #   and it is always carried out in fp32" in `_dot_product_attention_core`,

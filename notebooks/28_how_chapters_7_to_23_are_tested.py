@@ -13,7 +13,7 @@
 # ---
 
 # %% [markdown]
-# # 27. Appendix B: how chapters 7–25 are tested and measured
+# # 28. Appendix B: how chapters 7–23 are tested and measured
 #
 # Every chapter ends with asserts, and `make test` runs every chapter under nbval, which compares
 # each cell's output with the stored one. So a chapter prints only what mathematics fixes: an
@@ -24,7 +24,7 @@
 # picks, its caches and its cores. This appendix gathers those measurements, and the figures
 # behind the limits the chapters assert, so that the chapters can stay on FlashAttention.
 # Outputs that depend on the machine are figures or tagged `nbval-ignore-output`. Chapters 1–6'
-# evidence is in {doc}`appendix A <26_how_chapters_1_to_6_are_tested>`.
+# evidence is in {doc}`appendix A <27_how_chapters_1_to_6_are_tested>`.
 
 # %% [markdown]
 # ## From chapters 7–11

@@ -13,7 +13,7 @@
 # ---
 
 # %% [markdown]
-# # 26. Appendix A: how chapters 1–6 are tested
+# # 27. Appendix A: how chapters 1–6 are tested
 #
 # Chapters 1–6 hold each rounding-level difference they meet to a bound they derive, and print
 # only whether it holds: `make test` runs every chapter under nbval, which compares each cell's
@@ -21,7 +21,7 @@
 # the evidence behind those bounds, measured on the machine that built this page, and the rule by
 # which `flash_lib` picks base e or base 2 on a CPU. What depends on the machine is in the
 # figures; the printed outputs say only whether each bound holds.
-# {doc}`Appendix B <27_how_chapters_7_to_25_are_tested>` does the same for chapters 7–25, and says
+# {doc}`Appendix B <28_how_chapters_7_to_23_are_tested>` does the same for chapters 7–23, and says
 # what on a machine decides those last bits.
 
 # %% [markdown]

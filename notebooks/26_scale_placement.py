@@ -13,7 +13,7 @@
 # ---
 
 # %% [markdown]
-# # 25. Appendix: where flash_lib applies the scale
+# # 26. Appendix: where flash_lib applies the scale
 #
 # FlashAttention computes $S = \tau\, Q K^\top$; where the multiplication by $\tau$ happens is an
 # implementation's choice (FlashAttention-2 scales the scores in registers; Triton's tutorial

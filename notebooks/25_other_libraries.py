@@ -13,7 +13,7 @@
 # ---
 
 # %% [markdown]
-# # 24. Appendix: what other libraries do
+# # 25. Appendix: what other libraries do
 #
 # `flash_lib` fixes three conventions that real libraries do not share: what a row with no
 # allowed key returns (its output, and its lse), and where the causal diagonal sits when
