@@ -94,13 +94,15 @@ _B0, _B1, _B2, _B3, _B4, _B5, _B6 = (_f32(c) for c in (
 _ZERO_32, _INF_32 = _f32(0.0), _f32(np.inf)
 
 
-def _exp_row_64(x, shift, out, bits):
-    """``out[c] = e^(x[c] - shift)`` for float64 rows; ``bits`` (int64, as long) is scratch.
-    Two loops, both vectorised: the polynomial with ``2^n``'s bits, then the product."""
-    n_ = x.shape[0]
+def _exp_row_64(row, shift, bits):
+    """``row[c] = e^(row[c] - shift)`` in place, for a float64 row; ``bits`` (int64, as long) is
+    scratch. Two loops, both vectorised: the polynomial with ``2^n``'s bits, then the product.
+    In place on purpose: with a separate input that may alias the output, the vectoriser's
+    runtime overlap check fails when they are the same row and the scalar loop runs."""
+    n_ = row.shape[0]
     two_n = bits.view(np.float64)
     for c in range(n_):
-        xc = x[c] - shift
+        xc = row[c] - shift
         y = xc if xc > _LO_64 else _LO_64
         y = y if y < _HI_64 else _HI_64
         n = (y * _LOG2E_64 + _ROUND_64) - _ROUND_64  # round(y / ln 2)
@@ -120,18 +122,18 @@ def _exp_row_64(x, shift, out, bits):
         p = 0.0 if xc < _LO_64 else p  # -inf and the underflowing tail
         p = np.inf if xc > _HI_64 else p
         p = xc if xc != xc else p  # NaN stays NaN
-        out[c] = p
+        row[c] = p
         bits[c] = (np.int64(n) + 1023) << 52  # 2^n, n in [-1021, 1023]: a normal number
     for c in range(n_):
-        out[c] *= two_n[c]
+        row[c] *= two_n[c]
 
 
-def _exp_row_32(x, shift, out, bits):
-    """:func:`_exp_row_64` for float32 rows (``bits`` int32)."""
-    n_ = x.shape[0]
+def _exp_row_32(row, shift, bits):
+    """:func:`_exp_row_64` for a float32 row (``bits`` int32)."""
+    n_ = row.shape[0]
     two_n = bits.view(np.float32)
     for c in range(n_):
-        xc = x[c] - shift
+        xc = row[c] - shift
         y = xc if xc > _LO_32 else _LO_32
         y = y if y < _HI_32 else _HI_32
         n = (y * _LOG2E_32 + _ROUND_32) - _ROUND_32
@@ -146,19 +148,19 @@ def _exp_row_32(x, shift, out, bits):
         p = _ZERO_32 if xc < _LO_32 else p
         p = _INF_32 if xc > _HI_32 else p
         p = xc if xc != xc else p
-        out[c] = p
+        row[c] = p
         bits[c] = (np.int32(n) + np.int32(127)) << np.int32(23)
     for c in range(n_):
-        out[c] *= two_n[c]
+        row[c] *= two_n[c]
 
 
-def _exp_row(x, shift, out, bits):  # the compiled code's: its overload picks the dtype's
+def _exp_row(row, shift, bits):  # the compiled code's: its overload picks the dtype's
     raise NotImplementedError  # pragma: no cover - only its overload runs
 
 
 @numba.extending.overload(_exp_row, jit_options=dict(fastmath=_FASTMATH))
-def _exp_row_overload(x, shift, out, bits):
-    return _exp_row_32 if x.dtype == numba.types.float32 else _exp_row_64
+def _exp_row_overload(row, shift, bits):
+    return _exp_row_32 if row.dtype == numba.types.float32 else _exp_row_64
 
 
 def _bits_dtype(dtype):
@@ -166,8 +168,8 @@ def _bits_dtype(dtype):
 
 
 @numba.njit(**_JIT)
-def _exp_array(x, out, bits):
-    _exp_row(x, x.dtype.type(0), out, bits)
+def _exp_array(out, bits):
+    _exp_row(out, out.dtype.type(0), bits)
 
 
 def exp(x):
@@ -177,9 +179,8 @@ def exp(x):
     x = np.asarray(x)
     if x.dtype not in (np.float32, np.float64):
         raise TypeError(f"x must be a float32 or float64 array, got dtype {x.dtype}")
-    flat = np.ascontiguousarray(x).reshape(-1)
-    out = np.empty_like(flat)
-    _exp_array(flat, out, np.empty(flat.shape, _bits_dtype(x.dtype)))
+    out = np.array(x, order="C").reshape(-1)  # a copy, computed in place
+    _exp_array(out, np.empty(out.shape, _bits_dtype(x.dtype)))
     return out.reshape(x.shape)
 
 
@@ -269,7 +270,7 @@ def _forward_tile(s, m, l, acc, mask, use_mask, diag, bits):
         m_ref = zero if m_new == -np.inf else m_new  # no allowed key yet: e^(-inf - 0) = 0
         alpha = math.exp(m_old - m_ref)  # once per row: libm is fine
         if stop > 0:
-            _exp_row(row[:stop], m_ref, row[:stop], bits[:stop])
+            _exp_row(row[:stop], m_ref, bits[:stop])
         l[r] = l[r] * alpha + _row_sum(row, stop)
         m[r] = m_new
         if alpha != 1:
@@ -324,7 +325,7 @@ def _backward_tile(s, dp, lse, D, mask, use_mask, diag, bits):
         if use_mask:
             _mask_row(row, mask[r], stop)
         if stop > 0:
-            _exp_row(row[:stop], lse[r], row[:stop], bits[:stop])
+            _exp_row(row[:stop], lse[r], bits[:stop])
         d = D[r]
         for c in range(stop):
             drow[c] = row[c] * (drow[c] - d)
