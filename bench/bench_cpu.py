@@ -72,21 +72,21 @@ def tile_floor(dtype, block_q, block_k, seconds=0.5):
     m, l = np.zeros(block_q, dtype), np.ones(block_q, dtype)
     acc, pv = np.zeros((block_q, D), dtype), np.empty((block_q, D), dtype)
     lse, dsum = np.full(block_q, 8.0, dtype), np.zeros(block_q, dtype)
-    bits = np.empty(block_k, flash_cpu._bits_dtype(dtype))  # noqa: SLF001 - a bench of its internals
     no_mask = np.ones((1, 1), bool)
     dk, dq = np.zeros((block_k, D), dtype), np.zeros((block_q, D), dtype)
     each = seconds / 9
     with threadpool_limits(1, user_api="blas"):
         np.matmul(q, k.T, out=s)
         fwd = {"S = QKᵀ": _best(lambda: np.matmul(q, k.T, out=s), each),
+               # the fused passes are flash_cpu's internals: a bench of them
                "fused pass": _best(lambda: flash_cpu._forward_tile(  # noqa: SLF001
-                   s, m, l, acc, no_mask, False, block_k, bits), each),
+                   s, m, l, acc, no_mask, False, block_k), each),
                "acc += PV": _best(lambda: np.add(acc, np.matmul(s, v, out=pv), out=acc), each)}
         np.matmul(do, v.T, out=dp)
         bwd = {"S = QKᵀ": fwd["S = QKᵀ"],
                "dP = dO Vᵀ": _best(lambda: np.matmul(do, v.T, out=dp), each),
                "fused pass": _best(lambda: flash_cpu._backward_tile(  # noqa: SLF001
-                   s, dp, lse, dsum, no_mask, False, block_k, bits), each),
+                   s, dp, lse, dsum, no_mask, False, block_k), each),
                "dV += Pᵀ dO": _best(lambda: np.add(dk, s.T @ do, out=dk), each),
                "dK += dSᵀ Q": _best(lambda: np.add(dk, dp.T @ q, out=dk), each),
                "dQ += dS K": _best(lambda: np.add(dq, np.matmul(dp, k), out=dq), each)}

@@ -215,7 +215,7 @@ def test_backward_with_nonfinite_inputs_is_flash_libs():
 @pytest.mark.parametrize("dtype, lo, max_ulps", [(np.float64, -708.0, 1.0), (np.float32, -87.0, 1.5)])
 def test_exponential_is_within_ulps(dtype, lo, max_ulps):
     """Over [lo, 0] (what the kernels pass it) against exp in long double: at most 1 ulp in
-    float64 and 1.5 in float32 (measured: 0.85 and 1.03; np.exp's own is 0.68 in float64), far
+    float64 and 1.5 in float32 (measured: 0.93 and 1.03; np.exp's own: 0.68 and 2.30), far
     inside flash_check's bound, which allows twice naive attention's error. Long double has 64 bits of mantissa on x86; on a machine
     where it is float64 the reference is np.exp's own, within its ~1 ulp."""
     x = np.concatenate([np.linspace(lo, 0, 200_001), -np.geomspace(1e-30, 1, 10_001)]).astype(dtype)
