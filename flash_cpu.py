@@ -253,17 +253,19 @@ def _row_sum(row, stop):
 
 @numba.njit(**_JIT)
 def _mask_row(row, mask_row, stop):
-    """-inf where ``mask_row`` is False, over ``row[:stop]``."""
+    """-inf where ``mask_row[c]`` is False, over ``row[:stop]``."""
     ninf = row.dtype.type(-np.inf)
     for c in range(stop):
         row[c] = row[c] if mask_row[c] else ninf
 
 
 @numba.njit(**_JIT)
-def _forward_tile(s, m, l, acc, mask, use_mask, diag):
+def _forward_tile(s, m, l, acc, mask, use_mask, diag, q0, k0):
     """Fold one tile of scores ``s`` (rows × keys, scaled) into its rows' ``m``, ``l``, ``acc``
-    in one pass, leaving ``P`` in ``s``. Row ``r`` may attend key ``c`` iff ``mask[r, c]`` (with
-    ``use_mask``) and ``c <= r + diag`` (causal; a ``diag`` >= keys means no cut).
+    in one pass, leaving ``P`` in ``s``. Row ``r`` may attend key ``c`` iff
+    ``mask[q0 + r, k0 + c]`` (with ``use_mask``; the whole batch entry's mask, so that it is
+    compiled for one array layout, not one per tile shape) and ``c <= r + diag`` (causal; a
+    ``diag`` >= keys means no cut).
 
     Per row, while it is in L1: mask; allowed prefix; max; ``m' = max(m, max_c s)``;
     ``p = e^(s - m')`` (0 past the prefix); ``l' = l·e^(m - m') + Σ p``; ``acc *= e^(m - m')``.
@@ -275,7 +277,7 @@ def _forward_tile(s, m, l, acc, mask, use_mask, diag):
         row = s[r]
         stop = min(max(r + diag + 1, 0), keys)  # keys [0, stop) pass the causal cut
         if use_mask:
-            _mask_row(row, mask[r], stop)
+            _mask_row(row, mask[q0 + r, k0:], stop)
         for c in range(stop, keys):
             row[c] = zero
         m_old = m[r]
@@ -292,7 +294,7 @@ def _forward_tile(s, m, l, acc, mask, use_mask, diag):
 
 
 @numba.njit(**_JIT)
-def _add_bad_keys(p, acc, v_raw, bad, mask, use_mask, diag):
+def _add_bad_keys(p, acc, v_raw, bad, mask, use_mask, diag, q0, k0):
     """``acc[r] += p[r, c]·v[c]`` in IEEE arithmetic for each key ``c`` in ``bad`` (inf or NaN
     in its ``v`` row, zeroed in the ``V`` BLAS multiplied) and each row ``r`` allowed to attend
     it: so an inf or NaN reaches exactly those rows, as ``0·inf`` would not for the others."""
@@ -300,7 +302,7 @@ def _add_bad_keys(p, acc, v_raw, bad, mask, use_mask, diag):
     dv = acc.shape[1]
     for c in bad:
         for r in range(rows):
-            if c > r + diag or (use_mask and not mask[r, c]):
+            if c > r + diag or (use_mask and not mask[q0 + r, k0 + c]):
                 continue
             w = p[r, c]
             for e in range(dv):
@@ -326,7 +328,7 @@ def _finalize(acc, l, m, out, lse, want_lse):
 
 
 @numba.njit(**_JIT)
-def _backward_tile(s, dp, lse, D, mask, use_mask, diag):
+def _backward_tile(s, dp, lse, D, mask, use_mask, diag, q0, k0):
     """One backward tile, one pass: ``P = e^(S - lse)`` into ``s`` and ``dS = P ∘ (dP - D)``
     into ``dp``, both exactly 0 where a pair is not allowed (``lse`` is +inf for an empty row;
     the inputs are finite, so ``0 · (dP - D)`` is 0)."""
@@ -336,7 +338,7 @@ def _backward_tile(s, dp, lse, D, mask, use_mask, diag):
         row, drow = s[r], dp[r]
         stop = min(max(r + diag + 1, 0), keys)
         if use_mask:
-            _mask_row(row, mask[r], stop)
+            _mask_row(row, mask[q0 + r, k0:], stop)
         if stop > 0:
             _exp_row(row[:stop], lse[r])
         d = D[r]
@@ -515,12 +517,12 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=
             k_stop = min(k_start + bk, n_k)
             s = np.matmul(q_i, k_s[b, k_start:k_stop].T, out=_tile(s_buf, rows, k_stop - k_start))
             diag = q_start + n_k - n_q - k_start if causal else k_stop - k_start
-            tile_mask = mb[q_start:q_stop, k_start:k_stop] if use_mask else mb
-            _forward_tile(s, m, l, acc, tile_mask, use_mask, diag)
+            _forward_tile(s, m, l, acc, mb, use_mask, diag, q_start, k_start)
             acc += np.matmul(s, v_mm[b, k_start:k_stop], out=_tile(pv_buf, rows, dv))
             bad_here = np.flatnonzero(bad[b, k_start:k_stop])
             if bad_here.size:
-                _add_bad_keys(s, acc, v3[b, k_start:k_stop], bad_here, tile_mask, use_mask, diag)
+                _add_bad_keys(s, acc, v3[b, k_start:k_stop], bad_here, mb, use_mask, diag,
+                              q_start, k_start)
         _finalize(acc, l, m, out[b, q_start:q_stop], lse[b, q_start:q_stop], return_lse)
 
     units = [(b, s, min(s + bq, n_q)) for s in range(0, n_q, bq) for b in range(n_b)]
@@ -588,9 +590,8 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
                 s = np.matmul(q_i, ks_j.T, out=_tile(s_buf, rows, keys))
                 dp = np.matmul(do_i, v_j.T, out=_tile(dp_buf, rows, keys))
                 diag = q_start + n_k - n_q - k_start if causal else keys
-                tile_mask = mb[q_start:q_stop, k_start:k_stop] if use_mask else mb
-                _backward_tile(s, dp, lse3[b, q_start:q_stop], D[b, q_start:q_stop], tile_mask,
-                               use_mask, diag)
+                _backward_tile(s, dp, lse3[b, q_start:q_stop], D[b, q_start:q_stop], mb,
+                               use_mask, diag, q_start, k_start)
                 dv_j += s.T @ do_i
                 dk_j += dp.T @ q_i
                 share = np.matmul(dp, ks_j, out=_tile(dq_buf, rows, d))  # times τ_q at the end

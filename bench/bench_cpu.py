@@ -80,13 +80,13 @@ def tile_floor(dtype, block_q, block_k, seconds=0.5):
         fwd = {"S = QKᵀ": _best(lambda: np.matmul(q, k.T, out=s), each),
                # the fused passes are flash_cpu's internals: a bench of them
                "fused pass": _best(lambda: flash_cpu._forward_tile(  # noqa: SLF001
-                   s, m, l, acc, no_mask, False, block_k), each),
+                   s, m, l, acc, no_mask, False, block_k, 0, 0), each),
                "acc += PV": _best(lambda: np.add(acc, np.matmul(s, v, out=pv), out=acc), each)}
         np.matmul(do, v.T, out=dp)
         bwd = {"S = QKᵀ": fwd["S = QKᵀ"],
                "dP = dO Vᵀ": _best(lambda: np.matmul(do, v.T, out=dp), each),
                "fused pass": _best(lambda: flash_cpu._backward_tile(  # noqa: SLF001
-                   s, dp, lse, dsum, no_mask, False, block_k), each),
+                   s, dp, lse, dsum, no_mask, False, block_k, 0, 0), each),
                "dV += Pᵀ dO": _best(lambda: np.add(dk, s.T @ do, out=dk), each),
                "dK += dSᵀ Q": _best(lambda: np.add(dk, dp.T @ q, out=dk), each),
                "dQ += dS K": _best(lambda: np.add(dq, np.matmul(dp, k), out=dq), each)}
