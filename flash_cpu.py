@@ -439,7 +439,8 @@ def _split_scale(scale):
 def _flat(x, batch, dtype):
     """``x`` broadcast to ``batch`` leading dims, as ``(B, rows, cols)`` in C order, ``dtype``."""
     x = np.broadcast_to(np.asarray(x), batch + x.shape[-2:])
-    return np.ascontiguousarray(x.reshape((-1,) + x.shape[-2:]), dtype=dtype)
+    # math.prod, not -1: a reshape cannot infer -1 when there are no queries or keys
+    return np.ascontiguousarray(x.reshape((math.prod(batch),) + x.shape[-2:]), dtype=dtype)
 
 
 def _mask3(mask, batch, n_q, n_k):
@@ -448,7 +449,7 @@ def _mask3(mask, batch, n_q, n_k):
     if mask is None:
         return np.ones((1, 1, 1), bool), False
     mask = np.broadcast_to(np.asarray(mask), batch + (n_q, n_k))
-    return mask.reshape((-1, n_q, n_k)), True
+    return mask.reshape((math.prod(batch), n_q, n_k)), True
 
 
 def _setup(q, k, v, mask, causal, scale, block_q, block_k, **saved):
