@@ -21,16 +21,13 @@ the compiled code from ``__pycache__`` (``cache=True``).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_flash, beside this
-
-import flash_lib  # noqa: E402
-from flash_bench import best_times  # noqa: E402
+import flash_lib
+from flash_bench import best_times
 
 D = 64
 DTYPES = {"float64": np.float64, "float32": np.float32}
