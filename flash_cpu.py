@@ -489,8 +489,9 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=
 
     ``flash_lib.flash_attention``'s arguments, results and contracts for this subset (the
     module docstring); the same checks and errors (``flash_lib.check_inputs``). Scratch per
-    worker thread: one ``block_q × block_k`` tile and ``block_q × dv`` accumulators; besides, the inputs in C order in the compute dtype (a copy when they are
-    not already), and with an inf or NaN in ``v`` a copy of it with those rows zeroed.
+    worker thread: one ``block_q × block_k`` tile and ``block_q × dv`` accumulators; besides,
+    the inputs in C order in the compute dtype (a copy when they are not already), and with an
+    inf or NaN in ``v`` a copy of it with those rows zeroed.
     """
     checked, q3, _, k_s, v3, mask3, use_mask = _setup(q, k, v, mask, causal, scale, block_q,
                                                         block_k)
@@ -515,6 +516,8 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=
         acc = np.zeros((rows, dv), dtype)
         mb = mask3[b if mask3.shape[0] > 1 else 0]
         for k_start in range(0, _key_stop(causal, q_stop, n_q, n_k), bk):
+            if cancelled.is_set():  # another worker failed: stop before the next tile
+                return
             k_stop = min(k_start + bk, n_k)
             s = np.matmul(q_i, k_s[b, k_start:k_stop].T, out=_tile(s_buf, rows, k_stop - k_start))
             diag = q_start + n_k - n_q - k_start if causal else k_stop - k_start
