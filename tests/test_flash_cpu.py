@@ -15,7 +15,8 @@ import flash_lib
 DTYPES = [np.float64, np.float32]
 EPS = {np.float64: np.finfo(np.float64).eps, np.float32: np.finfo(np.float32).eps}
 # flash_cpu against flash_lib, per row: both are within a few eps of the exact result (flash_check
-# holds each to twice naive's error), so their difference is too; measured below 8 eps here.
+# holds each to twice naive's error), so their difference is too; the forward configs below
+# measured 8.0 eps (float64) and 10.4 eps (float32) at most here.
 TOL = 64
 
 
