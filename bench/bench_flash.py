@@ -23,6 +23,9 @@ Measured side by side in one run, for d = 64 and N queries = N keys:
   against the same batch padded to 4096 with a key mask: tiles visited and time;
 * training features at N = 4096: fwd+bwd with dropout (p = 0.1) and with a sink against fwd+bwd
   without, in each dtype (``--training-only`` runs just these rows and their targets);
+* flash_cpu, the fused CPU kernel (``bench_cpu.py``, ``--cpu-sizes``): its tile floor (two
+  matmuls and one fused pass), and its forward and fwd+bwd beside flash_lib and torch SDPA,
+  interleaved in the same rounds, with its % of GEMM and issue 38's targets;
 * a closing "targets" section: each criterion of ``TARGETS`` (what is measured, the bound, why),
   PASS or FAIL, with the number.
 
@@ -68,6 +71,7 @@ import numpy as np
 import flash_bench
 import flash_lib
 import flash_serving
+import bench_cpu  # bench/bench_cpu.py, beside this script: flash_cpu's section
 import tile_ops  # bench/tile_ops.py, beside this script
 from flash_bench import best_times, load_average
 
@@ -1150,6 +1154,9 @@ def parse_args(argv):
     p.add_argument("--backward-sizes", type=int, nargs="*",
                    help="N values of the fwd+bwd table (default 1024 ... 16384; quick: 1024 "
                         "2048 4096; none: skip)")
+    p.add_argument("--cpu-sizes", type=int, nargs="*",
+                   help="N values of flash_cpu's rows (bench_cpu.py; default 2048 4096 8192; "
+                        "quick: 2048 4096; none: skip)")
     p.add_argument("--window-sizes", type=int, nargs="*",
                    help="N values of the sliding-window rows (default 4096 8192 16384 32768; "
                         "quick: 4096 8192; none: skip the variants section)")
@@ -1192,12 +1199,15 @@ def parse_args(argv):
         args.big = 0 if args.quick else 32768
     if args.backward_sizes is None:
         args.backward_sizes = QUICK_SIZES if args.quick else FULL_SIZES
+    if args.cpu_sizes is None:
+        args.cpu_sizes = [2048, 4096] if args.quick else [2048, 4096, 8192]
     if args.window_sizes is None:
         args.window_sizes = [4096, 8192] if args.quick else [4096, 8192, 16384, 32768]
     for flag in ("block_q", "block_k", "sweep_n", "gemm_n"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be a positive integer")
-    if min(args.sizes + args.causal_sizes + args.backward_sizes) < 1 or args.big < 0:
+    if min(args.sizes + args.causal_sizes + args.backward_sizes + args.cpu_sizes) < 1 \
+            or args.big < 0:
         p.error("sizes must be positive integers")
     return args
 
@@ -1225,6 +1235,10 @@ def main(argv=None):
             causal_table(args, torch)
         big = big_n(args) if args.big else None
         backward = backward_table(args, torch) if args.backward_sizes else []
+        if args.cpu_sizes:
+            RECORDS.extend(bench_cpu.cpu_table(args.cpu_sizes, args.dtypes, torch, args.seconds,
+                                               log, gemm=lambda name: gemm(name, args.gemm_n),
+                                               gemm_peak=GEMM_PEAK))
         variants = variants_table(args) if args.window_sizes else []
         packed = packed_table(args)
         training = training_table(args) if args.training_n else []
