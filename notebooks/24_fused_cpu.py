@@ -21,7 +21,7 @@
 # tile, and some write it back. On a CPU the "slow memory" is one level down: the tile
 # (`512 × 512` float64 scores, 2 MiB) lives in L2 or L3, and each pass streams it through L1.
 #
-# `flash_cpu` (issue 38) keeps the two matmuls as BLAS calls and does everything between them in
+# `flash_cpu` keeps the two matmuls as BLAS calls and does everything between them in
 # **one** compiled pass per tile (Numba), row by row while a row (`block_k` scores, 4 KiB in
 # float64 at 512) sits in L1: mask, running max, exponential, row sum, rescale. This chapter
 # counts the bytes each moves between L1 and the tile's level, checks that the fused kernel
@@ -64,13 +64,10 @@ def tile_bytes(passes, block_q, block_k, itemsize):
     return sum(r + w for r, w in passes.values()) * block_q * block_k * itemsize
 
 
+# a model, counted from the tables above (nothing here is measured, so nothing is asserted)
 numpy_bytes = tile_bytes(NUMPY_PASSES, 512, 512, 8)  # flash_lib's default tile, float64
 fused_bytes = tile_bytes(FUSED_PASSES, 512, 512, 8)
-assert numpy_bytes == 8 * 2**21 and fused_bytes == 4 * 2**21
-assert numpy_bytes == 2 * fused_bytes
-# per score: 4·d flops (two matmuls, d = 64) against 64 and 32 bytes in float64
-flops_per_score = 4 * 64
-assert flops_per_score / (numpy_bytes / 512**2) == 4 and flops_per_score / (fused_bytes / 512**2) == 8
+flops_per_score = 4 * 64  # two matmuls, d = 64
 print(f"one 512 × 512 float64 tile: NumPy's passes move {numpy_bytes / 2**20:.0f} MiB, "
       f"the fused kernel's {fused_bytes / 2**20:.0f} MiB")
 print(f"flops per byte at the tile's level: {flops_per_score * 512**2 / numpy_bytes:.0f} against "
@@ -95,7 +92,7 @@ print(f"flops per byte at the tile's level: {flops_per_score * 512**2 / numpy_by
 # SIMD lanes).
 
 # %%
-rng = np.random.default_rng(26)
+rng = np.random.default_rng(24)
 q, k, v = (rng.standard_normal((2, 300, 64)) for _ in range(3))
 mask = rng.random((300, 300)) < 0.8
 mask[17] = False  # an empty row
