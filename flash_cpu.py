@@ -37,15 +37,12 @@ of a fresh checkout compiles for a few seconds, later processes load the machine
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
 import threading
 
 import numba
 import numpy as np
-from threadpoolctl import ThreadpoolController
 
 import flash_lib
 
@@ -350,80 +347,6 @@ def _backward_tile(s, dp, lse, D, mask, use_mask, diag, q0, k0):
 
 
 # --------------------------------------------------------------------------------------------
-# Threads, BLAS at one thread
-# --------------------------------------------------------------------------------------------
-
-_BLAS = ThreadpoolController().select(user_api="blas").lib_controllers
-_LOCK = threading.Lock()  # one call at a time changes BLAS's process-wide thread count
-
-
-def _set_blas_threads(lib, n):
-    # OpenBLAS (pthreads) keeps one process-wide count; threadpoolctl >= 3.8 ignores a setting
-    # from a thread other than its first caller's, so OpenBLAS's own setter is called.
-    if lib.internal_api == "openblas" and lib.threading_layer != "openmp":
-        for name in ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_",
-                     "openblas_set_num_threads64_", "scipy_openblas_set_num_threads"):
-            setter = getattr(lib.dynlib, name, None)
-            if setter is not None:
-                setter(n)
-                return
-    lib.set_num_threads(n)
-
-
-@contextlib.contextmanager
-def _one_blas_thread():
-    """BLAS at one thread for the call: the thread count changes how OpenBLAS splits a matmul,
-    and so its rounding; and the kernel's own threads use the cores."""
-    with _LOCK:
-        found = [(lib, lib.get_num_threads()) for lib in _BLAS]
-        for lib, _ in found:
-            _set_blas_threads(lib, 1)
-        try:
-            yield
-        finally:
-            for lib, n in found:
-                if n is not None:
-                    _set_blas_threads(lib, n)
-
-
-def _run(work, units, n_scores):
-    """``work(unit, cancelled)`` for every unit, on ``flash_lib.worker_count`` threads (each in
-    a copy of the caller's context, so ``np.errstate`` holds there), BLAS at one; the first
-    exception of a worker sets ``cancelled`` and is raised here once all have stopped."""
-    workers = flash_lib.worker_count(len(units), n_scores)
-    cancelled = threading.Event()
-    with _one_blas_thread():
-        if workers <= 1:
-            for unit in units:
-                work(unit, cancelled)
-            return
-        queue, take, errors = iter(units), threading.Lock(), []
-
-        def worker():
-            for lib in _BLAS:  # an OpenMP BLAS keeps its count per thread
-                if lib.threading_layer == "openmp":
-                    lib.set_num_threads(1)
-            while not cancelled.is_set():
-                with take:
-                    unit = next(queue, None)
-                if unit is None:
-                    return
-                try:
-                    work(unit, cancelled)
-                except BaseException as error:  # noqa: B036 - re-raised by the caller
-                    errors.append(error)
-                    cancelled.set()
-        threads = [threading.Thread(target=contextvars.copy_context().run, args=(worker,),
-                                    name=f"flash_cpu_{n}") for n in range(workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-
-
-# --------------------------------------------------------------------------------------------
 # The inputs, as the compiled passes take them
 # --------------------------------------------------------------------------------------------
 
@@ -531,7 +454,7 @@ def flash_attention(q, k, v, *, mask=None, causal=False, scale=None, return_lse=
 
     units = [(b, s, min(s + bq, n_q)) for s in range(0, n_q, bq) for b in range(n_b)]
     with np.errstate(invalid="ignore"):  # inf - inf where a row meets an inf: its NaN is due
-        _run(work, units, n_b * n_q * n_k)
+        flash_lib.run_blocks(work, units, n_scores=n_b * n_q * n_k)
     out = out.reshape(checked.batch + (n_q, dv)).astype(checked.out_dtype, copy=False)
     return (out, lse.reshape(checked.batch + (n_q,))) if return_lse else out
 
@@ -564,14 +487,13 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
     lse3 = np.ascontiguousarray(np.broadcast_to(np.asarray(lse), checked.batch + (n_q,)),
                                 dtype=dtype).reshape(n_b, n_q)
     lse3 = np.where(lse3 == -np.inf, dtype.type(np.inf), lse3)  # empty rows: P = e^(-inf) = 0
-    D = np.einsum("bic,bic->bi", do3, o3)  # rowsum(dO ∘ O), once per row
+    D = np.multiply(do3, o3).sum(axis=-1)  # rowsum(dO ∘ O), once per row; pairwise, as flash_lib
     dq = np.zeros((n_b, n_q, d), dtype)
     dk = np.zeros((n_b, n_k, d), dtype)
     dvv = np.zeros((n_b, n_k, dv), dtype)
     bq, bk = min(block_q, max(n_q, 1)), min(block_k, max(n_k, 1))
     n_qb = -(-n_q // bq)
-    turns = [[0] * n_qb for _ in range(n_b)]  # turns[b][i]: the key block whose dQ_i share is next
-    turn = threading.Condition()
+    turns = [flash_lib.InOrder(n_qb) for _ in range(n_b)]  # dQ_i's shares in key-block order
     local = threading.local()
 
     def work(unit, cancelled):
@@ -599,20 +521,16 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, mask=None, causal=False
                 dv_j += s.T @ do_i
                 dk_j += dp.T @ q_i
                 share = np.matmul(dp, ks_j, out=_tile(dq_buf, rows, d))  # times τ_q at the end
-            with turn:  # dQ_i += dS_ij K_j, in key-block order
-                while turns[b][i] != j:
-                    if cancelled.is_set():  # the block before failed: its turn never comes
-                        return
-                    turn.wait(0.05)
+            with turns[b].turn(i, j, cancelled) as mine:  # dQ_i += dS_ij K_j, key-block order
+                if not mine:  # cancelled: the block before failed, its turn never comes
+                    return
                 if visit:
                     dq[b, q_start:q_stop] += share
-                turns[b][i] = j + 1
-                turn.notify_all()
         dk[b, k_start:k_stop] = dk_j * dtype.type(scale_k)
         dvv[b, k_start:k_stop] = dv_j
 
     units = [(b, s, min(s + bk, n_k)) for b in range(n_b) for s in range(0, n_k, bk)]
-    _run(work, units, n_b * n_q * n_k)
+    flash_lib.run_blocks(work, units, n_scores=n_b * n_q * n_k)
     dq *= dtype.type(scale_q)
     batch = checked.batch
     grads = []

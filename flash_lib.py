@@ -116,6 +116,8 @@ __all__ = [
     "threads",
     "thread_count",
     "worker_count",
+    "run_blocks",
+    "InOrder",
     "measure_peak_bytes",
     "rowwise_relative_error",
 ]
@@ -756,3 +758,19 @@ def worker_count(n_blocks, n_scores):
     below 2²⁰ scores, where a thread pool costs more than it saves, else up to
     :func:`thread_count`, at most one per block."""
     return _runtime.worker_count(thread_count(), n_blocks, n_scores)
+
+
+def run_blocks(work_on, blocks, *, n_scores):
+    """Call ``work_on(block, cancelled)`` for every block of the sequence ``blocks`` on the
+    kernels' threads (:func:`worker_count` of them), as flash_lib's own kernels run their query
+    or key blocks: BLAS held at one thread (its thread count changes its rounding), each worker in
+    a copy of the caller's context (``np.errstate`` holds there), and on the first exception of a
+    worker or a Ctrl-C, ``cancelled`` (a ``threading.Event``) set, every worker stopped before its
+    next tile, and the exception raised here. For kernels built beside flash_lib (flash_cpu)."""
+    _runtime.run_blocks(work_on, blocks, n_blocks=len(blocks), n_scores=n_scores,
+                        threads=thread_count())
+
+
+#: Turns for adding shares to shared rows in a fixed order whatever thread is ready first
+#: (the backward's dQ_i, in key-block order): ``with turns.turn(i, j, cancelled) as mine:``.
+InOrder = _runtime.InOrder

@@ -3,6 +3,7 @@ backward, float32 and float64, causal, masks, empty rows, inf and NaN at masked 
 its exponential's accuracy in ulps, its errors, and flash_check's cases."""
 
 import functools
+import threading
 import warnings
 
 import numpy as np
@@ -120,14 +121,26 @@ def test_same_bits_on_any_number_of_threads(dtype):
     rng = np.random.default_rng(4)
     q, k, v = _inputs(rng, (2,), 1024, 1024, 16, 16, dtype)
     dout = rng.standard_normal(q.shape).astype(dtype)
-    results = []
+    results, workers = [], {}
+    forward_tile, backward_tile = flash_cpu._forward_tile, flash_cpu._backward_tile
+
+    def seen(tile, n):  # the compiled pass, and the thread that called it
+        def record(*args):
+            workers.setdefault(n, set()).add(threading.get_ident())
+            return tile(*args)
+        return record
+
     for n in (1, 2, 3):
-        with flash_lib.threads(n):
+        with flash_lib.threads(n), pytest.MonkeyPatch.context() as patch:
+            patch.setattr(flash_cpu, "_forward_tile", seen(forward_tile, n))
+            patch.setattr(flash_cpu, "_backward_tile", seen(backward_tile, n))
             assert flash_lib.worker_count(8, 2 * 1024 * 1024) == min(n, 8)
             out, lse = flash_cpu.flash_attention(q, k, v, causal=True, return_lse=True)
             grads = flash_cpu.flash_attention_backward(q, k, v, out, lse, dout, causal=True,
                                                        block_k=128)
         results.append((out, lse) + grads)
+    # the demonstration is worth something only if more than one thread ran the tiles
+    assert len(workers[1]) == 1 and len(workers[2]) > 1 and len(workers[3]) > 1, workers
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert np.array_equal(a, b)
