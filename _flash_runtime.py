@@ -153,34 +153,40 @@ def _on_threads(work, workers, cancelled):
     then every thread already started is waited for before the exception goes on, so that none
     is left running after the call. (Threads of our own rather than a ThreadPoolExecutor, whose
     ``submit`` interrupted between starting a thread and recording it leaves that thread
-    unjoined.)
+    unjoined.) The caller waits on each worker's own ``done`` event and joins only once that is
+    set: a ``Thread.join`` interrupted by Ctrl-C can mark a thread that is still running as
+    stopped, after which the next ``join`` returns at once (CPython 3.9-3.11,
+    python/cpython#90882), and a worker would outlive the call.
     """
     errors, launched = [], []
 
-    def worker(began):
+    def worker(began, done):
         began.set()
         try:
             work()
         except BaseException as error:  # noqa: B036 - reaches the caller once all have stopped
             errors.append(error)
             cancelled.set()
+        finally:
+            done.set()
 
     try:
         for n in range(workers):
-            began = threading.Event()
-            thread = threading.Thread(target=contextvars.copy_context().run, args=(worker, began),
-                                      name=f"flash_lib_{n}")
-            launched.append((thread, began))
+            began, done = threading.Event(), threading.Event()
+            thread = threading.Thread(target=contextvars.copy_context().run,
+                                      args=(worker, began, done), name=f"flash_lib_{n}")
+            launched.append((thread, began, done))
             thread.start()
-        for thread, _ in launched:
-            thread.join()
+        for _, _, done in launched:
+            done.wait()
     finally:
         cancelled.set()
-        for thread, began in launched:
+        for thread, began, done in launched:
             # started, or its start() interrupted while the thread was already on its way
             if began.is_set() or thread in threading.enumerate():
                 began.wait()
-                thread.join()
+                done.wait()
+                thread.join()  # its first join: never one that Ctrl-C interrupted
     if errors:
         raise errors[0]
 
