@@ -16,21 +16,12 @@
 # # 7. Exactness: error against the magnitude of the scores
 #
 # "Exact" attention means no approximation, not no rounding: every kernel rounds. This chapter
-# measures how much, and shows that tiling changes it by no more than a small factor:
-#
-# - the error, row by row, of `flash_attention` and `naive_attention` against a higher-precision
-#   truth, in float64 and float32, on rows of fixed span and growing magnitude, and of fixed
-#   magnitude and growing span;
-# - the error follows the **magnitude** of the scores, not their span, with a derived bound:
-#   rounding a dot product errs in proportion to the sizes of its terms;
-# - a concrete claim: on rows whose scores reach $10^6$, flash and naive agree to $10^{-9}$ in
-#   float64;
-# - FlashAttention's own accuracy rule, the **2× same-dtype rule**: flash's error at most twice
-#   that of the textbook computation in the same dtype;
-# - the unsafe softmax of chapter 1 returns inf or NaN once a row's largest score passes
-#   $\log(\text{max})$;
-# - the order of merging partial results (chapter 3) changes the rounding: a chain of merges
-#   against a balanced tree.
+# measures how much, in float64 and float32 against a higher-precision truth. The error follows
+# the **magnitude** of the scores, not their span: rounding a dot product errs in proportion to
+# the sizes of its terms. Tiling changes it little: flash agrees with naive to $10^{-9}$ in
+# float64 on scores up to $10^6$ and meets FlashAttention's **2× same-dtype rule**. Chapter 1's
+# unsafe softmax overflows past $\log(\text{max})$, and merging partial results (chapter 3) in a
+# chain rounds more than in a balanced tree.
 
 # %%
 import functools
@@ -46,14 +37,14 @@ rng = np.random.default_rng(7)
 # %% [markdown]
 # ## Measuring an error
 #
-# The error of row $i$ of an output against a reference is measured relative to the size of
-# that reference row, `flash_lib.rowwise_relative_error`:
+# Row $i$'s error is measured relative to the size of the reference row
+# (`flash_lib.rowwise_relative_error`):
 #
 # $$\text{err}_i = \frac{\max_c |\text{out}_{ic} - \text{ref}_{ic}|}{\max_c |\text{ref}_{ic}|} .$$
 #
-# The reference is `flash_lib.precise_attention`: the same formula in `np.longdouble` (2048
-# times finer than float64 on x86-64) or `mpmath` at 40 digits, on exactly the arrays the kernel
-# was given, so only the kernel's own arithmetic is counted.
+# The reference, `flash_lib.precise_attention`, is the same formula in `np.longdouble` (2048
+# times finer than float64 on x86-64) or `mpmath` at 40 digits, on exactly the kernel's input
+# arrays, so only the kernel's own arithmetic counts.
 #
 # ## Two families of rows
 #
@@ -78,7 +69,7 @@ rng = np.random.default_rng(7)
 # - **fixed magnitude, growing span**: $A + B = 10^4$, spans $2B$ from $10^{-2}$ to
 #   $2 \times 10^4$, $\sigma = \min(1, \text{span}/5)$.
 #
-# Sizes stay small ($N_k = 128$, $d = 32$): the truth is computed in `longdouble`.
+# Sizes stay small ($N_k = 128$, $d = 32$) because the truth is computed in `longdouble`.
 
 # %%
 n_k, d = 128, 32
@@ -121,10 +112,10 @@ def magnitude_and_span(q, k):
 # %% [markdown]
 # ## Three kernels and the truth
 #
-# `flash_attention` runs with `block_q=32`, `block_k=16`, so that each row crosses 8 key blocks
-# and is rescaled by $e^{m - m'}$ whenever a block raises its running maximum $m$ (the cell
-# counts how often, from the exact scores). `naive_attention` is the textbook reference; the
-# unsafe kernel is chapter 1's softmax without the maximum subtracted.
+# `flash_attention` runs with `block_q=32`, `block_k=16`: each row crosses 8 key blocks and is
+# rescaled by $e^{m - m'}$ whenever a block raises its running maximum $m$ (the cell counts how
+# often, from the exact scores). `naive_attention` is the textbook reference; the unsafe kernel
+# is chapter 1's softmax without the maximum subtracted.
 
 # %%
 def unsafe_attention(q, k, v):
@@ -167,48 +158,50 @@ for dt in (np.float64, np.float32):
 # $2^{-24} \approx 6 \times 10^{-8}$ in float32) and $\gamma_n = nu / (1 - nu)$. Each step, to
 # first order in $u$:
 #
-# 1. **The scores.** A dot product of $d$ terms computed in floating point, in any order, errs
-#    by at most $\gamma_d \sum_c |q_c k_c|$ (Higham, *Accuracy and Stability of Numerical
-#    Algorithms*, 2nd ed., §3.1); the scale adds two more roundings. So
-#    $|\hat s_{ij} - s_{ij}| \le \gamma_{d+2}\, \mu_i$: an **absolute** error in proportion to the
-#    magnitude, whatever the span.
-# 2. **Subtracting the maximum.** For the keys that matter, the competitors near the top,
-#    $\hat s_{ij}$ and $\hat m_i$ are, in this chapter's families, within a factor 2 of each
-#    other (the competitors sit within a few nats of a maximum of 10 or more), so by **Sterbenz's
-#    lemma** ($y/2 \le x \le 2y$ implies that $x - y$ is computed exactly) $\hat s_{ij} - \hat m_i$
-#    adds no error there; elsewhere it adds one rounding, $u\,|\hat s_{ij} - \hat m_i|$. Nor
-#    can it remove the error already in $\hat s_{ij}$: it prevents overflow, it does not restore
-#    digits the scores never had.
-# 3. **The weights.** $e^{\hat s_{ij} - \hat m_i} = e^{s_{ij} - m_i}\, e^{\delta_{ij} -
-#    \delta_{i,\max}}$: the two score errors, each at most $\gamma_{d+2}\mu_i$, become a
-#    **relative** error of the weight of at most $2\gamma_{d+2}\mu_i$.
-# 4. **The output** $o_i = \sum_j w_{ij} v_j$ with normalised weights $w_{ij}$: weights each off
-#    by a relative $\epsilon_j$ with $|\epsilon_j| \le \epsilon$ move $o_i$ by at most
+# 1. **The scores.** A floating-point dot product of $d$ terms, in any order, errs by at most
+#    $\gamma_d \sum_c |q_c k_c|$ (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd
+#    ed., §3.1); the scale adds two more roundings. So
+#    $|\hat s_{ij} - s_{ij}| \le \gamma_{d+2}\, \mu_i$: an **absolute** error in proportion to
+#    the magnitude, whatever the span.
+# 2. **Subtracting the maximum.** For the competitors near the top, $\hat s_{ij}$ and $\hat m_i$
+#    are here within a factor 2 of each other (a few nats below a maximum of 10 or more), so by
+#    **Sterbenz's lemma** ($y/2 \le x \le 2y$ implies that $x - y$ is exact)
+#    $\hat s_{ij} - \hat m_i$ adds no error there; elsewhere it adds one rounding,
+#    $u\,|\hat s_{ij} - \hat m_i|$. It cannot remove the error already in $\hat s_{ij}$: it
+#    prevents overflow, it does not restore lost digits.
+# 3. **The weights.**
+#    $e^{\hat s_{ij} - \hat m_i} = e^{s_{ij} - m_i}\, e^{\delta_{ij} - \delta_{i,\max}}$: the
+#    two score errors, each at most $\gamma_{d+2}\mu_i$, become a **relative** error of the
+#    weight of at most $2\gamma_{d+2}\mu_i$.
+# 4. **The output** $o_i = \sum_j w_{ij} v_j$: normalised weights $w_{ij}$ each off by a
+#    relative $\epsilon_j$, $|\epsilon_j| \le \epsilon$, move it by at most
 #    $\sum_j w_{ij} |\epsilon_j - \bar\epsilon| \max|v| \le 2 \epsilon \max |v|$, where
 #    $\bar\epsilon$ is their weighted mean (normalising removes it).
-# 5. **Everything after the scores** (exp, the sums over $N_k$ keys, for flash also the
-#    $2 T_k$ rescalings by $\alpha$ over its $T_k = 8$ key blocks, the division) adds
-#    $\gamma_{N_k + 2T_k + 2} \max|v|$ for the sums and rescalings, and $4u \max|v|$ for exp
-#    and the division: $2u$ relative per ulp (a unit in the last place) of `exp`'s error. We
-#    allow 1 ulp in float64 and 3 in float32, for `exp2` too: NumPy's vectorised float32 loops
-#    err by up to 2.52 ulp (numpy pull request 13134; the
-#    {doc}`appendix on testing <28_how_chapters_7_to_23_are_tested>` measures the installed NumPy).
+# 5. **Everything after the scores** (exp, the sums over $N_k$ keys, flash's $2 T_k$ rescalings
+#    by $\alpha$ over its $T_k = 8$ key blocks, the division) adds
+#    $\gamma_{N_k + 2T_k + 2} \max|v|$ for the sums and rescalings, and $4u \max|v|$ for exp and
+#    the division: $2u$ relative per ulp (unit in the last place) of `exp`'s error. We allow 1
+#    ulp in float64 and 3 in float32, `exp2` included: NumPy's vectorised float32 loops err by
+#    up to 2.52 ulp (numpy pull request 13134; the
+#    {doc}`appendix on testing <28_how_chapters_7_to_23_are_tested>` measures the installed
+#    NumPy).
 # 6. **In base 2** ({doc}`chapter 5 <05_tiling>`; flash_lib's float32 where NumPy's `exp2` is
-#    the faster), each exponent $x = s - m$ is multiplied by $\log_2 e$, itself rounded: two more
-#    roundings, at most $2u|x| \le 4u\mu_i$, so $\gamma_{d+4}$ for $\gamma_{d+2}$ in step 1 (the
-#    {doc}`appendix on testing <28_how_chapters_7_to_23_are_tested>` compares the bases row by row).
+#    the faster), the exponent $x = s - m$ is multiplied by a rounded $\log_2 e$: two more
+#    roundings, at most $2u|x| \le 4u\mu_i$, so $\gamma_{d+4}$ replaces $\gamma_{d+2}$ in step 1
+#    (the {doc}`appendix on testing <28_how_chapters_7_to_23_are_tested>` compares the bases row
+#    by row).
 #
 # Dividing by the row's size $\max_c |o_{ic}|$, with $\kappa_i = \max|v| / \max_c |o_{ic}|$:
 #
 # $$\text{err}_i \;\le\; \kappa_i \left( 4\,\gamma_{d+2+2b}\, \mu_i + 2\,\gamma_{N_k + 2T_k + 2} + (2e + 2)u \right),
 #   \quad e = \text{exp's ulps}, \; b = 1 \text{ in base 2, else } 0.$$
 #
-# The first term is the whole story at large magnitudes, and it has no span in it. This also
-# reconciles chapter 1, where the safe softmax stayed within a few eps at every size of score:
-# there the scores were *given*, exact floating-point numbers, so only step 5 remained. The bound
-# is a worst case (every rounding in the same direction, $\kappa_i$ at its largest); the
-# measured errors follow $u\,\mu_i$ instead, two to three orders of magnitude below it. The cell
-# checks the bound on every row and that the errors sit within a factor 10 of $u\,\mu_i$.
+# At large magnitudes the first term, which has no span in it, is the whole story. It also
+# explains chapter 1, where the safe softmax stayed within a few eps at every size of score: the
+# scores there were *given*, exact floating-point numbers, so only step 5 remained. The bound is
+# a worst case (every rounding in the same direction, $\kappa_i$ at its largest); the measured
+# errors follow $u\,\mu_i$, two to three orders of magnitude lower. The cell checks the bound on
+# every row and the errors against $u\,\mu_i$ within a factor 10.
 
 # %%
 exp_ulps = {np.float64: 1, np.float32: 3}  # exp's error allowed for in the bound, in ulps
@@ -248,11 +241,10 @@ for dt, fams in rows.items():
 # %% [markdown]
 # ## The picture
 #
-# Left: the fixed-span rows against their magnitude $\mu_i$, with the unsafe softmax where it
-# is finite and a dotted line where the largest score (about $\mu$ here) reaches
-# $\log(\text{max})$, past which $e^s$ overflows. Right: the fixed-magnitude rows
-# ($\mu \approx 10^4$) against their span. Dashed: $u\,\mu$ per dtype; thin solid: flash's
-# derived bound.
+# Left: the fixed-span rows against their magnitude $\mu_i$, with the unsafe softmax where
+# finite and a dotted line where the largest score (about $\mu$ here) reaches
+# $\log(\text{max})$. Right: the fixed-magnitude rows ($\mu \approx 10^4$) against their span.
+# Dashed: $u\,\mu$ per dtype; thin solid: flash's derived bound.
 
 # %% tags=["hide-input"]
 fig, (ax_mu, ax_span) = plt.subplots(1, 2, figsize=(11, 4.8), sharey=True)
@@ -298,11 +290,11 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# At a fixed span of about 10 the errors grow in proportion to the magnitude, from a few $u$ to
-# order 1 in float32; at a fixed magnitude of $10^4$ they stay put while the span grows over six
-# decades. In float64 a magnitude of $10^6$ costs about $10^{-10}$; in float32 a magnitude of
-# $10^3$ already costs about $10^{-4}$, and past $10^7$ the output means nothing. The unsafe
-# softmax follows the same law until its largest score passes $\log(\text{max})$ (chapter 1).
+# At a fixed span of about 10 the errors grow in proportion to the magnitude, to order 1 in
+# float32; at a fixed magnitude of $10^4$ they stay put over six decades of span. In float64 a
+# magnitude of $10^6$ costs about $10^{-10}$; in float32 $10^3$ already costs about $10^{-4}$,
+# and past $10^7$ the output means nothing. The unsafe softmax follows the same law until its
+# largest score passes $\log(\text{max})$.
 
 # %%
 for dt, fams in rows.items():
@@ -317,10 +309,10 @@ for dt, fams in rows.items():
 # ## The claim: flash agrees with naive to $10^{-9}$ on scores of magnitude $10^6$
 #
 # The derived bound allows each about $10^{-8}$ there; against the truth both are near
-# $10^{-10}$. How close flash comes to naive depends on whether BLAS adds a score's $d$ terms in
-# the same order in flash's tiles as in naive's whole matrix, hence on the CPU. What holds
-# everywhere is the triangle inequality: on every row they differ by at most the sum of their
-# two derived bounds (divided by $1 - $ naive's, as the difference is relative to naive's row).
+# $10^{-10}$. How close flash comes to naive depends on the CPU: whether BLAS adds a score's $d$
+# terms in the same order in flash's tiles as in naive's whole matrix. Everywhere, by the
+# triangle inequality, they differ on every row by at most the sum of their two derived bounds
+# (divided by $1 - $ naive's, the difference being relative to naive's row).
 
 # %%
 r64 = {key: np.concatenate([r[key] for r in rows[np.float64].values()])
@@ -361,23 +353,21 @@ plt.show()
 # %% [markdown]
 # ## Flash against naive: the 2× same-dtype rule
 #
-# Tiling adds operations: each rescaling by $e^{m - m'}$ rounds $l$ and the accumulator once
-# more. Those roundings are of size $u$, while the scores' errors are of size $u\,\mu$, so
-# flash's error should be the same order as naive's, and it is: the same derived bound holds
-# for both on every row (above).
+# Each rescaling by $e^{m - m'}$ rounds $l$ and the accumulator once more: roundings of size
+# $u$, against the scores' $u\,\mu$, so flash's error is of naive's order: the same derived
+# bound holds for both on every row.
 #
-# Which of the two is smaller on a given row depends on the order in which BLAS adds each
-# score's terms, chosen by matrix shape, CPU and version (the
-# {doc}`appendix on testing <28_how_chapters_7_to_23_are_tested>` draws the per-row ratios). So FlashAttention tests neither row by row nor against a fixed tolerance. Its
-# test suite (`tests/test_flash_attn.py` in Dao-AILab/flash-attention) computes, from the
-# kernel's inputs, a reference in higher precision, $O_\text{ref}$, and a straightforward
-# implementation in the kernel's dtype, $O_\text{pt}$, and requires
+# Which is smaller on a given row depends on BLAS's order of summation, chosen by matrix shape,
+# CPU and version (the {doc}`appendix on testing <28_how_chapters_7_to_23_are_tested>` draws the
+# per-row ratios). So FlashAttention tests neither row by row nor against a fixed tolerance: its
+# test suite (`tests/test_flash_attn.py` in Dao-AILab/flash-attention) computes from the
+# kernel's inputs a higher-precision reference $O_\text{ref}$ and a straightforward
+# implementation $O_\text{pt}$ in the kernel's dtype, and requires
 #
 # $$\max |O - O_{\text{ref}}| \;\le\; 2 \max |O_{\text{pt}} - O_{\text{ref}}| ,$$
 #
 # "Check that FlashAttention's numerical error is at most twice the numerical error of a Pytorch
-# implementation." This is the **2× same-dtype rule**: a tiled kernel may err at most twice as
-# much as the textbook computation in the same precision. Here $O_\text{ref}$ is the truth and
+# implementation." This is the **2× same-dtype rule**. Here $O_\text{ref}$ is the truth and
 # $O_\text{pt}$ is `naive_attention`, per dtype and family, on the rows where both errors lie
 # between $100u$ (rounding noise) and 0.1 (garbage). {doc}`Chapter 11 <11_low_precision>`
 # applies the rule to 16-bit kernels.
@@ -397,18 +387,18 @@ for dt, fams in rows.items():
 # %% [markdown]
 # ## The order of merges
 #
-# {doc}`Chapter 3 <03_merging_states>` merged partial results $(o, \mathrm{lse})$ in any grouping;
-# in exact arithmetic all give the same result, so the grouping can only change the rounding. At
-# the extremes: **left to right**, $((p_1 \oplus p_2) \oplus p_3) \oplus \dots$ (a ring-attention
+# {doc}`Chapter 3 <03_merging_states>` merged partial results $(o, \mathrm{lse})$ in any
+# grouping; in exact arithmetic all agree, so the grouping changes only the rounding. At the
+# extremes: **left to right**, $((p_1 \oplus p_2) \oplus p_3) \oplus \dots$ (a ring-attention
 # device's order), where the first part passes through $T - 1$ merges, and **a balanced tree**,
 # neighbours merged pairwise round after round, only $\lceil \log_2 T \rceil$ (why pairwise
-# summation beats a running sum). Each merge rounds by a few $u$. If the chain's $T - 1$
-# roundings went one way they would add up to order $T u$; of random sign, they add up like a
-# random walk, to order $\sqrt{T}\,u$. That is the error the merges *add*: the chain's total
-# also holds each part's own error, which the merges do not multiply, so the total grows less
-# than $\sqrt T$, while the tree's stays flat. The experiment: 32 queries over 2048 keys ($d = 32$, float64), dealt at random into
-# $T = 1, 2, 4, \dots, 256$ equal parts, three deals per $T$, each part attended with
-# `flash_attention`, merged with `flash_lib.merge_attention` both ways, and measured against
+# summation beats a running sum). Each merge rounds by a few $u$: if the chain's $T - 1$
+# roundings all went one way they would add up to order $T u$; of random sign they add like a
+# random walk, to order $\sqrt{T}\,u$. The merges *add* that to each part's own error, which
+# they do not multiply, so the chain's total grows less than $\sqrt T$ while the tree's stays
+# flat. The experiment: 32 queries over 2048 keys ($d = 32$, float64), dealt at random into
+# $T = 1, 2, 4, \dots, 256$ equal parts (three deals per $T$), each attended with
+# `flash_attention`, merged both ways with `flash_lib.merge_attention`, against
 # `precise_attention`.
 
 # %%
@@ -488,18 +478,17 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Left to right, the error grows with the number of parts, by about $\sqrt T$ roundings, not
-# $T$; in a balanced tree it stays where a single call puts it. Even 255 merges in a chain stay
-# within a few tens of machine epsilons (below 100 on every deal): for exactness the order does
-# not matter; for the last digits, a tree is better.
+# The chain grows by about $\sqrt T$ roundings; the tree stays where a single call puts it. Even
+# 255 chained merges stay within a few tens of machine epsilons (below 100 on every deal): for
+# exactness the order does not matter; for the last digits a tree is better.
 
 # %% [markdown]
 # ## Random inputs would have hidden all this
 #
-# Had we scaled random query rows instead, the best key would beat the runner-up by a gap
-# proportional to the span. Past a gap of about 745, $e^{-\text{gap}}$ underflows to 0 in
-# float64, the softmax is exactly one-hot and the output is exactly one row of $v$: error 0.
-# A test that only scales random inputs up never sees the error law above.
+# In scaled random query rows the best key beats the runner-up by a gap proportional to the
+# span. Past a gap of about 745, $e^{-\text{gap}}$ underflows to 0 in float64, the softmax is
+# exactly one-hot and the output exactly one row of $v$: error 0. A test that only scales random
+# inputs up never sees the error law above.
 
 # %%
 target = np.logspace(-2, 9, 128)
@@ -516,22 +505,20 @@ print(f"scaled random rows spanning at least 1e6: {wide_random_rows.sum()}, larg
 # %% [markdown]
 # ## What we showed
 #
-# - The error of `flash_attention`, `naive_attention` and the unsafe softmax follows the
-#   magnitude $\mu$ of the scores: at a fixed span it grows in proportion to $\mu$, at a fixed
-#   magnitude it does not grow with the span.
-# - The reason: a dot product errs by $\gamma_{d+2}\,\mu$, exp turns that into a relative error
-#   of each weight, and normalising at most doubles it; the derived bound holds on every row,
-#   and the measured errors follow $u\,\mu$ within a factor 10.
-# - In float64, on rows of magnitude up to $10^6$, flash and naive agree to $10^{-9}$ and flash
-#   is within $10^{-9}$ of the truth; on every row they differ by at most their two bounds.
+# - The error of all three kernels follows the magnitude $\mu$ of the scores, not their span: a
+#   dot product errs by $\gamma_{d+2}\,\mu$, which exp makes a relative error of each weight and
+#   normalising at most doubles. The derived bound holds on every row; measured errors follow
+#   $u\,\mu$ within a factor 10.
+# - In float64, up to magnitude $10^6$, flash agrees with naive and the truth to $10^{-9}$; on
+#   every row flash and naive differ by at most their two bounds. In float32, magnitudes of
+#   $10^7$ or more give errors of order 0.1 to 1.
 # - Flash passes the 2× same-dtype rule in both dtypes and families.
-# - In float32, rows of magnitude $10^7$ or more come out with errors of order 0.1 to 1.
-# - The unsafe softmax returns inf or NaN on every row whose largest score is above
-#   $\log(\text{max})$ of its format and is finite below that minus $\log N_k$.
+# - The unsafe softmax returns inf or NaN on every row whose largest score exceeds its format's
+#   $\log(\text{max})$, and is finite below that minus $\log N_k$.
 # - Merging $T$ partial results left to right adds about $\sqrt{T}$ roundings: at $T = 256$ the
-#   chain's error is more than twice a balanced tree's, whose error stays within a factor 2 of a
-#   single call's.
-# - Scaled random inputs hide the error law: their wide rows become one-hot and come out exact.
+#   chain errs more than twice as much as a balanced tree, which stays within a factor 2 of a
+#   single call.
+# - Scaled random inputs hide the error law: their wide rows become one-hot and exact.
 
 # %%
 for dt, fams in rows.items():

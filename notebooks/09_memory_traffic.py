@@ -15,22 +15,16 @@
 # %% [markdown]
 # # 9. Memory traffic: why FlashAttention is fast
 #
-# Chapter 8 measured how much memory the kernels *hold*. On a GPU what decides the time is how
-# many bytes they *move* between the large slow memory and the small fast one. In this chapter:
+# Chapter 8 measured how much memory the kernels *hold*; on a GPU the time depends on how many
+# bytes they *move* between the large slow memory and the small fast one. This chapter counts
+# them, **with instrumented code** that tallies every load and store: the textbook pipeline,
+# which writes $S$ and $P$ out and reads them back, moves $\Theta(Nd + N^2)$, the tiled kernel
+# $\Theta(N^2 d^2 / M)$ for $M$ bytes on chip (FlashAttention, arXiv 2205.14135, Theorem 2),
+# because tiling's second dimension, a block of queries, shares each load of keys and values. A
+# roofline for an NVIDIA A100 closes the chapter.
 #
-# - the two memories of a GPU, and a cost model that counts the bytes moved between them;
-# - the bytes of the textbook pipeline, which writes $S$ and $P$ out and reads them back,
-#   $\Theta(Nd + N^2)$, against the tiled kernel's, $\Theta(N^2 d^2 / M)$ for an on-chip memory
-#   of $M$ bytes (FlashAttention, arXiv 2205.14135, Theorem 2), **counted by instrumented code**
-#   that tallies every load and store, not by formula alone;
-# - why the second dimension of tiling exists: one query streaming over the keys (chapter 4)
-#   already needs memory independent of $N$, but it re-reads every key and value once per query;
-#   a block of $b_q$ queries shares each load, and we count that re-use;
-# - arithmetic intensity and a roofline for one real GPU (NVIDIA A100), from its published
-#   bandwidth and peak.
-#
-# Everything about the GPU here is a **model**: it counts bytes, it does not time a GPU (there is
-# none on the machine that runs this notebook).
+# Everything about the GPU here is a **model** that counts bytes; no GPU is timed (the machine
+# that runs this notebook has none).
 
 # %%
 from collections import Counter
@@ -50,17 +44,17 @@ rng = np.random.default_rng(10)
 # On an NVIDIA A100 the HBM holds 40 or 80 GB and is read and written at about 2 TB/s; each of
 # its 108 SMs has 192 KB of SRAM, an order of magnitude faster (FlashAttention, arXiv
 # 2205.14135, Section 2.1; the 40 and 80 GB: NVIDIA A100 Tensor Core GPU datasheet): about 21 MB
-# of SRAM in all, 2,000 to 4,000 times less than the HBM. The model of this chapter:
+# of SRAM in all, 2,000 to 4,000 times less than the HBM. The model:
 #
 # - the inputs $Q, K, V$ ($N \times d$ each, $N_q = N_k = N$, $d_v = d$) start in HBM and the
-#   output $O$ must end there; every element loaded from or stored to HBM costs `itemsize` bytes
+#   output $O$ must end there; every element moved between HBM and chip costs `itemsize` bytes
 #   (2 for float16);
-# - a thread block can hold at most $M$ bytes on chip at once;
-# - the time is at least $\text{bytes} / \text{bandwidth}$ and at least
-#   $\text{flops} / \text{peak}$, whichever is larger.
+# - a thread block holds at most $M$ bytes on chip at once;
+# - the time is at least the larger of $\text{bytes} / \text{bandwidth}$ and
+#   $\text{flops} / \text{peak}$.
 #
-# An `HBM` object below holds named arrays and tallies every element that goes in or out. The
-# arithmetic runs in float64 (checked against `flash_lib`), the bytes are counted at `itemsize`.
+# The `HBM` class below tallies every element in or out; the arithmetic runs in float64 (checked
+# against `flash_lib`), the bytes are counted at `itemsize`.
 
 # %%
 sram_total = 108 * 192e3  # bytes: an A100's 108 SMs of 192 KB each
@@ -123,22 +117,19 @@ def naive_bytes(n, d, itemsize):
 # %% [markdown]
 # ## The tiled kernel
 #
-# Chapter 5's algorithm box is FlashAttention-2's Algorithm 1 with what is loaded from and stored
-# to HBM marked: each query block $Q_i$ ($b_q$ rows) is loaded once, then every key and value
-# block $K_j, V_j$ ($b_k$ rows) is loaded for it, and only $O_i$ and $\text{lse}_i$ are stored.
-#
-# $S$ and $P$ never leave SRAM. Per query block the loads are $b_q d$ for $Q_i$ and $2 N d$ for
-# all of $K$ and $V$; the stores are $b_q d$ for $O_i$ and $b_q$ lse values (float32, 4 bytes, as
-# FlashAttention stores them). In total
+# In chapter 5's algorithm box (FlashAttention-2's Algorithm 1) $S$ and $P$ never leave SRAM.
+# For each query block $Q_i$ of $b_q$ rows, the loads are $b_q d$ for $Q_i$ and $2 N d$ for all
+# key and value blocks $K_j, V_j$ ($b_k$ rows each); the stores are $b_q d$ for $O_i$ and $b_q$
+# lse values (float32, 4 bytes, as FlashAttention stores them). In total
 #
 # $$\text{bytes}_{\text{flash}} = \text{itemsize}\,\bigl(2Nd + T_q \cdot 2Nd\bigr) + 4N
 #   \;\approx\; \text{itemsize} \cdot \frac{2N^2 d}{b_q} \quad (N \gg b_q).$$
 #
-# On chip, one thread block holds $Q_i$, $K_j$, $V_j$ at `itemsize`, and the tile $S$ (then $P$),
-# $\text{acc}$, $m$ and $l$ in float32, as FlashAttention-2 does (there in registers, the inputs
-# in shared memory); the model counts both against one budget $M$:
-# $\text{itemsize}\,(b_q d + 2 b_k d) + 4\,(b_q b_k + b_q d + 2 b_q) \le M$. The function below runs
-# exactly the box, checks that capacity on every tile, and tallies every transfer.
+# On chip, one thread block holds $Q_i$, $K_j$, $V_j$ at `itemsize`, and the tile $S$ (then
+# $P$), $\text{acc}$, $m$ and $l$ in float32, as FlashAttention-2 does (there in registers, the
+# inputs in shared memory); the model counts both against one budget $M$:
+# $\text{itemsize}\,(b_q d + 2 b_k d) + 4\,(b_q b_k + b_q d + 2 b_q) \le M$. The function below
+# runs exactly the box and checks that capacity on every tile.
 
 # %%
 def sram_bytes(b_q, b_k, d, itemsize):
@@ -185,15 +176,14 @@ def flash_bytes(n, d, b_q, itemsize):
 # ## Counted, and checked
 #
 # float16 in the model (`itemsize` = 2), $d = 64$, and $M$ = 163 KiB, the most shared memory one
-# thread block may use on an A100: its SM has up to 164 KB, and "CUDA reserves 1 KB of shared
-# memory per thread block" (NVIDIA Ampere tuning guide; the CUDA C++ Programming Guide's
-# compute capability 8.x section: "Devices of compute capability 8.0 and 8.7 allow a single
-# thread block to address up to 163 KB"). $b_q = b_k = 128$ fit, FlashAttention-2's forward tile
-# for $d = 64$; 144 does not, and in 100 KiB, with $S$ in float32, 128 would not either. For
-# $N$ = 256, 512 and 1000 (not a multiple of the tile) both pipelines run instrumented; the cell
-# checks each output against `flash_lib` and each tally against the formulas above, to the
-# byte. The output's error is printed against a limit: its last digits depend on the CPU, the
-# bytes do not ({doc}`the appendix on testing <28_how_chapters_7_to_23_are_tested>` draws them).
+# thread block may use on an A100: 164 KB per SM less the 1 KB that CUDA reserves per thread
+# block (NVIDIA Ampere tuning guide; CUDA C++ Programming Guide, compute capability 8.x).
+# $b_q = b_k = 128$ fit, FlashAttention-2's forward tile for $d = 64$; 144 does not, and in 100
+# KiB, with $S$ in float32, 128 would not either. For $N$ = 256, 512 and 1000 (not a multiple of
+# the tile) both pipelines run instrumented, each output checked against `flash_lib` and each
+# tally against the formulas, to the byte. The error is printed against a limit: its last digits
+# depend on the CPU, the bytes do not
+# ({doc}`the appendix on testing <28_how_chapters_7_to_23_are_tested>` draws them).
 
 # %%
 d, itemsize = 64, 2
@@ -247,16 +237,15 @@ print(f"{b + 16} x {b + 16} tiles in {sram_limit // 1024} KiB: {too_big}")
 # %% [markdown]
 # ## Re-use: what the second dimension of tiling is for
 #
-# Chapter 4 streamed *one* query over the keys: its memory does not depend on $N$ either. What it
-# does not do is share. Each load of $K_j, V_j$ serves the $b_q$ queries of one block, so every
-# key and value is loaded $T_q = N / b_q$ times, and the loads of $K$ and $V$ are
-# $2 N d \cdot N / b_q$ elements. With $b_q = 1$, chapter 4's stream, that is $2N^2 d$: for
-# $d = 64$ that is $d/2 = 32$ times the textbook pipeline's $4N^2$. Only a block of queries wide
-# enough, $b_q > d/2$ up to lower-order terms, moves fewer bytes than writing $S$ and $P$ out.
-# (At finite $N$ the textbook pipeline's $4Nd$ term makes $b_q = 1$'s ratio
-# $N d / (2(N + d))$ rather than $d/2$.) The counts below are from the instrumented loop at
-# $N = 512$, with $b_k = 128$ or, for
-# $b_q = 256$, the largest $b_k$ that still fits beside it ($b_k$ does not change the traffic).
+# Chapter 4 streamed *one* query over the keys, also in memory independent of $N$, but shared
+# nothing. Each load of $K_j, V_j$ serves the $b_q$ queries of one block, so every key and value
+# is loaded $T_q = N / b_q$ times: $2 N d \cdot N / b_q$ elements. With $b_q = 1$, chapter 4's
+# stream, that is $2N^2 d$: at $d = 64$, $d/2 = 32$ times the textbook pipeline's $4N^2$. Only a
+# query block wider than $d/2$ (up to lower-order terms) moves fewer bytes than writing $S$ and
+# $P$ out. (At finite $N$ the textbook pipeline's $4Nd$ term makes $b_q = 1$'s ratio
+# $N d / (2(N + d))$ rather than $d/2$.) Counted by the instrumented loop at $N = 512$, with
+# $b_k = 128$ or, for $b_q = 256$, the largest $b_k$ that fits beside it ($b_k$ does not change
+# the traffic).
 
 # %%
 n_reuse = 512
@@ -274,16 +263,17 @@ for b_q in (1, 16, 32, 64, 128, 256):
 # ## $\Theta(N^2 d^2 / M)$
 #
 # How large can $b_q$ be? The tile $S$ is $b_q \times b_k$ and $Q_i, K_j, V_j, \text{acc}$ are
-# $b \times d$ each, so an SRAM of $M$ bytes allows $b_q$ of order $M / (d \cdot \text{itemsize})$
-# (FlashAttention-1 takes $b_k = \lceil M / 4d \rceil$). Putting $b_q \propto M/d$ into
-# $2N^2 d / b_q$ gives $\Theta(N^2 d^2 / M)$ bytes, FlashAttention's Theorem 2; the
-# $\Theta(Nd)$ of reading the inputs and writing the output once is the floor, reached when one
-# block holds all of $Q$. The textbook pipeline's $4N^2$ does not depend on $M$ at all.
+# $b \times d$ each, so an SRAM of $M$ bytes allows $b_q$ of order
+# $M / (d \cdot \text{itemsize})$ (FlashAttention-1 takes $b_k = \lceil M / 4d \rceil$). Putting
+# $b_q \propto M/d$ into $2N^2 d / b_q$ gives $\Theta(N^2 d^2 / M)$ bytes, FlashAttention's
+# Theorem 2; the $\Theta(Nd)$ of reading the inputs and writing the output once is the floor,
+# reached when one block holds all of $Q$. The textbook pipeline's $4N^2$ does not depend on
+# $M$.
 #
-# The instrumented loop measures it: $N = 2048$, for $M$ from 16 KiB to 227 KiB, the most one
+# The instrumented loop measures it at $N = 2048$ for $M$ from 16 KiB to 227 KiB, the most one
 # thread block may use on an H100 (228 KB per SM less CUDA's 1 KB per block: NVIDIA Hopper
-# tuning guide; CUDA C++ Programming Guide, compute capability 9.0), each with the largest square
-# tile that fits. The figure's left side carries the formulas on to $N = 65536$.
+# tuning guide; CUDA C++ Programming Guide, compute capability 9.0), each with the largest
+# square tile that fits; the figure's left side carries the formulas on to $N = 65536$.
 
 # %%
 def largest_tile(m_bytes, d, itemsize):
@@ -354,16 +344,15 @@ plt.show()
 #
 # The **arithmetic intensity** of a kernel is its flops per byte moved. With the two matrix
 # products' $4N^2 d$ flops (chapter 10's convention) the textbook pipeline has
-# $4N^2 d / (2 \cdot 4N^2) = d/2$ flop/byte for large $N$ in float16, whatever $N$; the tiled
-# kernel has $4N^2 d / (2 \cdot 2 N^2 d / b_q) = b_q$ flop/byte. A **roofline** plots the rate a
-# kernel can reach against its intensity: $\min(\text{peak},\ \text{intensity} \times
-# \text{bandwidth})$. Below the ridge point $\text{peak} / \text{bandwidth}$ a kernel is
-# memory-bound.
+# $4N^2 d / (2 \cdot 4N^2) = d/2$ flop/byte for large $N$ in float16; the tiled kernel has
+# $4N^2 d / (2 \cdot 2 N^2 d / b_q) = b_q$ flop/byte. A **roofline** plots the rate a kernel can
+# reach against its intensity: $\min(\text{peak},\ \text{intensity} \times \text{bandwidth})$.
+# Below the ridge point $\text{peak} / \text{bandwidth}$ a kernel is memory-bound.
 #
-# One real GPU: the NVIDIA A100 SXM4 80 GB, whose datasheet gives 2,039 GB/s of HBM2e bandwidth
-# and 312 TFLOP/s of dense float16 throughput on its tensor cores, the units that multiply small
-# matrices in one step (NVIDIA A100 Tensor Core GPU datasheet).
-# Its ridge point is $312 / 2.039 = 153$ flop/byte.
+# One real GPU: the NVIDIA A100 SXM4 80 GB, with 2,039 GB/s of HBM2e bandwidth and 312 TFLOP/s
+# of dense float16 throughput on its tensor cores, the units that multiply small matrices in one
+# step (NVIDIA A100 Tensor Core GPU datasheet). Its ridge point is $312 / 2.039 = 153$
+# flop/byte.
 
 # %%
 bandwidth, peak_rate = 2.039e12, 312e12  # A100 SXM4 80GB: bytes/s, dense float16 tensor-core flop/s
@@ -406,34 +395,32 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The textbook pipeline sits far left of the ridge: it could spend at most a fifth of its time
+# Far left of the ridge, the textbook pipeline could spend at most a fifth of its time
 # computing, the rest waiting for $S$ and $P$. The tiled kernel's intensity is its $b_q$, which
 # is why FlashAttention wants the widest query block its SRAM allows. The model leaves out the
-# GPU's 40 MB L2 cache (which serves repeated loads of $K_j, V_j$), the work off the tensor cores
-# and how many thread blocks an SM runs at once. What it gets right is the order of things: the
-# textbook pipeline is bound by memory, and tiling in two dimensions removes that.
-# (A CPU has the same hierarchy with far larger caches, so there the $N^2$ arrays cost mostly
-# memory *capacity*, chapter 8; the {doc}`appendix on testing <28_how_chapters_7_to_23_are_tested>`
+# GPU's 40 MB L2 cache (which serves repeated loads of $K_j, V_j$), the work off the tensor
+# cores and how many thread blocks an SM runs at once, but gets the order of things right: the
+# textbook pipeline is bound by memory, and tiling in two dimensions removes that. (A CPU has
+# the same hierarchy with far larger caches, so there the $N^2$ arrays cost mostly memory
+# *capacity*, chapter 8; the {doc}`appendix on testing <28_how_chapters_7_to_23_are_tested>`
 # times it.)
 #
 # ## What we showed
 #
-# - In a model that counts HBM bytes, the textbook pipeline moves $4Nd + 4N^2$ elements and the
-#   tiled kernel $2Nd + 2N^2 d / b_q$ (plus the lse); an instrumented loop that tallies every
-#   load and store agrees with both formulas to the byte at $N$ = 256, 512 and 1000, and
-#   its output agrees with `flash_lib` to rounding.
-# - At $d = 64$ and $b_q = 128$ (163 KiB on chip, $S$ in float32) the tiled kernel moves about
-#   a quarter of the textbook pipeline's bytes; every key and value is loaded $N / b_q$ times.
-# - Streaming one query at a time ($b_q = 1$, chapter 4) needs no $N^2$ memory but moves about
-#   $d/2 = 32$ times the textbook pipeline's bytes; blocks of queries wider than $d/2$ are what
-#   make tiling move fewer bytes.
-# - With the largest tile an SRAM of $M$ bytes allows, the counted traffic falls as $1/M$ (bytes
-#   × $M$ within a factor 2 from 16 to 227 KiB) toward the $\Theta(Nd)$ floor:
+# - The textbook pipeline moves $4Nd + 4N^2$ elements, the tiled kernel $2Nd + 2N^2 d / b_q$
+#   plus the lse: counted to the byte at $N$ = 256, 512 and 1000, with outputs matching
+#   `flash_lib` to rounding.
+# - At $d = 64$ and $b_q = 128$ (163 KiB on chip, $S$ in float32) the tiled kernel moves about a
+#   quarter of the textbook pipeline's bytes, loading every key and value $N / b_q$ times.
+# - Chapter 4's one-query stream ($b_q = 1$) needs no $N^2$ memory but moves about $d/2 = 32$
+#   times the textbook pipeline's bytes; only query blocks wider than $d/2$ move fewer.
+# - With the largest tile that $M$ bytes of SRAM allow, the counted traffic falls as $1/M$
+#   (bytes × $M$ within a factor 2 from 16 to 227 KiB) toward the $\Theta(Nd)$ floor:
 #   $\Theta(N^2 d^2 / M)$ against $\Theta(Nd + N^2)$.
 # - An A100's SRAM, 108 × 192 KB, is 2,000 to 4,000 times smaller than its 40 or 80 GB of HBM.
-# - Arithmetic intensity: $d/2 = 32$ flop/byte for the textbook pipeline, about $b_q$ for the
-#   tiled kernel; against the A100's ridge of 153 flop/byte the first is memory-bound by a factor
-#   of about 5, the second close to balanced.
+# - Intensity: $d/2 = 32$ flop/byte for the textbook pipeline, about $b_q$ for the tiled kernel;
+#   against the A100's ridge of 153 the first is memory-bound by a factor of about 5, the second
+#   close to balanced.
 
 # %%
 for n, (naive_total, flash_total, peak, err) in counted.items():

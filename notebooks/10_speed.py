@@ -17,22 +17,17 @@
 #
 # FlashAttention on a GPU is fast because it never writes the score matrix to slow memory. A
 # NumPy kernel has other costs: every NumPy call pays a fixed Python overhead, and `exp` runs on
-# one core. This chapter measures where `flash_lib` stands, on whatever machine runs it:
+# one core. This chapter measures `flash_lib` on whatever machine runs it, against the machine's
+# matrix-product rate in GFLOP/s ($10^9$ floating-point operations per second) on a large GEMM
+# (BLAS's general matrix-matrix multiply), against `naive_attention` (and PyTorch's
+# `scaled_dot_product_attention` when installed) for $N$ from 512 to 2048, and against the floor
+# of its own tiles; then it times the tiles causal attention skips.
 #
-# - this machine's matrix-product rate in GFLOP/s ($10^9$ floating-point operations per second)
-#   on a large GEMM (BLAS's general matrix-matrix multiply): the ceiling no attention kernel
-#   built on the same matrix products can pass;
-# - `flash_attention` against `naive_attention` (and PyTorch's `scaled_dot_product_attention`
-#   when installed) for $N$ from 512 to 2048, as seconds and as GFLOP/s;
-# - the floor of one tile, its unavoidable NumPy calls timed one by one, and a floor model of the
-#   kernel's time built from it; what the floor says about small tiles;
-# - the speed-up that causal attention's skipped tiles buy.
-#
-# Timings depend on the machine and on what else runs on it. They are printed only in cells
-# whose output the notebook's test (nbval) ignores, and drawn in the plots; nothing *asserts* a
-# speed (on a shared machine a timing can be off by a factor of two). What is asserted is what
-# timing cannot change: every kernel's output, and the tile counts. `make bench` runs the full
-# benchmark (`bench/bench_flash.py`).
+# Timings depend on the machine and its load, so they appear only in the plots and in cells
+# whose output the notebook's test (nbval) ignores; nothing *asserts* a speed (on a shared
+# machine a timing can be off by a factor of two), only what timing cannot change: every
+# kernel's output, and the tile counts. `make bench` runs the full benchmark
+# (`bench/bench_flash.py`).
 
 # %%
 import os
@@ -49,15 +44,15 @@ rng = np.random.default_rng(9)
 # %% [markdown]
 # ## How we time
 #
-# Wall-clock time, the best of several runs (the run least disturbed by other work), the kernels
-# timed in turn, round after round, so that a busy moment slows them alike, each after a moment
-# of untimed runs (`flash_bench.best_times`). Rates count the two matrix products only:
+# The best wall-clock time of several runs (the least disturbed), the kernels timed in turn,
+# round after round, so that a busy moment slows them alike, each after some untimed runs
+# (`flash_bench.best_times`). Rates count the two matrix products only, the usual convention for
+# attention (`exp`, the maxima and the sums come on top):
 #
 # $$\text{FLOP} = \underbrace{2 N_q N_k d}_{q k^\top} + \underbrace{2 N_q N_k d_v}_{P v}
-#   = 4 N^2 d \quad (N_q = N_k = N,\ d_v = d) ,$$
+#   = 4 N^2 d \quad (N_q = N_k = N,\ d_v = d) .$$
 #
-# the usual convention for attention; `exp`, the maxima and the sums come on top. Inputs are
-# float32 with $d = d_v = 64$, a common head size.
+# Inputs are float32 with $d = d_v = 64$, a common head size.
 
 # %%
 d = 64
@@ -84,13 +79,12 @@ def random_inputs(n):
 # %% [markdown]
 # ## The ceiling: this machine's GEMM rate
 #
-# A $1024 \times 1024$ float32 matrix product, $2 \cdot 1024^3$ flops, through the same BLAS that
-# NumPy uses for the kernels' `@`. Attention's counted flops are matrix-product flops, so a kernel
-# that did nothing else would at best reach this rate; the extra passes (`exp`, max, sum,
-# rescaling) only push it lower.
-#
-# We time it on all cores and on one thread times the number of cores, and keep the larger (on a
-# busy machine a multi-threaded product waits for its slowest thread).
+# A $1024 \times 1024$ float32 matrix product, $2 \cdot 1024^3$ flops, through the BLAS that
+# NumPy uses for the kernels' `@`. Attention's counted flops are matrix-product flops, so a
+# kernel doing nothing else would at best reach this rate; the extra passes (`exp`, max, sum,
+# rescaling) only lower it. We keep the larger of the all-core rate and the one-thread rate
+# times the number of cores (on a busy machine a multi-threaded product waits for its slowest
+# thread).
 
 # %%
 try:
@@ -116,12 +110,12 @@ gemm_rate = gemm_gflops()
 # ## Flash against naive, as $N$ grows
 #
 # Both kernels compute the same flops. `naive_attention` does each matrix product as one large
-# BLAS call, and its softmax as a few NumPy passes over $N^2$ numbers, which go through main
-# memory once $N^2$ floats outgrow the caches. `flash_attention` (default tiles `block_q` ×
-# `block_k` = `DEFAULT_BLOCK_Q` × `DEFAULT_BLOCK_K`) does a dozen or so NumPy calls per tile on
-# data that stays in cache and, once the problem is large enough to pay for it, runs its query
-# blocks on a thread pool, so that the single-threaded passes (`exp` above all) use every
-# core. Each output is checked against naive's before anything is timed.
+# BLAS call and its softmax as a few NumPy passes over $N^2$ numbers, through main memory once
+# they outgrow the caches. `flash_attention` (default tiles `block_q` × `block_k` =
+# `DEFAULT_BLOCK_Q` × `DEFAULT_BLOCK_K`) does a dozen or so NumPy calls per tile on data that
+# stays in cache and, once the problem is large enough to pay for it, runs its query blocks on a
+# thread pool, so that the single-threaded passes (`exp` above all) use every core. Each output
+# is checked against naive's before timing.
 
 # %%
 sizes = [512, 1024, 2048]
@@ -131,9 +125,9 @@ print(f"flash_attention's default tiles: block_q = {flash_lib.DEFAULT_BLOCK_Q}, 
 kernels = {"flash": flash_lib.flash_attention, "naive": flash_lib.naive_attention}
 
 # %% [markdown]
-# PyTorch joins the comparison where it is installed: its CPU `scaled_dot_product_attention` is
-# a compiled kernel, a yardstick for the same algorithm without Python in the loop. It brings its
-# own matrix-product library, so NumPy's GEMM rate is not its ceiling.
+# PyTorch joins where installed: its CPU `scaled_dot_product_attention`, a compiled kernel, is a
+# yardstick for the same algorithm without Python in the loop; it brings its own matrix-product
+# library, so NumPy's GEMM rate is not its ceiling.
 
 # %%
 try:
@@ -204,10 +198,9 @@ print("time at N = 2048 / time at N = 512 (N² predicts 16 once fixed costs are 
                   for name in kernels))
 
 # %% [markdown]
-# On the left the time; the work grows as $N^2$ ($4N^2d$ flops), so once $N$ is large enough for
-# the arithmetic to outweigh the fixed costs of a call the time should too, and the dashed line
-# is $N^2$ through naive's largest point (the ratio printed above is this build's measurement).
-# On the right the rate, with the GEMM ceiling as a line.
+# Left, the time: the work grows as $N^2$ ($4N^2d$ flops), so once the arithmetic outweighs a
+# call's fixed costs the time should too; the dashed line is $N^2$ through naive's largest point
+# (the ratio printed above is this build's measurement). Right, the rate, with the GEMM ceiling.
 
 # %% tags=["hide-input"]
 fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(11, 4.5))
@@ -242,19 +235,18 @@ plt.show()
 # product $q k^\top$, the row maximum, a few updates of the row vectors $m$, $\alpha$ and $l$,
 # the subtraction of $m$, the exponential (`np.exp`, or `np.exp2` in base 2,
 # {doc}`chapter 5 <05_tiling>`), the row sum, the product $P v$ and the rescale of `acc`. No
-# kernel that computes the tile with these calls can take less than the sum of their times. We
-# time them one by one on one thread, in the kernel's order and on buffers laid out as the
-# kernel's (`flash_bench`), each keeping its best time. Their sum is the tile's *floor*, and the
-# floor model of a whole call is
+# kernel computing the tile with these calls can take less than the sum of their times.
+# `flash_bench` times them one by one on one thread, in the kernel's order and on buffers laid
+# out as the kernel's, each keeping its best time. Their sum is the tile's *floor*; the floor
+# model of a whole call is
 #
 # $$T_\text{floor}(N) = \text{floor of one tile} \times
 #   \frac{\text{tiles visited}}{\text{worker threads}} ,$$
 #
-# the tiles counted by `tile_schedule`, the workers those `flash_attention` runs on (one for a
-# call of fewer than $2^{20}$ scores, else up to one per query block). The model assumes the
-# threads share the tiles evenly and never slow each other down, so the measured kernel can only
-# be slower: beyond the floor it spends Python between the calls and the threads' waiting and
-# contention.
+# with the tiles counted by `tile_schedule` and the workers those `flash_attention` runs on (one
+# for a call of fewer than $2^{20}$ scores, else up to one per query block). Assuming the
+# threads share the tiles evenly and never slow each other, the model can only undershoot: the
+# kernel also spends Python between the calls, and its threads wait and contend.
 
 # %%
 tile_q, tile_k = flash_lib.DEFAULT_BLOCK_Q, flash_lib.DEFAULT_BLOCK_K
@@ -286,9 +278,8 @@ print("float32 kernel / floor model: " + ", ".join(
     f"N = {n}: {t / f:.2f}" for n, t, f in zip(sizes, seconds["flash"], floor_model)))
 
 # %% [markdown]
-# On the left the kernel's measured time (from the comparison above) against the floor model, the
-# number at each point being kernel / floor; the dotted line is the model's two matmuls alone. On
-# the right the floor of one tile, op by op, for each dtype.
+# Left: the kernel's measured time against the floor model, each point labelled kernel / floor;
+# dotted, the model's two matmuls alone. Right: the floor of one tile, op by op, per dtype.
 
 # %% tags=["hide-input"]
 groups = [("matmuls q·kᵀ, P·v", "C0", lambda op: op in flash_bench.MATMULS),
@@ -336,18 +327,18 @@ plt.show()
 
 # %% [markdown]
 # The matmuls are most of the floor; the rest splits between the exponential and four cheap
-# passes. How large the exponential's share is, and whether the kernel uses `exp` or `exp2`,
-# depends on which vector loops NumPy runs on the CPU: the
+# passes. The exponential's share, and whether the kernel uses `exp` or `exp2`, depend on which
+# vector loops NumPy runs on the CPU (the
 # {doc}`appendix on testing <28_how_chapters_7_to_23_are_tested>` measures the floor again with
-# NumPy's AVX-512 loops switched off.
+# NumPy's AVX-512 loops off).
 #
 # ## Tile size: the floor per score
 #
-# A tile costs a fixed number of NumPy calls, each a few microseconds of Python whatever the
-# tile's size, plus arithmetic in proportion to its area. So the floor *per score* falls as the
-# tile grows, until the arithmetic outweighs the calls. The cell times the floor of square tiles
-# from 16 to 256: on a GPU no such per-call cost exists, and the tile is bounded instead by
-# on-chip memory ({doc}`chapter 9 <09_memory_traffic>`).
+# A tile costs a fixed number of NumPy calls, each a few microseconds of Python whatever its
+# size, plus arithmetic in proportion to its area, so the floor *per score* falls as the tile
+# grows, until the arithmetic outweighs the calls. The cell times square tiles from 16 to 256.
+# On a GPU no such per-call cost exists; the tile is bounded instead by on-chip memory
+# ({doc}`chapter 9 <09_memory_traffic>`).
 
 # %%
 tile_sides = [16, 64, 256]
@@ -364,10 +355,10 @@ for b_side, t in floor_by_side.items():
 # ## Causal attention: the tiles it skips
 #
 # With `causal=True`, `flash_attention` skips the tiles above the diagonal
-# ({doc}`chapter 6 <06_masks_and_empty_rows>` counts them). Time follows tiles only roughly: the diagonal tiles carry the extra masking work,
-# and with causal attention the query blocks no longer cost the same, so the thread pool's last
-# blocks may finish unevenly. We time both at $N = 2048$ with the default tiles and compare the
-# speed-up with the ratio of tiles.
+# ({doc}`chapter 6 <06_masks_and_empty_rows>` counts them). Time follows tiles only roughly: the
+# diagonal tiles carry extra masking work, and the query blocks no longer cost the same, so the
+# thread pool's last blocks may finish unevenly. Both are timed at $N = 2048$ with the default
+# tiles, the speed-up set against the ratio of tiles.
 
 # %%
 n_causal = 2048
@@ -389,18 +380,16 @@ print(f"on the machine that built this page, N = {n_causal}: causal is {causal_s
 # %% [markdown]
 # ## What we showed
 #
-# - Every timed kernel computed the same result as `naive_attention` (within $10^{-4}$ in
-#   float32, relative to the output's scale), and flash's float64 result is within $10^{-12}$ of
-#   naive's.
+# - Every timed kernel matched `naive_attention` (within $10^{-4}$ in float32, relative to the
+#   output's scale); flash's float64 result is within $10^{-12}$ of naive's.
 # - Causal attention visits chapter 6's count of tiles, 1.60 times fewer at $N = 2048$.
-# - A tile's floor is the sum of its NumPy calls' own times; the floor model, floor × tiles /
-#   worker threads, is what the kernel cannot beat, and the matmuls are most of it. Small tiles
-#   pay for their calls: per score, a 16 × 16 tile's floor was about 15 times a 256 × 256
-#   tile's on the 2-core Intel Xeon this chapter was last revised on (a timing, not asserted).
-# - The rates against this machine's GEMM rate, their growth with $N$, the kernel against its
-#   floor and the causal speed-up are in the ignored cells and the plots: observations of this
-#   build, not claims. Compare a kernel against the machine's own matrix-product rate, measured
-#   in the same run, not against another machine's numbers.
+# - The floor model, a tile's NumPy calls timed alone × tiles / worker threads, is what the
+#   kernel cannot beat; the matmuls are most of it. Small tiles pay for their calls: per score,
+#   a 16 × 16 tile's floor was about 15 times a 256 × 256 tile's on the 2-core Intel Xeon this
+#   chapter was last revised on (a timing, not asserted).
+# - The rates, the kernel against its floor and the causal speed-up are observations of this
+#   build, not claims: compare a kernel with its own machine's matrix-product rate, measured in
+#   the same run, not with another machine's numbers.
 
 # %%
 # 1e-4: float32 attention over up to 2048 keys errs by about 1e-6 (chapter 7); a wrong kernel by 0.1

@@ -16,18 +16,10 @@
 # # 11. Low precision: float16, bfloat16 and FP8
 #
 # GPUs run attention in 16-bit formats: float16 and bfloat16 inputs, matrix products on tensor
-# cores that accumulate in float32. This chapter measures what those formats cost, with the
-# tools of chapter 7:
-#
-# - the two formats, and the error of each kernel against the truth, per dtype;
-# - chapter 7's rule, as FlashAttention applies it to 16-bit kernels: the kernel's error at most
-#   twice that of a reference computed in the same low precision, both against a float32
-#   reference; and a kernel that fails it;
-# - what rounding $P$ to the input dtype before the $PV$ product costs (GPU kernels do it to feed
-#   the tensor cores);
-# - float16 scores past 65504, and why scores are computed in float32;
-# - FP8 (e4m3, e5m2): FlashAttention-3's FP8 forward with per-block descale factors, its error
-#   against the rule, float64 and bfloat16, and what a random rotation of $q$ and $k$ does to it.
+# cores that accumulate in float32. This chapter measures what those formats cost: each kernel's
+# error per dtype; FlashAttention's 2× rule for 16-bit kernels, and a kernel that fails it;
+# rounding $P$ before $PV$; float16 scores past 65504; and FP8 as FlashAttention-3 uses it, with
+# per-block descale factors and a random rotation of $q$ and $k$.
 
 # %%
 import ml_dtypes
@@ -59,21 +51,20 @@ for name, fi in info.items():
 # NumPy's own machinery treats bfloat16 unevenly (`@` returns float32, `np.dot` bfloat16, a
 # plain `sum` accumulates in bfloat16 and 1000 ones sum to 256; the
 # {doc}`appendix on testing <28_how_chapters_7_to_23_are_tested>` checks each). So `flash_lib`
-# widens 16-bit inputs to float32 tile by tile and computes everything in float32, returning the
-# output in the input's dtype (and the lse in float32, as FlashAttention stores it).
+# widens 16-bit inputs to float32 tile by tile, computes in float32 and returns the output in
+# the input's dtype (the lse in float32, as FlashAttention stores it).
 #
 # ## Each kernel's error, per dtype
 #
-# As in chapter 7: one set of inputs ($N_q = 64$, $N_k = 2048$, $d = 64$, standard normal),
+# As in chapter 7, one set of inputs ($N_q = 64$, $N_k = 2048$, $d = 64$, standard normal) is
 # rounded to each dtype, the truth computed by `flash_lib.precise_attention` from *the rounded
-# inputs*, and chapter 7's metric, `flash_lib.rowwise_relative_error`.
+# inputs*, the error by `flash_lib.rowwise_relative_error`.
 #
-# For 16-bit inputs both kernels compute in float32 and round once, at the end, which moves each
-# entry by at most $u$ of itself: the 16-bit error is bounded by $u_{16}$ plus the float32
-# computation's own. The cell checks that bound and the stronger fact behind it: the 16-bit
-# output *is* the float32 output on the widened inputs, rounded. In float32 and float64 the
-# error is the computation's own, below $100u$ at every NumPy CPU level and BLAS kernel tried;
-# flash's error at most twice naive's holds in every dtype.
+# Both kernels compute 16-bit inputs in float32 and round once, at the end, moving each entry by
+# at most $u$ of itself: the 16-bit output *is* the float32 output on the widened inputs,
+# rounded, so its error is at most $u_{16}$ plus the float32 computation's. The cell checks
+# both. In float32 and float64 the error is the computation's own, below $100u$ at every NumPy
+# CPU level and BLAS kernel tried; in every dtype flash's is at most twice naive's.
 
 # %%
 n_q, n_k, d = 64, 2048, 64
@@ -122,22 +113,18 @@ print("16-bit output == float32 output on the widened inputs, rounded:", widened
 # %% [markdown]
 # ## FlashAttention's rule in 16 bits
 #
-# {doc}`Chapter 7 <07_exactness>` gave FlashAttention's accuracy rule: the kernel's error at
-# most twice that of a straightforward implementation in the same dtype, both measured against a
-# reference in float32. For 16-bit inputs the same-dtype implementation is
-# `attention_ref(..., upcast=False, reorder_ops=True)` in FlashAttention's tests, and the
-# reference `attention_ref(..., upcast=True)`.
+# {doc}`Chapter 7 <07_exactness>` gave FlashAttention's 2× same-dtype rule. For 16-bit inputs
+# its tests measure both errors against a float32 reference, `attention_ref(..., upcast=True)`,
+# the same-dtype implementation being `attention_ref(..., upcast=False, reorder_ops=True)`.
 #
-# We reproduce it with NumPy. $O_{\text{ref}}$ is `naive_attention` on the inputs widened to
-# float32. $O_{\text{pt}}$ follows `attention_ref(upcast=False, reorder_ops=True)` step by step,
-# each step rounded to the input dtype as a GPU framework's 16-bit tensors are (its matrix
-# products accumulate in float32 and round the result, its softmax computes in float32 and
-# rounds the weights): $k / \sqrt d$, the scores, the weights $P$ and the output each rounded.
+# In NumPy, $O_{\text{ref}}$ is `naive_attention` on the inputs widened to float32, and
+# $O_{\text{pt}}$ follows the same-dtype reference step by step, rounding $k / \sqrt d$, the
+# scores, the weights $P$ and the output to the input dtype as a GPU framework's 16-bit tensors
+# are.
 #
-# Two kernels of our own face the rule besides `flash_attention`: one that rounds $P$ to the
-# input dtype before $PV$ (next section), and one that keeps its accumulator $\text{acc}$ in the
-# input dtype, rounding it after each of 128 key blocks of 16, a mistake a rule of this kind
-# exists to catch.
+# Two kernels of our own face it too: one rounding $P$ to the input dtype before $PV$ (next
+# section), and one keeping its accumulator $\text{acc}$ in the input dtype, rounded after each
+# of 128 key blocks of 16, a mistake such a rule exists to catch.
 
 # %%
 def attention_same_dtype(q, k, v, p_dtype=None):
@@ -191,18 +178,18 @@ for name in ("float16", "bfloat16"):
         for kernel, (err, ratio) in list(rule[name].items())[1:]))
 
 # %% [markdown]
-# Far from the bar of 2 either way (the passing ratios were about 0.4 to 0.6 on the machine that
-# built this page, the failing ones 3 to 5), so no CPU's rounding moves a verdict. Our kernels
-# round once, where the same-dtype reference rounds the scores, the weights and the output. A
-# 16-bit accumulator fails: each of the 128 block additions rounds the running sum to the
-# format's 11 or 8 significant bits, and those errors add up.
+# Every verdict is far from the bar of 2 (passing ratios about 0.4 to 0.6 on the machine that
+# built this page, failing ones 3 to 5), so no CPU's rounding moves one. Our kernels round once,
+# where the same-dtype reference rounds the scores, the weights and the output. A 16-bit
+# accumulator fails: each of its 128 block additions rounds the running sum to 11 or 8
+# significant bits, and the errors add up.
 #
 # ## Rounding $P$ before $PV$
 #
-# A GPU kernel computes $P = e^{S - m'}$ in float32 registers and converts it to the input dtype,
-# because the tensor cores multiply 16-bit operands (accumulating in float32); $l$ is taken from
+# A GPU kernel computes $P = e^{S - m'}$ in float32 registers and converts it to the input dtype
+# for the tensor cores, which multiply 16-bit operands (accumulating in float32); $l$ comes from
 # the float32 $P$. Rounding moves each weight $p_j$ by at most $u\,p_j$, so the output row by at
-# most $u \max_j |v_j|$, and by much less when the rounding errors of spread weights cancel.
+# most $u \max_j |v_j|$, much less when the rounding errors of spread weights cancel.
 
 # %%
 p_cost = {}
@@ -221,13 +208,13 @@ for name in ("float16", "bfloat16"):
 # float16's largest number is 65504: with $q_c = k_c = 40$ and $d = 64$, $q \cdot k = 102400$ is
 # $\infty$ in float16, and the softmax of a row holding $\infty$ is NaN. Scaling $q$ by
 # $\tau = 1/8$ first helps only until the *scaled* score passes 65504 ($q_c = k_c = 100$).
-# `flash_lib` computes scores in float32, whose range a sum of $d$ products of float16 numbers
-# cannot leave; bfloat16 has float32's range and no such limit.
+# `flash_lib` computes scores in float32, whose range no sum of $d$ float16 products can leave;
+# bfloat16, with float32's range, has no such limit.
 #
-# Range is not the only reason. A float16 score carries an absolute error of about
-# $u_{16} |s|$, $u_{16} = 2^{-11}$ (chapter 7: it becomes a relative error of the weight): at
-# $|s| = 1000$ the spacing is 0.5, so a weight is off by up to $e^{0.25}$, about 28%. The cell
-# computes one row of 256 competing scores near 1000 (built as in chapter 7) both ways.
+# Range is not the only reason: a float16 score carries an absolute error of about $u_{16} |s|$,
+# $u_{16} = 2^{-11}$, which becomes a relative error of the weight (chapter 7). At $|s| = 1000$
+# the spacing is 0.5, so a weight is off by up to $e^{0.25}$, about 28%. The cell computes a row
+# of 256 competing scores near 1000 (as in chapter 7) both ways.
 
 # %%
 def scores_then_softmax_in(dt, q, k, v, prescale):  # scores rounded to dt, the rest float32
@@ -340,27 +327,28 @@ assert float(big[0].astype(E4M3)) == 448 and np.isnan(big[1:].astype(E4M3)).all(
 assert np.isinf(big[2].astype(E5M2))
 
 # %% [markdown]
-# e4m3 has twice e5m2's precision and far less range: past 448 there is no infinity to round
-# to, and 480 becomes NaN. FlashAttention-3's forward takes e4m3 only (`hopper/flash_api.cpp`),
-# so each tensor is scaled into e4m3's range and the kernel is given the **descale** factors.
+# e4m3 has twice e5m2's precision and far less range: past 448 there is no infinity to round to,
+# and 480 becomes NaN. FlashAttention-3's forward takes e4m3 only (`hopper/flash_api.cpp`), so
+# each tensor is scaled into e4m3's range and the kernel given the **descale** factors.
 #
 # ## FlashAttention-3's FP8 forward
 #
-# The paper (Shah et al. 2024, arXiv 2407.08608, Section 3.3) keeps "one scalar per block":
-# $Q$, $K$, $V$ are quantised in blocks of $B_r \times d$ or $B_c \times d$, and "we can scale
-# each block of S" at no cost. The released kernel (Dao-AILab/flash-attention, `hopper/`, read at
-# commit 0251105) takes `q_descale`, `k_descale`, `v_descale` of shape `(batch, heads_k)`
-# (`flash_api.cpp`): one per head, the per-tensor case. $q_\text{descale} k_\text{descale}$ is
-# folded into the softmax scale (`flash_fwd_kernel_sm90.h`); the row max is lowered by 8 before
-# `exp2`, "so that the value after exp2 is in the range of [0, 256]. This lets us use more of the
-# FP8 range (instead of just [0, 1]) to reduce underflow" (`softmax.h`), with $\ell$ summed from
-# that fp32 $P$ (the $2^8$ cancels in $\mathrm{acc}/\ell$); $P$ is converted to e4m3 in
-# registers for the FP8 $PV$ (`mainloop_fwd_sm90_tma_gmma_ws.hpp`), accumulated in fp32;
-# $v_\text{descale}$ multiplies $1/\ell$ at the end; the output is bfloat16.
+# The paper (Shah et al. 2024, arXiv 2407.08608, Section 3.3) keeps "one scalar per block": $Q$,
+# $K$, $V$ are quantised in blocks of $B_r \times d$ or $B_c \times d$, and "we can scale each
+# block of S" at no cost. The released kernel (Dao-AILab/flash-attention, `hopper/`, read at
+# commit 0251105) takes one `q_descale`, `k_descale`, `v_descale` per head, shape
+# `(batch, heads_k)` (`flash_api.cpp`): the per-tensor case. It folds
+# $q_\text{descale} k_\text{descale}$ into the softmax scale (`flash_fwd_kernel_sm90.h`); lowers
+# the row max by 8 before `exp2`, "so that the value after exp2 is in the range of [0, 256].
+# This lets us use more of the FP8 range (instead of just [0, 1]) to reduce underflow"
+# (`softmax.h`), summing $\ell$ from that fp32 $P$ (the $2^8$ cancels in $\mathrm{acc}/\ell$);
+# converts $P$ to e4m3 in registers for the FP8 $PV$, accumulated in fp32
+# (`mainloop_fwd_sm90_tma_gmma_ws.hpp`); and multiplies $1/\ell$ by $v_\text{descale}$ at the
+# end, returning bfloat16.
 #
-# `fp8_attention` does the same with the paper's per-block factors, tiles of 128. Our descale
+# `fp8_attention` does the same with the paper's per-block factors, tiles of 128. Its descale
 # factors are the smallest powers of two that bring a block within 448, so dividing by one is
-# exact and quantisation's only error is e4m3's rounding (FlashAttention-3 takes any float32
+# exact and e4m3's rounding is quantisation's only error (FlashAttention-3 takes any float32
 # factors). A power of two moves no significand, so per-block and per-tensor scaling store the
 # same numbers unless a block would leave e4m3's normal range.
 
@@ -473,21 +461,21 @@ for name, xs in sets.items():
 
 # %% [markdown]
 # So this bar is loose: the reference loses most of its weights to e4m3's range (the kernel's
-# shift of $P$ into $[0, 256]$ is what avoids that), and a kernel could err several times more
-# than ours and pass. What FP8 costs shows against the float64 attention of the inputs *before*
-# quantisation, next to the same inputs rounded to bfloat16 through `flash_lib`.
+# shift of $P$ into $[0, 256]$ avoids that), and a kernel could err several times more than ours
+# and pass. FP8's real cost shows against float64 attention on the unquantised inputs, beside
+# the same inputs in bfloat16 through `flash_lib`.
 #
 # ## Incoherent processing
 #
-# The paper's second technique (Section 3.3): "we multiply Q and K with a random orthogonal
-# matrix M before quantizing to FP8. Since M is orthogonal, $MM^\top = I$ and so
-# $(QM)(KM)^\top = QK^\top$ [...] This serves to 'spread out' the outliers", with $M$ "the
-# product of random diagonal matrices of ±1 and a Hadamard matrix", $O(d \log d)$ to apply. A
-# score from rounded $q_c, k_c$ is off by about $u \sqrt{\sum_c (q_c k_c)^2}$: when a query and
-# a key carry outliers in the same feature one product dominates; rotated, it is spread into $d$
-# products $d$ times smaller whose errors partly cancel. $V$ is not rotated ($M$ would have to be
-# undone inside $PV$). `hadamard` applies $M = DH/\sqrt d$ by the Walsh–Hadamard butterflies,
-# each step correctly rounded, so the rotated inputs are the same bits on every machine.
+# The paper's second technique (Section 3.3) multiplies $Q$ and $K$ by a random orthogonal
+# matrix $M$ before quantising, which leaves $(QM)(KM)^\top = QK^\top$ and "serves to 'spread
+# out' the outliers"; $M$ is "the product of random diagonal matrices of ±1 and a Hadamard
+# matrix", $O(d \log d)$ to apply. A score from rounded $q_c, k_c$ is off by about
+# $u \sqrt{\sum_c (q_c k_c)^2}$: when a query and a key carry outliers in the same feature one
+# product dominates; rotated, it spreads into $d$ products $d$ times smaller whose errors partly
+# cancel. $V$ is not rotated ($M$ would have to be undone inside $PV$). `hadamard` applies
+# $M = DH/\sqrt d$ by the Walsh–Hadamard butterflies, each step correctly rounded, so the
+# rotated inputs are the same bits on every machine.
 
 # %%
 def hadamard(x, signs):
@@ -558,20 +546,17 @@ plt.show()
 # %% [markdown]
 # ## What we showed
 #
-# - float16 has $u = 2^{-11}$, overflowing past 65504; bfloat16 $u = 2^{-8}$ and float32's range.
-#   On 16-bit inputs `flash_attention` and `naive_attention` return exactly the float32
-#   result on the widened inputs, rounded: error at most $u$ plus the float32 computation's. In
-#   float32 and float64 it is below $100u$, and flash's is at most twice naive's.
-# - Chapter 7's rule, error $\le 2\times$ the same-dtype reference's against a float32
-#   reference, holds for both our kernels (ratios below 1) and for rounding $P$ before $PV$, which
-#   costs less than the reference's rounding of everything; a 16-bit accumulator fails it.
-# - float16 scores overflow past 65504 (NaN), even after scaling, and near 1000 err by over 5%;
-#   flash_lib, scoring in float32, is exact to the output's rounding in both cases.
-# - FP8: e4m3fn has $u = 2^{-4}$, range to 448, no infinity; e5m2 $u = 2^{-3}$, range to 57344.
-#   FlashAttention-3's FP8 forward passes the 2× rule against a reference that rounds most
-#   weights to 0; its RMSE is over 5 times bfloat16's. Power-of-two block scales change nothing
-#   unless a block would leave e4m3's range; a Hadamard rotation of $q$ and $k$ cuts the error
-#   by more than 1.5× where there are outlier features.
+# - float16 ($u = 2^{-11}$) overflows past 65504; bfloat16 ($u = 2^{-8}$) has float32's range.
+#   On 16-bit inputs both kernels return exactly the float32 result on the widened inputs,
+#   rounded: error at most $u$ plus the float32 computation's. In float32 and float64 the error
+#   is below $100u$, flash's at most twice naive's.
+# - The 2× rule holds for both our kernels (ratios below 1) and for rounding $P$ before $PV$,
+#   which costs less than the reference's rounding of everything; a 16-bit accumulator fails it.
+# - float16 scores overflow (NaN) even after scaling, and near 1000 err by over 5%; `flash_lib`,
+#   scoring in float32, is exact to the output's rounding in both cases.
+# - FlashAttention-3's FP8 forward passes its loose 2× rule, with over 5 times bfloat16's RMSE;
+#   power-of-two block scales change nothing unless a block would leave e4m3's range, and a
+#   Hadamard rotation of $q$ and $k$ cuts the error by over 1.5× where features have outliers.
 
 # %%
 assert float(info["float16"].eps) == 2.0**-10 and float(info["bfloat16"].eps) == 2.0**-7
