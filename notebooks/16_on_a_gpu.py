@@ -15,20 +15,16 @@
 # %% [markdown]
 # # 16. On a GPU: the Triton kernel
 #
-# Fifteen chapters derived FlashAttention and wrote it in NumPy. This one shows it as a GPU
-# kernel, in [Triton](https://triton-lang.org), a Python dialect in which one writes the program
-# of one *thread block* and the compiler maps it onto the GPU's threads. The kernel lives in
-# `flash_triton.py`, beside `flash_lib.py`. No GPU is needed: Triton's **interpreter**
-# (`TRITON_INTERPRET=1`) runs the same `@triton.jit` functions on the CPU, one thread block after
-# another, with NumPy doing the arithmetic; slow, but the kernel, line for line, which chapter
-# 23's conformance suite can check. In this chapter: the GPU's execution model, drawn; the
-# forward kernel read against chapter 5's algorithm box, the backward against chapter 12's;
-# `exp2`; causal tiles counted; what the softmax costs beside the matmuls (its exponential runs
-# on a unit far slower than the tensor cores, the fact behind FlashAttention-2's, -3's and -4's
-# designs); FlashAttention-2's tiles, chosen by the 255 registers a thread can hold; one tile
-# against chapter 9's roofline; a planted bug caught by `flash_check`. Every GPU figure is
-# computed from one table of datasheet and paper figures that names its sources. **Nothing
-# about GPU speed is measured here.**
+# Fifteen chapters derived FlashAttention in NumPy; this one writes it as a GPU kernel in
+# [Triton](https://triton-lang.org), a Python dialect for the program of one *thread block*, which
+# the compiler maps onto the GPU's threads (`flash_triton.py`, beside `flash_lib.py`). No GPU is
+# needed: Triton's **interpreter** (`TRITON_INTERPRET=1`) runs the same `@triton.jit` functions on
+# the CPU, one thread block after another, with NumPy doing the arithmetic: slow, but the kernel
+# line for line, which chapter 23's conformance suite can check. The softmax's exponential runs on a
+# unit far slower than the tensor cores, the fact behind FlashAttention-2's, -3's and -4's designs;
+# FlashAttention-2's tiles follow from the 255 registers a thread can hold. Every GPU figure comes
+# from one sourced table of datasheet and paper figures. **Nothing about GPU speed is measured
+# here.**
 
 # %%
 import inspect
@@ -55,7 +51,7 @@ print(f"triton {triton.__version__}; interpreted: {flash_triton.INTERPRETED}; "
 # %% [markdown]
 # ## The execution model
 #
-# The two GPUs this chapter reasons about, in one table that names its sources:
+# The two GPUs this chapter reasons about:
 
 # %%
 # A100 SXM4 80GB: NVIDIA A100 datasheet (tensor-core and FP32 peaks, HBM) and Ampere whitepaper
@@ -137,39 +133,26 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# From the left. A kernel is launched over a **grid** of **programs** (CUDA: thread blocks, or
-# CTAs), here one per (query block, batch · head), so chapter 5's outer loop and the batch and
-# head loops run in parallel. Each program goes to a **streaming multiprocessor** (SM), as many
-# at once as its registers and shared memory hold, the rest in later waves. A program runs as a
-# few **warps**, 32 threads that issue one instruction together; Triton's `num_warps` (4 by
-# default) says how many, and the compiler decides which thread holds which element of a tile.
-# $S$, $P$, `acc`, $m$ and $\ell$ sit in fp32 in the **registers** of the threads that own them;
-# $K_j$, $V_j$ are staged in **shared memory**; $Q, K, V$, the output and the lse live in
-# **HBM**, behind the **L2** cache (the datasheets give no L2 bandwidth). The **tensor cores**
-# multiply tiles, the **FP32 units** do the maxima, sums and scaling, and the **special function
-# unit** (MUFU) computes the exponential, as $2^x$, not $e^x$.
-#
-# flash_lib's tile loop (chapter 5's algorithm box), and where each piece runs on the GPU:
-#
-# | flash_lib (chapter 5) | the Triton kernel | where |
-# |---|---|---|
-# | `for q_start, q_stop in blocks:` (the outer loop) | the grid's axis 0: one program per query block | across SMs, in parallel |
-# | the batch and head loop (`...` dims) | the grid's axis 1: one program per (batch, head) | across SMs, in parallel |
-# | `q = Q[rows]` once per query block | `q = tl.load(...)` before the key loop | HBM → registers |
-# | `for k_start, k_stop in ...:` (the inner loop) | `for start_n in range(0, hi, BLOCK_N):` | sequential, inside one program |
-# | `s = scale * q @ k.T` | `mm(q, tl.trans(k), UPCAST) * qk_scale` (`mm` is `tl.dot`) | tensor cores, fp32 accumulate |
-# | `online_softmax_update(m, l, acc, s, v)` | `m_new`, `p = exp2(...)`, `alpha`, `l`, `acc` | FP32 units, `exp2` on the MUFU; registers |
-# | `acc += p @ v` | `acc += mm(p.to(v.dtype), v, UPCAST)` | tensor cores |
-# | `out = acc / l`, `lse = m + log(l)` | the epilogue, once per row | registers → HBM |
+# A kernel is launched over a **grid** of **programs** (CUDA: thread blocks, or CTAs), here one
+# per (query block, batch · head), so chapter 5's query-block, batch and head loops run in
+# parallel. Each program goes to a **streaming multiprocessor** (SM), as many at once as its
+# registers and shared memory hold, the rest in later waves. A program runs as a few **warps**,
+# 32 threads that issue one instruction together; Triton's `num_warps` (4 by default) says how
+# many, and the compiler decides which thread holds which element of a tile. $S$, $P$, `acc`,
+# $m$ and $\ell$ sit in fp32 in the owning threads' **registers**; $K_j$, $V_j$ are staged in
+# **shared memory**; $Q, K, V$, the output and the lse live in **HBM**, behind the **L2** cache
+# (the datasheets give no L2 bandwidth). The **tensor cores** multiply tiles, the **FP32 units**
+# do the maxima, sums and scaling, and the **special function unit** (MUFU) computes the
+# exponential, as $2^x$, not $e^x$.
 #
 # ## The forward kernel, whole
 #
-# Here it is, as `flash_triton.py` holds it (`.fn` is the Python function under `@triton.jit`).
-# `Q + offsets` is pointer arithmetic: `tl.load` reads a whole tile at once, `mask=` guards the
-# rows and columns past the array's end (loaded as `other=0.0`), and the `tl.constexpr`
-# arguments are compile-time constants: each combination of `CAUSAL`, `HAS_MASK`, `HAS_SINKS`,
-# `DROPOUT`, `NONFINITE`, the block sizes and `RESCALE` compiles to its own kernel on a GPU, so
-# `if CAUSAL:` is free. (`UPCAST` widens bfloat16 for the interpreter, whose `tl.dot` errs on it.)
+# As `flash_triton.py` holds it (`.fn` is the Python function under `@triton.jit`). `Q + offsets` is
+# pointer arithmetic: `tl.load` reads a whole tile, `mask=` guards the rows and columns past the
+# array's end (loaded as `other=0.0`), and `tl.constexpr` arguments are compile-time constants: each
+# combination of `CAUSAL`, `HAS_MASK`, `HAS_SINKS`, `DROPOUT`, `NONFINITE`, the block sizes and
+# `RESCALE` compiles to its own GPU kernel, so `if CAUSAL:` is free. (`UPCAST` widens bfloat16 for
+# the interpreter, whose `tl.dot` errs on it.)
 
 # %% tags=["needs-triton"]
 for fn in (flash_triton.allowed_pairs, flash_triton.dot_allowed, flash_triton.mm,
@@ -186,35 +169,35 @@ for fn in (flash_triton.allowed_pairs, flash_triton.dot_allowed, flash_triton.mm
 # and $\mathrm{lse} = m + \log \ell$ (flash_lib's `online_softmax_update`). The Triton kernel:
 #
 # 1. `start_m = tl.program_id(0) * BLOCK_M`, `bh = tl.program_id(1)`: this program's query block
-#    and (batch, head). There is no loop over query blocks: the grid *is* that loop.
-# 2. `q = tl.load(...)`; `m = -inf`, `l = 0`, `acc = 0`: chapter 5's initial state, in fp32,
-#    held in registers for the whole key loop (with a sink, chapter 18's: as if the sink had
-#    been seen, `m = sink`, `l = 1`). Only $K_j$ and $V_j$ travel from HBM.
-# 3. `hi` and `full`: the causal tile skipping (below), the tiles of flash_lib's `tile_schedule`.
-# 4. `s = mm(q, tl.trans(k), UPCAST) * qk_scale`: $S$, but in **base 2**: `qk_scale` is
-#    $\tau \log_2 e$, so `s` holds $\tau\, q k^\top \log_2 e$ and every exponential after it is an
-#    `exp2`.
+#    and (batch, head): the grid replaces flash_lib's outer loops, while the key loop,
+#    `for start_n in range(0, hi, BLOCK_N)`, runs in order inside one program.
+# 2. `q = tl.load(...)`; `m = -inf`, `l = 0`, `acc = 0`: chapter 5's initial state, fp32, in
+#    registers for the whole key loop (with chapter 18's sink: as if the sink had been seen,
+#    `m = sink`, `l = 1`). Only $K_j$ and $V_j$ travel from HBM.
+# 3. `hi` and `full`: causal tile skipping (below), flash_lib's `tile_schedule`.
+# 4. `s = mm(q, tl.trans(k), UPCAST) * qk_scale` (`mm` is `tl.dot`, on the tensor cores): $S$,
+#    but in **base 2**: `qk_scale` is $\tau \log_2 e$, so `s` holds $\tau\, q k^\top \log_2 e$
+#    and every exponential after it is an `exp2`.
 # 5. `allowed_pairs`, `HAS_MASK`: chapter 6's masks as $-\infty$ scores, paid for only in tiles
-#    that can hold a disallowed pair. If `k` or `v` holds inf or NaN (`NONFINITE`), `dot_allowed`
-#    keeps masked pairs out of $P V_j$ (their weight 0 times inf is NaN).
-# 6. `m_new`, `m_use`, `p`, `alpha`: the online softmax of chapter 2, with chapter 6's guard for a
-#    row that has seen no allowed key yet (`m_use = 0` where `m_new = -inf`, so that
-#    $2^{-\infty - 0} = 0$ rather than $2^{-\infty + \infty} = $ NaN).
+#    that can hold a disallowed pair. With inf or NaN in `k` or `v` (`NONFINITE`), `dot_allowed`
+#    keeps masked pairs out of $P V_j$ (weight 0 times inf is NaN).
+# 6. `m_new`, `m_use`, `p`, `alpha`: chapter 2's online softmax (FP32 units and MUFU), with
+#    chapter 6's guard for a row that has seen no allowed key yet (`m_use = 0` where
+#    `m_new = -inf`, so that $2^{-\infty - 0} = 0$, not $2^{-\infty + \infty} = $ NaN).
 # 7. `if RESCALE: l = l * alpha; acc = acc * alpha[:, None]`: the rescale, always on in
-#    `flash_triton.attention`; the flag lets the last section plant the classic bug.
+#    `flash_triton.attention`; the flag lets a later section plant the classic bug.
 # 8. `acc += mm(p.to(v.dtype), v, UPCAST)`: $P V_j$ on the tensor cores, which take float16
-#    operands (so `p` is rounded to float16, as in FlashAttention) and accumulate in fp32. With
+#    operands (`p` is rounded to float16, as in FlashAttention) and accumulate in fp32. With
 #    `DROPOUT`, after $\ell$ took the undropped `p`, `dropout_keep` zeroes the dropped weights:
 #    chapter 17's mask, flash_lib's Philox4x32-7 bit for bit, from the seed and $(b, i, j)$ alone.
 # 9. The epilogue: `out = acc / l` (an empty row has $\ell = 0$ and `acc` $= 0$, so it divides by 1
-#    and stays 0), times $1/(1-p)$ with dropout, and `m + log2(l)`, the lse in base 2.
+#    and stays 0), times $1/(1-p)$ with dropout, and `m + log2(l)`, the lse in base 2, stored
+#    to HBM.
 #
-# An empty row gets `out = 0` and `lse = -inf`, flash_lib's contract (the true $\log 0$).
-# FlashAttention-2 stores $+\infty$ instead, so that its backward's $e^{S - \mathrm{lse}}$ is 0
-# with no test; `flash_triton` makes that substitution inside the backward (`load_row_stats`).
-#
-# It computes what flash_lib computes. Against flash_lib's extended-precision reference on the
-# same inputs, causal with $N_q \ne N_k$ and a key-padding mask:
+# An empty row gets `out = 0` and `lse = -inf` (the true $\log 0$), flash_lib's contract.
+# FlashAttention-2 stores $+\infty$, so that its backward's $e^{S - \mathrm{lse}}$ is 0 with no
+# test; `flash_triton` substitutes it inside the backward (`load_row_stats`). Against flash_lib's
+# extended-precision reference, causal with $N_q \ne N_k$ and a key-padding mask:
 
 # %% tags=["needs-triton"]
 # Bounds in eps of the input dtype, about 4x (float32) or 2x (float16) the largest error
@@ -244,24 +227,23 @@ for dtype in (np.float32, np.float16):
 # %% [markdown]
 # ## exp2, and the folded scale
 #
-# The special function unit computes $2^x$ (the PTX instruction `ex2.approx`); $e^x$ costs a
-# multiply by $\log_2 e$ first. The scores are multiplied by the softmax scale $\tau$ anyway, so
-# the kernel multiplies once by $\tau \log_2 e$ and works in base 2 from there ($m$, $\alpha$,
-# the lse), and $e^{\tau x - \tau m} = 2^{\tau x \log_2 e - \tau m \log_2 e}$ makes it exact
-# mathematics, not an approximation. Per tile that removes one multiply per score, and the lse
-# costs one multiply by $\ln 2$ per *row* at the very end. Forgetting it (chapter 23's
-# `lse_base2` bug) returns every lse times $1 / \ln 2$, which the lse check above fails by far
-# more than its bound. flash_lib uses `exp2` where NumPy's is faster, but multiplies each exponent
-# $s - m$ by $\log_2 e$ instead, which costs less precision ({doc}`chapter 5 <05_tiling>`).
+# The special function unit computes $2^x$ (PTX `ex2.approx`), so $e^x$ costs a multiply by
+# $\log_2 e$ first. The scores are multiplied by $\tau$ anyway, so the kernel multiplies once by
+# $\tau \log_2 e$ and works in base 2 from there ($m$, $\alpha$, the lse); as
+# $e^{\tau x - \tau m} = 2^{\tau x \log_2 e - \tau m \log_2 e}$, this is exact, not an
+# approximation. It saves one multiply per score; the lse costs one multiply by $\ln 2$ per *row*,
+# at the end. Forgetting that (chapter 23's `lse_base2` bug) returns every lse times $1 / \ln 2$,
+# which the lse check above fails by far. flash_lib uses `exp2` where NumPy's is faster, but
+# multiplies each exponent $s - m$ by $\log_2 e$ instead, which costs less precision
+# ({doc}`chapter 5 <05_tiling>`).
 #
 # ## Causal: tiles skipped, the diagonal masked
 #
-# Causal attention aligned bottom-right (chapter 6) lets query $i$ see key $j$ iff
+# Aligned bottom-right (chapter 6), causal attention lets query $i$ see key $j$ iff
 # $j \le i + N_k - N_q$. For a query block starting at row `start_m` the kernel computes `hi`,
-# past which every key is above the diagonal for every row of the block (those tiles are never
-# loaded), and `full`, before which every key is allowed for every row (no mask). Only the tiles
-# between pay for the mask. Counted with the kernel's own formulas, against flash_lib's
-# `tile_schedule` and chapter 6's count:
+# past which every key is above the diagonal for every row of the block (never loaded), and
+# `full`, before which every key is allowed for every row (no mask). Only the tiles between pay
+# for the mask. Counted with the kernel's formulas, against `tile_schedule` and chapter 6:
 
 # %% tags=["needs-triton"]
 BM, BN = flash_triton.BLOCK_M, flash_triton.BLOCK_N
@@ -295,28 +277,28 @@ assert BM == BN and triton_tiles(1024, 1024, True) == (n * (n + 1) // 2, n)
 assert triton_tiles(1000, 1000, True) == triton_tiles(1024, 1024, True)
 
 # %% [markdown]
-# Chapter 6's count, $n(n+1)/2$ of $n^2$ tiles with only the $n$ on the diagonal masked, is the
-# kernel's: causal attention costs about half the flops, and the mask almost nothing.
+# The kernel visits chapter 6's $n(n+1)/2$ of $n^2$ tiles and masks only the $n$ on the diagonal:
+# causal attention costs about half the flops, and the mask almost nothing.
 #
 # ## What the softmax costs beside the matmuls
 #
 # FlashAttention (arXiv 2205.14135) reached 25–40% of an A100's peak and FlashAttention-2
-# (Dao 2023, arXiv 2307.08691) 50–73% of it (its abstract), with the same algorithm, by changing
-# where the work goes. Three changes, each visible in the kernel above.
+# (Dao 2023, arXiv 2307.08691) 50–73% (its abstract), with the same algorithm, by moving work
+# in three ways, each visible in the kernel above.
 #
 # **Fewer non-matmul flops.** "The A100 GPU has a max theoretical throughput of 312 TFLOPs/s of
 # FP16/BF16 matmul, but only 19.5 TFLOPs/s of non-matmul FP32" (FlashAttention-2, Section 3.1).
 # So FlashAttention-2 keeps `acc` *unnormalised* and divides by $\ell$ once, in the epilogue,
 # where FlashAttention-1 rescaled the output by $\ell_{\text{old}}/\ell_{\text{new}}$ at every
-# tile. The exponential, though, is not an FP32 flop: it runs on the MUFU, 16 per clock per SM,
-# while the tensor cores do thousands of flops per clock per SM (the table above). Per score
-# the matmuls do $4d$ flops and the softmax one `exp2` and four other flops (scale, max,
-# subtract, sum). Each at its unit's peak rate, the exponential takes
+# tile. The exponential is no FP32 flop: it runs on the MUFU, 16 per clock per SM, against the
+# tensor cores' thousands of flops per clock per SM. Per score the matmuls do $4d$ flops and the
+# softmax one `exp2` and four other flops (scale, max, subtract, sum). At peak rates the
+# exponential takes
 #
 # $$\frac{t_{\exp}}{t_{\text{matmul}}} = \frac{\text{tensor-core flops per clock per SM}}{16 \cdot 4d}$$
 #
 # of the matmuls' time, whatever the clock: half as much when $d$ doubles, twice as much when the
-# tensor cores' rate does. The other four are counted at the FP32 peak, as FlashAttention-2 does:
+# tensor cores' rate does. The other four count at the FP32 peak, as in FlashAttention-2:
 
 # %%
 FA2_FWD = {  # d -> (b_q, b_k, warps): FlashAttention-2's forward on an A100 (sm80), no dropout,
@@ -346,19 +328,18 @@ assert math.isclose(softmax_over_matmul(H100, 64)[0] / softmax_over_matmul(A100,
                     rel_tol=0.01)
 
 # %% [markdown]
-# The softmax is a sliver of the flops and, at peak rates, a large part of the matmuls' time;
-# the exponential's share doubled from Ampere to Hopper, and FlashAttention-3's "50%" is this
-# model. Counting the other four as flops at the FP32 peak is generous: FlashAttention-3's
-# listing of its compiled loop (Appendix B.2) shows an `FFMA` (scale and subtract), an `FMNMX`
-# and an `FADD` per score and a conversion of $P$ to 16 bits per pair, and a max or an add is an
-# instruction for one flop where an FMA is one for two. The exponential's share does not depend
-# on that accounting, and no rewrite removes it, one `exp2` per score being the minimum: it can
-# only be hidden behind the matmuls (FlashAttention-3) or computed faster (FlashAttention-4).
+# A sliver of the flops, the softmax takes at peak rates a large part of the matmuls' time; the
+# exponential's share doubled from Ampere to Hopper, and FlashAttention-3's "50%" is this model.
+# Counting the other four as flops at the FP32 peak is generous: FlashAttention-3's listing of its
+# compiled loop (Appendix B.2) shows an `FFMA` (scale and subtract), an `FMNMX` and an `FADD` per
+# score and a conversion of $P$ to 16 bits per pair, and a max or an add is one instruction for
+# one flop, an FMA for two. Either way, one `exp2` per score is the minimum: it can only be
+# hidden behind the matmuls (FlashAttention-3) or computed faster (FlashAttention-4).
 #
 # **Parallel over query blocks.** FlashAttention-1 launched one program per (batch, head) and
-# looped over the query blocks inside it, which leaves SMs idle with a small batch of long
-# sequences; FlashAttention-2 adds the query blocks as a grid axis, `tl.program_id(0)` above.
-# Programs against the A100's SMs, for one sequence of 16 heads, $b_q = 128$:
+# looped over the query blocks inside it, leaving SMs idle with a small batch of long sequences;
+# FlashAttention-2 makes the query blocks a grid axis, `tl.program_id(0)` above. Programs against
+# the A100's SMs, for one sequence of 16 heads, $b_q = 128$:
 
 # %%
 heads, block = 16, 128
@@ -369,12 +350,12 @@ for n in (1024, 8192):
 
 # %% [markdown]
 # **Split the queries across warps, not the keys.** FlashAttention-1 gave each warp of a program
-# a slice of the keys: every warp then held a partial $m$, $\ell$ and `acc` for the *same* rows,
+# a slice of the keys, so every warp held a partial $m$, $\ell$ and `acc` for the *same* rows,
 # merged through shared memory (chapter 3's merge) at each step. FlashAttention-2 gives each warp
-# a slice of the query rows, whose whole softmax it owns; in Triton the compiler makes this
-# choice, which per-row `m`, `l` allow. A warp then holds its rows of $S$ and `acc` in fp32
-# registers: $b_q (b_k + d) / (32 w)$ per thread with $w$ warps, of the 255 a thread can
-# address. That per-thread limit, not the register file per SM, decides FlashAttention-2's tiles:
+# a slice of the query rows, whose whole softmax it owns (in Triton the compiler chooses, as
+# per-row `m`, `l` allow). A warp holds its rows of $S$ and `acc` in fp32 registers:
+# $b_q (b_k + d) / (32 w)$ per thread with $w$ warps, of the 255 a thread can address. That
+# per-thread limit, not the register file per SM, decides FlashAttention-2's tiles:
 
 # %%
 def regs_per_thread(b_q, b_k, d, warps):
@@ -394,13 +375,13 @@ for b_q, b_k, d in ((128, 128, 128), (256, 64, 64)):
     assert need > MAX_REGS_PER_THREAD
 
 # %% [markdown]
-# Each tile it picks leaves at least 63 registers per thread for the rest (addresses, $P$ in 16
+# Each tile leaves at least 63 registers per thread for the rest (addresses, $P$ in 16
 # bits, fragments of $K_j$ and $V_j$). At $d = 128$ a $128 \times 128$ tile would not fit, so
 # $b_k$ is halved; on 8 warps it would, but ran 28% slower, its comment says. (At $d = 256$ an
 # H100 runs $64 \times 64$ on 4 warps, so that two programs fit in one SM's shared memory.)
-# `flash_triton` hard-wires no tile: compiled, `@triton.autotune` times the candidates of
-# `GPU_CONFIGS` (tutorial 06's, FlashAttention-2's) left by `prune_configs` for the head dimension
-# and keeps the fastest, likely FlashAttention-2's, measured fastest by its authors (below
+# `flash_triton` hard-wires no tile: compiled, `@triton.autotune` times the `GPU_CONFIGS`
+# candidates (tutorial 06's, FlashAttention-2's) that `prune_configs` leaves for the head
+# dimension and keeps the fastest, likely FlashAttention-2's, its authors' fastest (below
 # N = 1024 that one, untimed). The interpreter runs one $32 \times 32$ tile. A GPU tries:
 
 # %% tags=["needs-triton"]
@@ -415,9 +396,9 @@ for d in (64, 128):  # (b_q, b_k, warps) of each configuration left, its stage c
 # %% [markdown]
 # ## One tile on an A100 and an H100
 #
-# One step of the inner loop, with FlashAttention-2's tile at $d = 128$ in float16: it loads
-# $K_j$ and $V_j$ ($2 b_k d$ elements) and does $4 b_q b_k d$ flops, $b_q$ flop/byte, chapter 9's
-# intensity for the whole kernel. Against each GPU's ridge point (peak / bandwidth):
+# One step of the inner loop, FlashAttention-2's tile at $d = 128$ in float16, loads $K_j$ and
+# $V_j$ ($2 b_k d$ elements) and does $4 b_q b_k d$ flops: $b_q$ flop/byte, chapter 9's intensity
+# for the whole kernel. Against each GPU's ridge point (peak / bandwidth):
 
 # %%
 d, itemsize = 128, 2  # float16
@@ -436,36 +417,36 @@ for gpu in (A100, H100):  # each SM gets 1 / sms of the HBM bandwidth and of the
           f"{tile_flops * gpu['sms'] / gpu['matmul'] * 1e6:.2f} us at peak")
 
 # %% [markdown]
-# The tile is below both ridges if $K_j, V_j$ come from HBM each time; in practice the programs of
-# one head read them at about the same time and the L2 cache serves most of those reads, which
-# this count does not model. The H100's ridge is the higher: its tensor cores grew faster than
-# its memory, and a kernel that waits for its loads leaves them idle. FlashAttention-3 attacks that.
+# The tile is below both ridges if $K_j, V_j$ come from HBM each time; in practice one head's
+# programs read them at about the same time and the L2 cache, not modelled here, serves most of
+# those reads. The H100's ridge is the higher: its tensor cores grew faster than its memory, and a
+# kernel waiting for its loads leaves them idle, which FlashAttention-3 attacks.
 #
 # ## FlashAttention-3 on Hopper
 #
 # FlashAttention-2 reaches only 35% of an H100's peak (FlashAttention-3, Shah et al. 2024,
-# arXiv 2407.08608, abstract). FlashAttention-3 rewrites the kernel in CUDA (CUTLASS) for what
-# Hopper added: **WGMMA** (a matmul issued asynchronously by a *warpgroup* of 4 warps), the
-# **TMA** (a tile copied from HBM to shared memory in one instruction) and **warp
-# specialisation** (a *producer* warpgroup only issues loads, *consumer* warpgroups only compute).
-# Two schedules hide the cost above. **Ping-pong** (Section 3.1): while one consumer warpgroup
-# does its softmax on the MUFU, barriers make the other do its GEMMs, then they swap (570 to
-# 620–640 TFLOP/s, float16, $d = 128$, $N = 8192$). **Intra-warpgroup overlap** (Section 3.2):
+# arXiv 2407.08608, abstract). FlashAttention-3, in CUDA (CUTLASS), uses what Hopper added:
+# **WGMMA** (a matmul issued asynchronously by a *warpgroup* of 4 warps), the **TMA** (a tile
+# copied from HBM to shared memory in one instruction) and **warp specialisation** (a *producer*
+# warpgroup only issues loads, *consumer* warpgroups only compute). Two schedules hide the
+# exponential's cost. **Ping-pong** (Section 3.1): while one consumer warpgroup does its softmax
+# on the MUFU, barriers make the other do its GEMMs, then they swap (570 to 620–640 TFLOP/s,
+# float16, $d = 128$, $N = 8192$). **Intra-warpgroup overlap** (Section 3.2):
 # $S = Q K_{j+1}^\top$ is issued before tile $j$'s softmax, at the cost of a second $S$ in
 # registers (Table 2, $d = 128$, $N = 8448$: 570 TFLOP/s without warp specialisation, 582
 # without this overlap, 661 with both). **FP8** doubles the matmul rate, not the exponential's,
 # so the exponential's share doubles again; per-block scales and a random rotation of $Q$ and
 # $K$ (*incoherent processing*) keep its error small, as chapter 11 computes. Reported: 1.5–2.0×
-# FlashAttention-2 in float16, up to 740 TFLOP/s; close to 1.2 PFLOP/s in FP8. None of this
-# changes the mathematics, only when each tile's loads, matmuls and exponentials happen.
+# FlashAttention-2 in float16, up to 740 TFLOP/s; close to 1.2 PFLOP/s in FP8. Only the timing
+# of the loads, matmuls and exponentials changes, not the mathematics.
 #
 # ### FlashAttention-4: part of the exponentials in software
 #
 # On Blackwell "tensor core throughput doubles while other functional units (shared memory
 # bandwidth, exponential units) scale more slowly or remain unchanged" (FlashAttention-4, Zadouri
 # et al. 2026, arXiv 2603.05451, abstract): doubled per SM and clock, the law above puts the
-# exponentials alone at the matmuls' time for $d = 128$. But the FP32 units are not the MUFU,
-# and the softmax keeps them far from busy, so FlashAttention-4 computes some exponentials there
+# exponentials alone at the matmuls' time for $d = 128$. The FP32 units, which the softmax
+# keeps far from busy, are not the MUFU, so FlashAttention-4 computes some exponentials there
 # with a degree-3 polynomial, interleaved with the MUFU's (`ex2_emu_freq` in
 # `flash_attn/cute/softmax.py`); {doc}`chapter 19 <19_fa4_numerics>` emulates it bit for bit.
 
@@ -482,9 +463,9 @@ print(f"tensor cores twice an H100's per clock, 16 exp2 per clock, d = 128: the 
 # $dK_j \mathrel{+}= \tau\, dS^\top Q_i$, $dQ_i \mathrel{+}= \tau\, dS K_j$. In Triton:
 # `backward_preprocess_kernel` for $D$; `backward_dkdv_kernel`, one program per key block, owning
 # its $dK_j$, $dV_j$ in registers and walking the query blocks; `backward_dq_kernel`, one per
-# query block. FlashAttention-2 adds the $dQ$ shares with atomic adds from the key-block
-# programs; a second pass recomputes $P$ but gives the same bits on every run. `load_row_stats`
-# is where an empty row's $-\infty$ lse becomes FlashAttention's $+\infty$:
+# query block. FlashAttention-2 adds the $dQ$ shares with atomics from the key-block programs;
+# this second pass recomputes $P$ but gives the same bits every run. `load_row_stats` makes the
+# $+\infty$ substitution:
 
 # %% tags=["needs-triton"]
 print(inspect.getsource(flash_triton.load_row_stats.fn))
@@ -495,8 +476,8 @@ print(inspect.getsource(flash_triton.backward_dkdv_kernel.fn))
 # $P = e^{S - \mathrm{lse}}$ in base 2 (one exponential per score, no max, no sum: the forward's
 # lse carries both); `dv_acc += tl.dot(tl.trans(p), do)` is $dV_j \mathrel{+}= P^\top dO_i$;
 # `ds = p * (dp - delta[:, None])` is $dS = P \circ (dP - D_i)$; the factor $\tau$ of $dK_j$ is
-# applied once, at the store. Against `flash_lib.flash_attention_backward` (float64, the same
-# inputs; itself checked against `precise_attention_backward`), causal with $N_q \ne N_k$:
+# applied once, at the store. Against `flash_lib.flash_attention_backward` (float64; itself
+# checked against `precise_attention_backward`), causal with $N_q \ne N_k$:
 
 # %% tags=["needs-triton"]
 # of each gradient's largest entry; about 15x (float32) and 10x (float16) the largest measured
@@ -524,12 +505,12 @@ for dtype in (np.float32, np.float16):
 # %% [markdown]
 # ## Checked by flash_check
 #
-# Chapter 23's conformance suite runs a kernel through cases built to expose the classic bugs and
-# bounds its error by twice the textbook computation's in the same dtype.
-# Its `lse` feature wants `(out, lse)` back, so it gets `flash_triton.attention_with_lse` (from a
-# shell, `python -m flash_check flash_triton:attention --features causal lse`); then its mask
-# cases (key padding, empty rows, all masked, causal with a mask, NaN and inf in padded keys),
-# $d_v \ne d$, sinks and dropout (with the backward, and the mask claimed to be flash_lib's):
+# Chapter 23's conformance suite runs a kernel through cases built to expose the classic bugs,
+# bounding its error by twice the textbook computation's in the same dtype. Its `lse` feature
+# wants `(out, lse)`, hence `flash_triton.attention_with_lse` (from a shell,
+# `python -m flash_check flash_triton:attention --features causal lse`); a second run adds the
+# mask cases (key padding, empty rows, all masked, causal with a mask, NaN and inf in padded
+# keys), $d_v \ne d$, sinks and dropout (with the backward, the mask claimed to be flash_lib's):
 
 # %% tags=["needs-triton"]
 masked_cases = ["key_padding", "empty_rows", "all_masked", "causal_and_mask", "masked_nonfinite",
@@ -546,8 +527,8 @@ for options in (dict(features=("causal", "lse"), dtypes=("float32", "float16")),
 #
 # `flash_triton.with_bug("missing_rescale")` is the same kernel launched with `RESCALE=False`:
 # when a later key tile raises a row's maximum, `l` and `acc` keep terms measured against the
-# old maximum. On random inputs the rows' maxima rise often, and chapter 23's diagnosis finds the
-# cause by shuffling the keys (attention does not depend on their order; this bug does):
+# old one. Random inputs raise the maxima often; chapter 23's diagnosis finds the cause by
+# shuffling the keys (attention does not depend on their order; this bug does):
 
 # %% tags=["needs-triton"]
 buggy = flash_check.check_kernel(flash_triton.with_bug("missing_rescale"),
@@ -569,14 +550,14 @@ assert all("not rescaled by exp(m - m')" in f.diagnosis for f in buggy.failures)
 # %% [markdown]
 # ## What the interpreter is, and is not
 #
-# The interpreter runs the grid's programs one after another, each `tl` operation a NumPy call
-# on the whole tile. `tl.dot` is `np.matmul` in fp32, float16 operands multiplied exactly and
+# The interpreter runs the programs one after another, each `tl` operation a NumPy call on the
+# whole tile. `tl.dot` is `np.matmul` in fp32, float16 operands multiplied exactly and
 # summed in NumPy's order; `input_precision="ieee"` keeps a GPU from rounding fp32 operands to
 # TF32, so float32 means the same compiled. `exp2` is NumPy's, not `ex2.approx`. Not modelled:
 # warps, shared memory, registers, timing (so no autotuning), the programs' order (no atomics).
-# A pass here says the kernel's *logic* is right; compiled, it adds the hardware's rounding,
-# which chapter 23's bound leaves room for. `bench/bench_gpu.py` (`make bench-gpu`) checks and
-# times it on a CUDA GPU, against PyTorch's SDPA; the README says what to expect.
+# A pass here says the kernel's *logic* is right; compiled, the hardware's rounding is added,
+# within chapter 23's bound. `bench/bench_gpu.py` (`make bench-gpu`) checks and times it on a
+# CUDA GPU, against PyTorch's SDPA; the README says what to expect.
 
 # %% [markdown]
 # ## Your turn: the Triton kernel's inner loop
@@ -585,7 +566,7 @@ assert all("not rescaled by exp(m - m')" in f.diagnosis for f in buggy.failures)
 # `s (BLOCK_M, BLOCK_N)` base-2 scores (`-inf` where masked), `v (BLOCK_N, BLOCK_DV)`, the float32
 # state `m`, `l (BLOCK_M,)`, `acc (BLOCK_M, BLOCK_DV)`. The grader folds tiles through it under
 # the interpreter from `m = -inf`, `l = 0`, `acc = 0`; a row masked throughout keeps that state.
-# Re-run the grade cell until it says `passed`; the solution is hidden below it.
+# Re-run the grade cell until it says `passed`; the solution is hidden below.
 
 # %% tags=["needs-triton"]
 import triton.language as tl  # for your @triton.jit attend_tile (triton is imported above)

@@ -16,23 +16,18 @@
 # # 21. Serving: ragged batches and the KV cache
 #
 # Training sees batches cut to one length. Serving does not: prompts come in every length, and
-# each sequence then grows one token at a time. FlashAttention has two interfaces for this, and
-# `flash_serving` (a module beside `flash_lib`, built on its public kernels only) implements both
-# exactly:
+# each sequence then grows one token at a time. `flash_serving` (beside `flash_lib`, built on its
+# public kernels only) implements FlashAttention's two interfaces for this, exactly:
 #
 # - `flash_attention_varlen` (FlashAttention's `flash_attn_varlen_func`): the sequences packed end
-#   to end, `cu_seqlens` saying where each begins. We count what packing saves over padding and
-#   read its tile schedule;
+#   to end, `cu_seqlens` saying where each begins;
 # - `flash_attention_with_kvcache` (`flash_attn_with_kvcache`): new queries against a cache of
-#   every earlier key and value, contiguous or paged as in vLLM. Decoding one token is split-KV
-#   with $N_q = 1$; we write the decode loop out (gather, chunks, merge) and check it bit for
-#   bit against the module, pack a group's query heads against their shared K/V head, and
-#   generate text on a paged cache.
+#   every earlier key and value, contiguous or paged as in vLLM; decoding one token is split-KV
+#   with $N_q = 1$.
 #
-# Both also take chapter 18's attention sinks (`sinks=`, gpt-oss's one logit per head; a split
-# decode merges the sink into each row once, not once per chunk), and the packed batch takes
-# chapter 17's dropout (`dropout_p=`, `dropout_seed=`: each sequence's mask drawn at its packed
-# positions, so the batch's mask is the packed problem's).
+# Both take chapter 18's attention sinks (`sinks=`; a split decode merges the sink into each row
+# once, not once per chunk), and the packed batch chapter 17's dropout (`dropout_p=`,
+# `dropout_seed=`, each sequence's mask drawn at its packed positions).
 
 # %%
 import inspect
@@ -62,13 +57,12 @@ def within_rule(out, q, k, v, **kw):
 # %% [markdown]
 # ## Padding against packing
 #
-# A batch of one long sequence and sixteen short ones, lengths $(1024, 32 \times 16)$. Padded,
-# every sequence is as long as the longest, $17 \times 1024$ tokens, with the padding keys
-# masked; packed, the 1536 real tokens lie end to end, `cu_seqlens = [0, 1024, 1056, …, 1536]`.
-# With 128 × 128 tiles the packed batch costs the tiles of its sequences, $8^2$ for the long one
-# and one for each short one, 80; the padded batch $8^2$ for each of its 17 rows, 1088. Packed,
-# each sequence is one `flash_attention` call on its own slices, so its rows are that call's,
-# bit for bit.
+# One long sequence and sixteen short ones, lengths $(1024, 32 \times 16)$. Padded, every
+# sequence is as long as the longest, $17 \times 1024$ tokens, the padding keys masked; packed,
+# the 1536 real tokens lie end to end, `cu_seqlens = [0, 1024, 1056, …, 1536]`. With 128 × 128
+# tiles the packed batch costs its sequences' tiles, $8^2$ for the long one and one for each
+# short one, 80; the padded batch $8^2$ for each of its 17 rows, 1088. Packed, each sequence is
+# one `flash_attention` call on its own slices, its rows that call's bit for bit.
 
 # %%
 lengths = (1024,) + (32,) * 16
@@ -108,10 +102,10 @@ print("packed and padded agree on the real rows (within 16 eps; the long one wit
       and within_rule(out_packed[:n_max], q[:n_max], k[:n_max], v[:n_max]))
 
 # %% [markdown]
-# The time follows the tiles, and then some: a padded tile holds masked keys, so it takes the
-# masked path (chapter 6), where a packed tile never needs a mask. Measured here, side by side
-# (`flash_bench.best_times`), so the figure changes from run to run; `bench/bench_flash.py` asks
-# for at least 3x the padded batch's speed at lengths $(4096, 64 \times 16)$.
+# The time follows the tiles, and more: a padded tile holds masked keys and takes chapter 6's
+# masked path, which a packed tile never needs. Measured here (`flash_bench.best_times`), the
+# times change from run to run; `bench/bench_flash.py` asks for at least 3x the padded batch's
+# speed at lengths $(4096, 64 \times 16)$.
 
 # %% tags=["hide-input", "nbval-ignore-output"]
 best, _ = best_times({"packed (varlen)": run_packed, "padded + key mask": run_padded},
@@ -134,9 +128,9 @@ plt.show()
 # ## The varlen schedule
 #
 # A document mask over the packed tokens (chapter 15's `mask_mod`) gives the same answer, but
-# its tiles are cut from the packed $N \times N$ square: a tile that straddles a boundary is
-# computed with a mask, and every tile of the square is at least asked whether it holds a pair.
-# Varlen's schedule is each sequence's own, shifted to where the sequence starts:
+# its tiles are cut from the packed $N \times N$ square: a tile straddling a boundary is computed
+# with a mask, and every tile of the square is at least asked whether it holds a pair. Varlen's
+# schedule is each sequence's own, shifted to where it starts:
 
 # %%
 print(inspect.getsource(flash_serving.varlen_tile_schedule))
@@ -144,7 +138,7 @@ print(inspect.getsource(flash_serving.varlen_tile_schedule))
 # %% [markdown]
 # `_sequences` checks `cu_seqlens` and pairs each sequence's query and key ranges; the list is
 # `flash_lib.tile_schedule` of each sequence's $N_q \times N_k$ square, plus its start. No tile is
-# shared by two sequences, and nothing outside the squares is looked at. Five sequences, causal,
+# shared by two sequences, nothing outside the squares looked at. Five sequences, causal,
 # 32 × 32 tiles:
 
 # %%
@@ -192,20 +186,19 @@ plt.show()
 # %% [markdown]
 # ## Decoding: split-KV with one query
 #
-# At each step of generation a sequence has one new token: one query against every key so far,
-# a single query block, so a kernel that parallelises over query blocks has one block's work.
+# Each generation step gives a sequence one new token: one query against every key so far, a
+# single query block, too little work for a kernel that parallelises over query blocks.
 # Flash-decoding splits the *keys* instead, into chunks attended independently and merged
-# exactly ({doc}`chapter 3 <03_merging_states>`). `flash_attention_with_kvcache` walks a
-# sequence's valid keys this way, in three steps, written out here for one sequence of a paged
-# cache (the next section explains pages: logical key $t$ lives in slot $t \bmod P$ of page
-# `block_table[t // P]`):
+# exactly ({doc}`chapter 3 <03_merging_states>`). `flash_attention_with_kvcache` does this in
+# three steps, written out here for one sequence of a paged cache (explained below: logical key
+# $t$ lives in slot $t \bmod P$ of page `block_table[t // P]`):
 #
 # 1. **gather**: keys `start:stop` are copied, page by page, into buffers of their own; slots
 #    past the valid length are never touched;
 # 2. **chunks**: the keys before every query's position, in whole chunks of `KV_CHUNK` (512),
-#    each attended with no mask (every query may see them); the last keys, fewer than
-#    `KV_CHUNK` + $N_q$, go with the queries in one causal call, where flash_lib's bottom-right
-#    alignment is the cache's;
+#    each attended with no mask (every query sees them); the last keys, fewer than
+#    `KV_CHUNK` + $N_q$, go with the queries in one causal call, flash_lib's bottom-right
+#    alignment being the cache's;
 # 3. **merge**: the parts folded in key order by `merge_attention`, so only one partial
 #    $(o, \text{lse})$ is alive: the scratch is a chunk, however long the cache.
 #
@@ -262,9 +255,9 @@ print("decode_from_scratch == flash_attention_with_kvcache, out and lse bit for 
       decode_identical)
 
 # %% [markdown]
-# The scratch, measured with `measure_peak_bytes` for one query over 2,048 to 32,768 keys,
-# against gathering the whole valid cache first and calling `flash_attention` once (the natural
-# first version, which FlashAttention's paged kernels avoid):
+# The scratch (`measure_peak_bytes`) for one query over 2,048 to 32,768 keys, against gathering
+# the whole valid cache first and calling `flash_attention` once (the natural first version,
+# which FlashAttention's paged kernels avoid):
 
 # %%
 def gather_then_attend(q, k_cache, v_cache, n):
@@ -311,19 +304,18 @@ plt.show()
 # ## Grouped-query decoding: a group's heads against one K/V head
 #
 # With grouped-query attention (chapter 15) the $G = H_q / H_{kv}$ query heads of a group read
-# the same K/V head. Decoding one token per head, a kernel that treats each query head as its
-# own problem has tiles of one query row, and reads each chunk of K and V once per *query* head:
-# $G$ times the bytes, for no more arithmetic. Packed, the group's $G$ query heads are the rows
-# of one tile against their K/V head, and each chunk is read once per *kv* head.
-# FlashAttention-3 does this (`PackGQA`): its `should_pack_gqa` (`hopper/heuristics.h`, commit
-# `13d0fd9c`) weighs the share of a tile's `kBlockM` query rows that hold a query,
-# `seqlen_q / round_up(seqlen_q, kBlockM)` against `seqlen_q·G / round_up(seqlen_q·G, kBlockM)`:
-# at `seqlen_q = 1`, $1/128$ against $G/128$ for 128-row tiles. `flash_attention_with_kvcache`
-# gathers each chunk once per kv head and gives it, broadcast, to the group's $G$ query rows:
-# `decode_from_scratch` above, with q shaped $(H_{kv}, G, N_q, d)$. The cell checks it bit for
-# bit against the module with `enable_gqa=True` ($H_q = 8$ over one K/V head), against the same
-# cache with its K/V head copied 8 times (the same bits: the same arithmetic), and measures the
-# two calls' scratch: the copied cache's gathers are 8 heads wide.
+# the same K/V head. Decoding one token, a kernel that treats each query head as its own problem has
+# tiles of one query row and reads each chunk of K and V once per *query* head: $G$ times the bytes,
+# for no more arithmetic. Packed, the group's $G$ query heads are the rows of one tile against their
+# K/V head, each chunk read once per *kv* head. FlashAttention-3 does this (`PackGQA`): its
+# `should_pack_gqa` (`hopper/heuristics.h`, commit `13d0fd9c`) weighs the share of a tile's
+# `kBlockM` query rows that hold a query, `seqlen_q / round_up(seqlen_q, kBlockM)` against
+# `seqlen_q·G / round_up(seqlen_q·G, kBlockM)`: at `seqlen_q = 1`, $1/128$ against $G/128$ for
+# 128-row tiles. So does `flash_attention_with_kvcache` (`decode_from_scratch` above, q shaped
+# $(H_{kv}, G, N_q, d)$), broadcasting each gathered chunk to the group's $G$ query rows. Checked
+# bit for bit against the module with `enable_gqa=True` ($H_q = 8$ over one K/V head) and against
+# the cache with its K/V head copied 8 times (the same arithmetic, so the same bits); the copied
+# cache's gathers are 8 heads wide, as the two calls' measured scratch shows.
 
 # %%
 G = 8
@@ -350,12 +342,12 @@ print(f"scratch, copied heads over packed: more than 4x: {ratio > 4}")
 # ## A paged cache
 #
 # A contiguous cache reserves `max_len` slots for every sequence, used or not. vLLM's paged
-# cache (Kwon et al., 2023) cuts the memory into pages of $P$ slots; each sequence has a page
-# table, `block_table[b]`, listing its pages in order, handed out as it grows, so they end up
-# anywhere. Below, three sequences in a pool of 14 pages of 16 slots; the first two began with
-# the same 40-token prompt, whose two full pages they share (one copy in memory); the prompt's
-# third page is partly each one's own, so each has its own copy of it. Free slots and pages hold
-# NaN: read, they would make the output NaN.
+# cache (Kwon et al., 2023) cuts the memory into pages of $P$ slots, handed out as a sequence
+# grows, so they end up anywhere; the sequence's page table, `block_table[b]`, lists them in
+# order. Below, three sequences in a pool of 14 pages of 16 slots; the first two began with the
+# same 40-token prompt, whose two full pages they share (one copy in memory); the prompt's third
+# page, partly each one's own, is copied in each. Free slots and pages hold NaN, which would
+# make any output that read them NaN.
 
 # %%
 P, n_pages, h = 16, 14, 2
@@ -429,16 +421,15 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Paged and contiguous give the same bits because the same buffers reach the same calls: the
-# gather copies each chunk from wherever its slots lie, and the arithmetic never sees the
-# layout; the NaN in free slots changes nothing, because nothing past `cache_seqlens` is read.
+# Paged and contiguous give the same bits: the gather copies each chunk, wherever its slots lie,
+# into the same buffers for the same calls. The NaN in free slots changes nothing, as nothing past
+# `cache_seqlens` is read.
 #
 # ## Memory against fragmentation
 #
-# A contiguous cache reserves the longest allowed length for every sequence; a paged one loses
-# only the unused end of each sequence's last page, less than one page per sequence. For 64
-# requests of random lengths up to 4096 tokens (one layer, 8 kv heads, d = 128, float16: 4 KiB
-# per token for keys and values), in arithmetic:
+# Where a contiguous cache reserves `max_len` slots per sequence, a paged one loses only the
+# unused end of each sequence's last page. For 64 requests of random lengths up to 4096 tokens
+# (one layer, 8 kv heads, d = 128, float16: 4 KiB per token for keys and values), in arithmetic:
 
 # %%
 req = rng.integers(1, 4097, size=64)
@@ -455,20 +446,19 @@ for name, reserved in rows:
 
 # %% [markdown]
 # Small pages waste little but make the table long and each gather short; FlashAttention's paged
-# kernels take pages of a multiple of 256 slots, vLLM's default is 16. Sharing a prompt's pages
-# between requests, as above, saves more than the fragmentation costs whenever many requests
-# begin alike. The generation below checks the waste on a cache that `flash_serving` fills.
+# kernels take pages of a multiple of 256 slots, vLLM's default is 16. Sharing a prompt's pages,
+# as above, saves more than fragmentation costs whenever many requests begin alike.
 #
 # ## Generating with the cache
 #
-# A toy model, one attention layer with two heads between an embedding and an unembedding, and
-# greedy decoding: the prompt is written into the cache and attended in one call (prefill,
-# causal over its $N_{\mathrm{new}}$ new keys), then each step feeds the chosen token, appends its
-# key and value (`k_new`, `v_new`, written in place into a paged cache of 8 pages of 8 slots,
-# handed out in a shuffled order) and attends over the cache. The check is recomputation: at
-# every step, the whole sequence so far through `flash_attention` with causal, no cache. After
-# the last step the cache must hold the $L$ keys in its first $\lceil L/8 \rceil$ pages and
-# nothing anywhere else: the waste is the last page's $8 \lceil L/8 \rceil - L$ slots.
+# A toy model, one two-head attention layer between an embedding and an unembedding, decoding
+# greedily: the prompt is written into the cache and attended in one call (prefill, causal over its
+# $N_{\mathrm{new}}$ new keys); then each step feeds the chosen token, appends its key and value
+# (`k_new`, `v_new`, written in place into a paged cache of 8 shuffled pages of 8 slots) and attends
+# over the cache. Each step is checked by recomputation: the whole sequence so far through causal
+# `flash_attention`, no cache. At the end the cache must hold the $L$ keys in its first
+# $\lceil L/8 \rceil$ pages and nothing elsewhere: the waste is the last page's
+# $8 \lceil L/8 \rceil - L$ slots.
 
 # %%
 vocab, h, dm, P = 64, 2, 16, 8
@@ -516,19 +506,18 @@ print(f"L = {length} keys: slots filled in the pages, in table order: {written}"
 
 # %% [markdown]
 # The tokens are exactly those of recomputation; the attention outputs agree to rounding (the
-# cache merges its chunks where recomputation runs one tiled pass), which the gap between the
-# two best logits, orders of magnitude wider, cannot notice. The cache turns the $O(n^2)$ work
-# of recomputing every step into $O(n)$ per step.
+# cache merges chunks where recomputation runs one tiled pass), far below the gap between the
+# two best logits. The cache turns the $O(n^2)$ work of recomputing every step into $O(n)$ per
+# step.
 #
 # ## What to take away
 #
-# - Packing a ragged batch costs exactly the tiles of its sequences; padding costs the tiles of
-#   the longest, for every sequence, and masks them.
-# - Decoding is split-KV with one query: gather, whole chunks, one merge at a time, so the
-#   scratch stays a chunk however long the cache grows; with GQA the group's query heads share
-#   each gathered chunk of their K/V head.
-# - A paged cache is a page table in front of a pool: any order, shared prefixes, free slots
-#   never read, the bits of the contiguous cache, and less than a page wasted per sequence.
+# - Packing a ragged batch costs exactly its sequences' tiles; padding costs the longest one's
+#   tiles for every sequence, masked.
+# - Decoding is split-KV with one query, its scratch one chunk however long the cache; with GQA
+#   a group's query heads share each gathered chunk.
+# - A paged cache is a page table in front of a pool: pages in any order, shared prefixes, free
+#   slots never read, the contiguous cache's bits, under a page wasted per sequence.
 
 # %%
 # packing: the tiles of the sequences, 8² + 16 = 80; padding 17 × 8² = 1088; each sequence's
@@ -566,8 +555,8 @@ assert written == [8, 8, 8, 7, 0, 0, 0, 0] and length == len(prompt) + steps == 
 # `t` of sequence `b` being `block_table[b, t]`; `out (B, H, dv)`, scale $1/\sqrt d$. A sequence
 # of length 0 gives zeros; slots past a sequence's length hold garbage (NaN) and must not be read.
 #
-# Replace the stub with your function and re-run the grade cell: it says `not implemented yet`,
-# then what is wrong and where to look, until `passed`. The solution is hidden below it.
+# Replace the stub and re-run the grade cell until it says `passed`; the solution is hidden below
+# it.
 
 # %%
 from flash_check.exercises import grade, show_solution, stub

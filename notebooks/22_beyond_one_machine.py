@@ -15,18 +15,14 @@
 # %% [markdown]
 # # 22. Beyond one machine: attention over a Dask cluster
 #
-# `flash_attention` keeps one tile of scores at a time, so its memory no longer limits the
-# sequence length; its time still grows as $N_q N_k$, and its inputs must still fit on one
-# machine. The way out is the one {doc}`chapter 3 <03_merging_states>` prepared: attention over
-# disjoint sets of keys merges exactly through $(\mathrm{out}, \mathrm{lse})$, so the work can
-# be cut into pieces that run anywhere.
+# Memory no longer limits `flash_attention`'s sequence length, but its time still grows as
+# $N_q N_k$ and its inputs must fit on one machine. {doc}`Chapter 3 <03_merging_states>` prepared
+# the way out: attention over disjoint sets of keys merges exactly through
+# $(\mathrm{out}, \mathrm{lse})$, so its pieces can run anywhere.
 #
-# `flash_dask.dask_attention` runs one `flash_attention` task per (query shard, key shard) pair
-# and folds each query shard's partials with `merge_attention` in chains: `tile_schedule` one
-# level up, here on a `distributed.LocalCluster` of two worker processes. Then flash-decoding,
-# ring attention forward and backward, a training step, what changes on GPUs, and a worker
-# killed mid-computation. The cluster runs on this machine (TCP on 127.0.0.1); the same graph
-# runs unchanged on many. Its settings and its speed against one process are in
+# `flash_dask.dask_attention` does this with Dask, `tile_schedule` one level up, here on a
+# `distributed.LocalCluster` on this machine (TCP on 127.0.0.1); the same graph runs unchanged on
+# many. Its settings and its speed against one process are in
 # {doc}`the appendix on how this tutorial is tested <28_how_chapters_7_to_23_are_tested>`.
 
 # %%
@@ -50,10 +46,9 @@ d = 64
 # %% [markdown]
 # ## A cluster of two processes
 #
-# Two worker processes of one thread each: shards run side by side in separate processes, each
-# worker running `flash_lib` on one thread (`FLASH_LIB_THREADS=1`, set before it starts), so a
-# worker is one core; the scheduler runs in this notebook's process. (The other two settings
-# keep glibc's adaptive memory trimming and the workers' logs off this page: see
+# Two worker processes, each running `flash_lib` on one thread (`FLASH_LIB_THREADS=1`, set before
+# it starts), so a worker is one core; the scheduler runs in this notebook's process. (The other
+# two settings keep glibc's adaptive memory trimming and the workers' logs off this page: see
 # {doc}`the appendix <28_how_chapters_7_to_23_are_tested>`.)
 
 # %%
@@ -80,22 +75,20 @@ print(f"{len(workers)} worker processes, flash_lib threads in each:",
 # %% [markdown]
 # ## The cluster as a bigger tile
 #
-# `dask_attention(q, k, v, causal=...)` takes Dask arrays cut along the sequence axis (their
-# chunks are the shards) and builds, without computing anything:
+# `dask_attention(q, k, v, causal=...)` takes Dask arrays whose chunks along the sequence axis
+# are the shards, and lazily builds:
 #
 # - one **pair task** per (query shard $i$, key shard $j$) holding an allowed pair:
 #   `flash_attention(q_i, k_j, v_j, return_lse=True)`;
-# - a query shard's pair tasks folded in **chains**: it visits its key shards in ring attention's
-#   order ($i, i - 1, \dots$ when causal), cut into `split_every` (default 4) runs, and in a run
-#   each pair task merges its partial into the running $(o, \mathrm{lse})$ of the one before
-#   (`merge_attention`);
+# - **chains**: a query shard visits its key shards in ring attention's order ($i, i - 1, \dots$
+#   when causal), cut into `split_every` (default 4) runs; in a run each pair task merges its
+#   partial into the running $(o, \mathrm{lse})$ of the one before (`merge_attention`);
 # - per query shard one **merge task** that folds the ends of its chains.
 #
-# Dask runs a task where most of its input bytes are, and a chain's running state is one of
-# them: it stays put, and the key and value shards come to it. That is chapter 5's loop with a
-# shard for a tile: with equal shards the pair tasks are the tiles of
-# `tile_schedule(N, N, shard, shard, causal)`, for causal attention chapter 6's $n(n+1)/2$ of
-# the $n^2$. Queries $N = 8192$ in 8 shards of 1024, keys the same:
+# Dask runs a task where most of its input bytes are, so a chain's running state stays put and the
+# key and value shards come to it: chapter 5's loop, with a shard for a tile. With equal shards the
+# pair tasks are the tiles of `tile_schedule(N, N, shard, shard, causal)`, for causal attention
+# chapter 6's $n(n+1)/2$ of the $n^2$. Queries $N = 8192$ in 8 shards of 1024, keys the same:
 
 # %%
 n, shard = 8192, 1024
@@ -124,13 +117,13 @@ print(f"pair tasks that fold into the one before's running state: {fold_steps} (
       f"chains: {expected_folds}); merge tasks: {merge_tasks} (from the chains: {expected_merges})")
 
 # %% [markdown]
-# Both counts follow from the chains: query shard $i$ (from 1) has $i$ pair tasks in
-# $\min(4, i)$ chains: shard 1 needs no merge, shards 2 to 4 one each, and shards 5 to 8 have
-# $i - 4$ steps that take a running state: $1 + 2 + 3 + 4 = 10$ steps and 7 merges.
+# Query shard $i$ (from 1) has $i$ pair tasks in $\min(4, i)$ chains: shard 1 needs no merge,
+# shards 2 to 4 one each, and shards 5 to 8 have $i - 4$ steps that take a running state:
+# $1 + 2 + 3 + 4 = 10$ steps and 7 merges.
 #
-# Now the computation, recording every task Dask ran (`get_task_stream`: which worker, from when
-# to when). The inputs are made on the workers (`dask.array.random`, seeded), as a cluster's data
-# would be; to check the result we bring them here and run `flash_attention`.
+# Every task Dask runs is recorded (`get_task_stream`: which worker, from when to when). The
+# inputs are made on the workers (`dask.array.random`, seeded), as a cluster's data would be,
+# and brought here for the check against `flash_attention`.
 
 # %%
 with get_task_stream(client=client) as stream:
@@ -143,11 +136,11 @@ print("the cluster's out equals flash_attention's (rowwise relative error <= 1e-
       err_out <= 1e-12, "| its lse (relative to 1 + |lse|, <= 1e-12):", err_lse <= 1e-12)
 
 # %% [markdown]
-# The figure classifies the shard pairs from the graph itself: the 28 above the diagonal are
-# not in it; on the 8 on the diagonal `flash_attention` applies its causal mask inside the pair;
-# the 28 below are full. Each computed pair is labelled with the worker that Dask chose to run
-# it. On the right, the same tasks in time, one row per worker, coloured by query shard: a
-# chain's steps follow one another on one worker; each merge is marked with a red triangle.
+# The figure classifies the shard pairs from the graph: the 28 above the diagonal are not in it; on
+# the 8 on the diagonal `flash_attention` masks inside the pair; the 28 below are full. Each
+# computed pair bears the worker Dask chose. On the right, the same tasks in time, one row per
+# worker, coloured by query shard: a chain's steps follow one another on one worker; red triangles
+# mark the merges.
 
 # %%
 def task_record(task):
@@ -217,11 +210,10 @@ plt.show()
 # %% [markdown]
 # ## Flash-decoding: one query, many keys
 #
-# Flash-decoding splits the keys of one new query (chapter 3 says why). Here it is
-# `dask_attention` with $N_q = 1$ against 65536 keys in 16 shards: 16 pair tasks in one query
-# shard, 4 chains of 4 that run side by side, and one merge of their ends; a single chain would
-# run its 16 pairs one after another. (With $N_q = 1$ the bottom-right causal diagonal lets the
-# query see every key, as it should for the newest token.)
+# Flash-decoding splits the keys of one new query (chapter 3 says why): `dask_attention` with
+# $N_q = 1$ against 65536 keys in 16 shards makes 16 pair tasks, 4 chains of 4 that run side by
+# side, and one merge of their ends, where one chain would run all 16 in turn. (With $N_q = 1$,
+# bottom-right causal lets the query see every key, as the newest token should.)
 
 # %%
 n_keys, key_shard = 65536, 4096
@@ -247,13 +239,13 @@ print("equals flash_attention over all 65536 keys (rowwise <= 1e-12):", dec_err 
 # %% [markdown]
 # ## Ring attention: the same merge, another schedule
 #
-# In the graph above each chain has ring attention's data flow, but Dask decides where each
-# runs. Ring attention ({doc}`chapter 3 <03_merging_states>`) fixes the schedule: device $p$
-# keeps query shard $p$ and its running $(o, \mathrm{lse})$, and the key/value shards travel
-# round the ring. Following zhuzilin/ring-flash-attention (`ring_flash_attn/ring_flash_attn.py`,
-# `utils.py`): rank $p$ sends to $p + 1$ and receives from $p - 1$, so at step $t$ it holds shard
-# $(p - t) \bmod P$; causal, it computes only at steps $t \le p$, masked at step 0 only (its own
-# shard); and it folds each block into its state as
+# Each chain above has ring attention's data flow, but Dask places it; ring attention
+# ({doc}`chapter 3 <03_merging_states>`) fixes the schedule: device $p$ keeps query shard $p$ and
+# its running $(o, \mathrm{lse})$, and the key/value shards travel round the ring. Following
+# zhuzilin/ring-flash-attention (`ring_flash_attn/ring_flash_attn.py`, `utils.py`): rank $p$ sends
+# to $p + 1$ and receives from $p - 1$, so at step $t$ it holds shard $(p - t) \bmod P$; causal, it
+# computes only at steps $t \le p$, masked at step 0 only (its own shard); and it folds each block
+# into its state as
 #
 # $$o \leftarrow o - \sigma(\mathrm{lse}_b - \mathrm{lse})\,(o - o_b), \qquad
 #   \mathrm{lse} \leftarrow \mathrm{lse} - \log\sigma(\mathrm{lse} - \mathrm{lse}_b),$$
@@ -261,9 +253,9 @@ print("equals flash_attention over all 65536 keys (rowwise <= 1e-12):", dec_err 
 # with $\sigma$ the logistic function: `merge_attention` rewritten, since
 # $\sigma(\mathrm{lse}_b - \mathrm{lse}) = e^{\mathrm{lse}_b} / (e^{\mathrm{lse}} + e^{\mathrm{lse}_b})$
 # is block $b$'s share of the weight and $-\log\sigma(\mathrm{lse} - \mathrm{lse}_b) =
-# \log(1 + e^{\mathrm{lse}_b - \mathrm{lse}})$ (our NumPy transcription, not their code). On our
-# cluster: $P = 4$ devices on the 2 workers (0 and 2 on worker A, 1 and 3 on B), causal,
-# $N = 4096$, every task pinned to its device's worker, so only key/value shards move.
+# \log(1 + e^{\mathrm{lse}_b - \mathrm{lse}})$ (our NumPy transcription, not their code). Here:
+# $P = 4$ devices on the 2 workers (0 and 2 on worker A, 1 and 3 on B), causal, $N = 4096$,
+# every task pinned to its device's worker, so only key/value shards move.
 
 # %%
 def ring_update(state, block):
@@ -317,8 +309,8 @@ print("the same (query shard, key shard) pairs as dask_attention's causal graph:
       ring_pairs == graph_pairs)
 
 # %% [markdown]
-# The schedule, drawn: device $p$'s column lists the key/value shard it attends to at each step:
-# the 10 shard pairs of the causal graph, in another order and with the data waiting elsewhere.
+# Device $p$'s column lists the key/value shard it attends to at each step: the causal graph's
+# 10 shard pairs, in another order.
 
 # %% tags=["hide-input"]
 fig, ax_s = plt.subplots(figsize=(7, 4))
@@ -343,12 +335,12 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# With causal attention the plain ring is unbalanced: device $p$ computes at $p + 1$ of the $P$
-# steps. The "zigzag" variant of the same repository, "more compute-balanced" in its README's
-# words (`zigzag_ring_flash_attn.py`), cuts the sequence into $2P$ chunks and gives rank $r$
-# chunks $r$ and $2P - 1 - r$ (`extract_local` in its tests): one early chunk, with little to
-# attend to, and one late chunk, with much. The Dask graph has the same pairs per query shard,
-# but no such imbalance: its scheduler hands the next ready pair to whichever worker is free.
+# Causal, the plain ring is unbalanced: device $p$ computes at $p + 1$ of the $P$ steps. The
+# "zigzag" variant of the same repository, "more compute-balanced" in its README's words
+# (`zigzag_ring_flash_attn.py`), cuts the sequence into $2P$ chunks and gives rank $r$ chunks $r$
+# and $2P - 1 - r$ (`extract_local` in its tests): one early chunk, with little to attend to, and
+# one late chunk, with much. The Dask graph has the same pairs per query shard but no such
+# imbalance: its scheduler hands the next ready pair to whichever worker is free.
 
 # %%
 work_per_device = (schedule >= 0).sum(axis=0)
@@ -366,15 +358,15 @@ print("blocks computed by device 0, 1, 2, 3:", work_per_device.tolist(),
 # $$dQ_i = \tau \sum_j dS_{ij} K_j, \qquad dK_j = \tau \sum_i dS_{ij}^\top Q_i, \qquad
 #   dV_j = \sum_i P_{ij}^\top dO_i .$$
 #
-# With the forward's *global* $\mathrm{lse}_i$ and $O_i$, each shard pair's terms are exactly its
+# Given the forward's *global* $\mathrm{lse}_i$ and $O_i$, each shard pair's terms are exactly its
 # share of the three sums. `flash_dask.dask_attention_backward` builds that graph: one
 # `flash_attention_backward` task per shard pair, $dQ_i$ summed along the forward's chains,
 # $dK_j$, $dV_j$ by trees of fan-in `split_every`.
 #
 # A small model: one causal attention layer over $N = 2048$ tokens of width 32, projections
 # $Q = XW_q$, $K = XW_k$, $V = XW_v$ (width 16), loss $L = \tfrac12 \lVert O - T \rVert^2$. On the
-# cluster, in shards of 512 tokens: projections, forward, backward, $dW = X^\top dQ$ (likewise
-# for $K$, $V$), one step of gradient descent; on one machine, the same with `flash_lib`.
+# cluster in shards of 512 tokens, and on one machine with `flash_lib`: projections, forward,
+# backward, $dW = X^\top dQ$ (likewise for $K$, $V$), one gradient-descent step.
 
 # %%
 n_tok, width, head, tok_shard = 2048, 32, 16, 512
@@ -417,12 +409,12 @@ print("dL/dW on the cluster equals one machine's (max error / max |dW| <= 1e-12)
 
 
 # %% [markdown]
-# Ring attention orders the same pairs for the backward (`ring_flash_attn_backward`). Device
-# $p$ keeps $q_p$, the forward's $o_p$ and $\mathrm{lse}_p$, $dO_p$ and its $dQ_p$; the key/value
-# shards travel round the ring as in the forward and, on a second ring, each shard's running
-# $dK_j$, $dV_j$: at step $t$ device $p$ adds its pair's shares to shard $j = (p - t) \bmod P$'s
-# and passes them on; after $P$ steps they are back at device $j$. Each block is
-# `flash_attention_backward` with the ring forward's `out` and `lse`, pinned to the device's worker.
+# Ring attention's backward (`ring_flash_attn_backward`) visits the same pairs. Device $p$ keeps
+# $q_p$, the forward's $o_p$ and $\mathrm{lse}_p$, $dO_p$ and its $dQ_p$; the key/value shards
+# travel as in the forward, and on a second ring each shard's running $dK_j$, $dV_j$: at step $t$
+# device $p$ adds its pair's shares to shard $j = (p - t) \bmod P$'s and passes them on, so after
+# $P$ steps they are back at device $j$. Each block is `flash_attention_backward` with the ring
+# forward's `out` and `lse`, pinned to the device's worker.
 
 # %%
 dout_r = rng.standard_normal((n_ring, d))
@@ -482,11 +474,10 @@ print("the same (query shard, key shard) pairs as dask_attention_backward's grap
 # %% [markdown]
 # ## A worker killed in the middle of a computation
 #
-# A cluster of many machines loses one now and then. Every result of the graph is a pure
-# function of its inputs, so when a worker dies the scheduler recomputes what died with it. We
-# run the causal graph again (36 pair tasks), and when 6 are done the worker process holding
-# most of their results is killed with `SIGKILL`: `flash_dask.KillWorkerAt`, a scheduler plugin,
-# strikes the moment the 6th result arrives, the same point of the graph on any machine. The
+# Machines fail. Every result of the graph is a pure function of its inputs, so when a worker
+# dies the scheduler recomputes what died with it. The causal graph runs again (36 pair tasks);
+# as the 6th result arrives, `flash_dask.KillWorkerAt`, a scheduler plugin, kills with `SIGKILL`
+# the worker process holding most of the 6, at the same point of the graph on any machine. The
 # nanny starts a new process; the scheduler's warning that results were lost is caught.
 
 # %%
@@ -537,14 +528,14 @@ print("the result equals flash_attention (rowwise relative error <= 1e-12):", ki
 # %% [markdown]
 # ## What changes on GPUs
 #
-# The algorithm does not change (shards, partial $(o, \mathrm{lse})$, the merge); the
-# communication does.
+# Only the communication changes, not the algorithm (shards, partial $(o, \mathrm{lse})$, the
+# merge).
 #
-# - **Collectives instead of a scheduler.** ring-flash-attention's `RingComm` sends to rank
-#   $p + 1$ and receives from $p - 1$ (`torch.distributed.batch_isend_irecv`); Llama 3's context
-#   parallelism (arXiv 2407.21783) all-gathers the keys and values instead.
+# - **Collectives instead of a scheduler.** ring-flash-attention's `RingComm` passes the shards
+#   with `torch.distributed.batch_isend_irecv`; Llama 3's context parallelism (arXiv 2407.21783)
+#   all-gathers the keys and values instead.
 # - **Overlapping communication with compute.** `ring_flash_attn_forward` sends the current shard
-#   *before* computing with it, which hides the transfer when the step's $4\, c_q c_k d$ flops
+#   *before* computing with it, hiding the transfer when the step's $4\, c_q c_k d$ flops
 #   outlast its $2\, c_k d$ numbers: with $F$ flop/s, $B$ bytes/s of link and $b$ bytes a number,
 #   when $c_q \ge F b / (2B)$, whatever the key shard.
 # - **The merge in fp32**, even for 16-bit inputs (`flash_dask` too keeps float16 partials in
@@ -554,15 +545,14 @@ print("the result equals flash_attention (rowwise relative error <= 1e-12):", ki
 # ## What we showed
 #
 # - `dask_attention`'s graph is the tile schedule one level up: 64 pair tasks over $8 \times 8$
-#   shards, 36 $= n(n+1)/2$ causal, folded in chains of ring order (10 steps that take a running
-#   state, 7 merges); on 2 processes it equals `flash_attention` to $10^{-12}$.
-# - Flash-decoding is $N_q = 1$: 16 pair tasks in 4 chains and 1 merge for 65536 keys.
+#   shards, 36 $= n(n+1)/2$ causal, in ring-order chains (10 running-state steps, 7 merges),
+#   equal to `flash_attention` to $10^{-12}$ on 2 processes.
+# - Flash-decoding: 16 pair tasks in 4 chains and 1 merge for 65536 keys.
 # - Ring attention with zhuzilin's update rule computes the graph's pairs, device $p$ doing
-#   $p + 1$ of them, each device's state never leaving its worker; its backward too, each
-#   shard's $dK_j$, $dV_j$ travelling with it and coming home.
-# - A training step on the cluster got $dL/dW$ equal to one machine's to $10^{-12}$; on GPUs
-#   the ring's transfers hide behind its arithmetic when $c_q \ge F b / (2B)$.
-# - A worker killed with `SIGKILL` mid-computation cost recomputation, not exactness.
+#   $p + 1$, its state never leaving its worker; in the backward each shard's $dK_j$, $dV_j$
+#   travels with it and comes home.
+# - A training step on the cluster matched one machine's $dL/dW$ to $10^{-12}$.
+# - A worker killed mid-computation cost recomputation, not exactness.
 
 # %%
 client.close()
