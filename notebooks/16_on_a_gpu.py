@@ -145,6 +145,19 @@ plt.show()
 # do the maxima, sums and scaling, and the **special function unit** (MUFU) computes the
 # exponential, as $2^x$, not $e^x$.
 #
+# flash_lib's tile loop (chapter 5's algorithm box), and where each piece runs on the GPU:
+#
+# | flash_lib (chapter 5) | the Triton kernel | where |
+# |---|---|---|
+# | `for q_start, q_stop in blocks:` (the outer loop) | the grid's axis 0: one program per query block | across SMs, in parallel |
+# | the batch and head loop (`...` dims) | the grid's axis 1: one program per (batch, head) | across SMs, in parallel |
+# | `q = Q[rows]` once per query block | `q = tl.load(...)` before the key loop | HBM → registers |
+# | `for k_start, k_stop in ...:` (the inner loop) | `for start_n in range(0, hi, BLOCK_N):` | sequential, inside one program |
+# | `s = scale * q @ k.T` | `mm(q, tl.trans(k), UPCAST) * qk_scale` (`mm` is `tl.dot`) | tensor cores, fp32 accumulate |
+# | `online_softmax_update(m, l, acc, s, v)` | `m_new`, `p = exp2(...)`, `alpha`, `l`, `acc` | FP32 units, `exp2` on the MUFU; registers |
+# | `acc += p @ v` | `acc += mm(p.to(v.dtype), v, UPCAST)` | tensor cores |
+# | `out = acc / l`, `lse = m + log(l)` | the epilogue, once per row | registers → HBM |
+#
 # ## The forward kernel, whole
 #
 # As `flash_triton.py` holds it (`.fn` is the Python function under `@triton.jit`). `Q + offsets` is
