@@ -90,11 +90,11 @@ print(inspect.getsource(_oracle))
 #
 # The band `causal` and `window` cut out is a diagonal strip, so a tile's two extreme corners
 # decide whether it holds an allowed pair (chapter 6's argument, with a second edge), and the
-# kernel skips the others unseen. The cell checks `tile_schedule` against the tiles holding an
-# allowed pair, and runs both checks, for two masks over $N = 64$ tokens, 8 × 8 tiles,
-# each also written out densely: causal, $j \le i$, and the sliding window `window=(12, 0)`,
-# $i - 12 \le j \le i$, attention-gym's `generate_sliding_window(12)` (`q_idx - kv_idx <= 12`
-# ANDed with causal).
+# kernel skips the others unseen. The cell checks that `tile_schedule` lists exactly the
+# tiles holding an allowed pair, and runs both checks, for two masks over $N = 64$ tokens,
+# 8 × 8 tiles, each also written out densely: causal, $j \le i$, and the sliding window
+# `window=(12, 0)`, $i - 12 \le j \le i$, attention-gym's `generate_sliding_window(12)`
+# (`q_idx - kv_idx <= 12` ANDed with causal).
 
 # %%
 N, BLOCK = 64, 8
