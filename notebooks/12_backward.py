@@ -15,12 +15,12 @@
 # %% [markdown]
 # # 12. The backward pass
 #
-# Training needs gradients. The textbook backward keeps the softmax matrix $P$ from the
-# forward, $N_q \times N_k$ numbers per head per layer; FlashAttention keeps the output $O$ and
-# one number per row, the lse, and recomputes $P$ tile by tile. This chapter derives the
-# gradients from the output alone, rebuilds $P$ from the lse, reads FlashAttention-2's tile loop
-# in `flash_lib`, and guards the empty row. {doc}`Chapter 13 <13_backward_cost>` writes it from
-# scratch and counts its cost.
+# The textbook backward keeps the forward's softmax matrix $P$,
+# $N_q \times N_k$ numbers per head per layer; FlashAttention keeps the output $O$ and one number
+# per row, the lse, and recomputes $P$ tile by tile. This chapter derives the gradients from the
+# output alone, rebuilds $P$ from the lse, reads FlashAttention-2's tile loop in `flash_lib`, and
+# guards the empty row; {doc}`chapter 13 <13_backward_cost>` writes it from scratch and counts its
+# cost.
 
 # %%
 import inspect
@@ -44,36 +44,36 @@ ROUNDING = 1e-14
 # %% [markdown]
 # ## What the backward pass computes
 #
-# The forward pass of one head computes, with the scale $\tau$ ($1/\sqrt d$ by default),
+# One head's forward, with the scale $\tau$ ($1/\sqrt d$ by default):
 #
 # $$S = \tau\, Q K^\top, \qquad P = \operatorname{softmax}(S) \text{ row by row}, \qquad O = P V .$$
 #
 # Backpropagation hands the layer $dO = \partial L / \partial O$ for a scalar loss $L$ and asks
-# for $dQ$, $dK$, $dV$ ($dX$ is always $\partial L / \partial X$, of the shape of $X$). The loss
-# reaches $Q$, $K$, $V$ only through $O$, so these are the gradients of $\sum (dO \circ O)$ with
-# $dO$ held fixed: what `flash_attention_backward(q, k, v, out, lse, dout)` returns.
+# for $dQ$, $dK$, $dV$ ($dX$ always means $\partial L / \partial X$, shaped like $X$). $L$ reaches
+# $Q$, $K$, $V$ only through $O$, so these are the gradients of $\sum (dO \circ O)$ with $dO$ held
+# fixed, which `flash_attention_backward(q, k, v, out, lse, dout)` returns.
 #
 # ## One row: the softmax's Jacobian-vector product
 #
-# Take one query row: scores $s_j = \tau\, q \cdot k_j$, weights $P_j = e^{s_j} / \sum_k e^{s_k}$,
-# output $o = \sum_j P_j v_j$, and its incoming gradient $dO$ (a $d_v$-vector). Three steps.
+# For one query row: scores $s_j = \tau\, q \cdot k_j$, weights $P_j = e^{s_j} / \sum_k e^{s_k}$,
+# output $o = \sum_j P_j v_j$, incoming gradient $dO$ (a $d_v$-vector).
 #
 # 1. $o$ is linear in each weight, so $dP_j = \partial L / \partial P_j = dO \cdot v_j$.
-# 2. The softmax's Jacobian: by the quotient rule,
+# 2. By the quotient rule the softmax's Jacobian is
 #    $\partial P_j / \partial s_k = P_j\,(\delta_{jk} - P_k)$, the matrix
-#    $J = \operatorname{diag}(P) - P P^\top$. The chain rule gives
+#    $J = \operatorname{diag}(P) - P P^\top$; by the chain rule
 #    $dS_k = \sum_j dP_j\, \partial P_j / \partial s_k$, so
 #
 #    $$dS_k = P_k\, dP_k - P_k \sum_j P_j\, dP_j = P_k \Big(dP_k - \sum_j P_j\, dP_j\Big) .$$
 #
-# 3. The sum in the bracket is one number per row, and it needs no $P$:
+# 3. The bracket's sum is one number per row and needs no $P$:
 #
 #    $$\sum_j P_j\, dP_j = \sum_j P_j\, (dO \cdot v_j) = dO \cdot \Big(\sum_j P_j v_j\Big) = dO \cdot o \;=:\; D .$$
 #
 # So $dS_j = P_j\,(dP_j - D)$ with $D = dO \cdot o$, the FlashAttention-2 paper's $D_i$
-# (arXiv 2307.08691, Algorithm 2), computed once per row from the forward's output: a tile can
-# compute its $dS$ without the rest of its row. The cell builds $J$ for one query and 10 keys
-# and compares $J\, dP$ ($J$ is symmetric) with $P \circ (dP - D)$, $D$ computed both ways.
+# (arXiv 2307.08691, Algorithm 2), computed once per row from the forward's output: a tile needs
+# nothing else from its row. The cell checks this for one query and 10 keys against $J\, dP$ ($J$
+# is symmetric), with $D$ computed both ways.
 
 # %%
 n_k, d, dv = 10, 8, 4
@@ -103,8 +103,8 @@ print(f"P ∘ (dP - D) against J dP: largest difference {below(jacobian_diff, RO
 # %% [markdown]
 # ## From $dS$ to $dQ$, $dK$, $dV$
 #
-# The rest is the chain rule through two matrix products, $O = PV$ and $S = \tau\, Q K^\top$.
-# For all rows at once, with $D = \operatorname{rowsum}(dO \circ O)$ a vector of $N_q$ numbers:
+# The chain rule through $O = PV$ and $S = \tau\, Q K^\top$ gives, for all rows at once ($D$
+# now a vector of $N_q$ numbers),
 #
 # $$
 # \begin{aligned}
@@ -113,11 +113,11 @@ print(f"P ∘ (dP - D) against J dP: largest difference {below(jacobian_diff, RO
 # \end{aligned}
 # $$
 #
-# In this chapter $\tau$ is a power of two ($1/8$ for $d = 64$), so where flash_lib applies it
-# (appendix 26) changes no bit. The cell computes the six formulas densely, for two heads with
-# $N_q = 37$, $N_k = 53$, $d = 64$ and a causal mask, and compares them, relative to each
-# gradient's largest entry, with `naive_attention_backward` (which takes
-# $\operatorname{rowsum}(P \circ dP)$ from $P$, not $D$ from $O$) and `flash_attention_backward`.
+# Here $\tau$ is a power of two ($1/8$ for $d = 64$), so where flash_lib applies it (appendix 26)
+# changes no bit. The cell evaluates the six formulas densely for two heads, $N_q = 37$,
+# $N_k = 53$, $d = 64$, causal, and compares them, relative to each gradient's largest entry,
+# with `naive_attention_backward` (which takes $\operatorname{rowsum}(P \circ dP)$ from $P$, not
+# $D$ from $O$) and `flash_attention_backward`.
 
 # %%
 n_q, n_k, d, dv = 37, 53, 64, 16
@@ -159,23 +159,21 @@ print("dV, the formulas against naive, bit for bit (the same product of the same
       matrix_diffs["dv"][0] == 0)
 
 # %% [markdown]
-# The three computations agree to rounding
+# The three agree to rounding
 # ({doc}`the appendix on how this tutorial is tested <28_how_chapters_7_to_23_are_tested>` draws
-# the differences measured). The formulas needed $P$ from the forward (for $dV$ and $dS$) and $O$
-# (for $D$); the next section removes the need to keep $P$.
+# the differences). The formulas needed the forward's $P$ as well as $O$; the next section drops
+# $P$.
 #
 # ## Why the forward saves the lse
 #
-# Chapter 5's forward ends each row with $m$ and $l$ and stores $\text{lse}_i = m + \log l$, the
-# log of the softmax's denominator: all the backward needs to rebuild any weight of the row,
+# Chapter 5's forward stores per row $\text{lse}_i = m + \log l$, the log of the softmax's
+# denominator: all the backward needs to rebuild any weight of the row,
 #
 # $$P_{ij} = \frac{e^{S_{ij} - m_i}}{l_i} = e^{S_{ij} - m_i - \log l_i} = e^{S_{ij} - \text{lse}_i} .$$
 #
-# one exp per score, no max, no sum, no division: what a tile that never sees the rest of its
-# rows needs. $P_{ij}$ comes out normalised, and no exponent is positive, since
-# $S_{ij} \le m_i \le \text{lse}_i$. (FlashAttention stores the same natural-log lse,
-# `softmax_lse`, in float32.) The cell rebuilds $P$ from `flash_attention`'s lse and compares it
-# with the textbook $P$ above.
+# One exp per score, with no max, sum or division over the row. $P_{ij}$ comes out normalised,
+# and no exponent is positive, since $S_{ij} \le m_i \le \text{lse}_i$. (FlashAttention stores
+# the same natural-log lse, `softmax_lse`, in float32.)
 
 # %%
 # P_ij = exp(S_ij - lse_i)
@@ -191,8 +189,8 @@ print(f"its rows' sums minus 1: {below(np.abs(row_sums - 1).max(), ROUNDING)}; l
 # %% [markdown]
 # ## The tile loop
 #
-# FlashAttention-2's backward (arXiv 2307.08691, Algorithm 2), in this tutorial's symbols, with
-# what crosses between HBM and SRAM marked. $D$ is computed first, in a pass of its own.
+# FlashAttention-2's backward (arXiv 2307.08691, Algorithm 2) in this tutorial's symbols, with
+# the traffic between HBM and SRAM marked; $D$ is computed first, in a pass of its own.
 #
 # > **for** each key block $j = 1, \dots, T_k$ (one thread block each, in parallel):
 # > - **load** $K_j, V_j$ from HBM into SRAM; set $dK_j = 0$, $dV_j = 0$ in SRAM
@@ -207,49 +205,48 @@ print(f"its rows' sums minus 1: {below(np.abs(row_sums - 1).max(), ROUNDING)}; l
 # >     atomic add)
 # > - **store** $dK_j$, $dV_j$ to HBM
 #
-# The loops are the forward's, swapped. $dK_j$ and $dV_j$ are sums over query blocks: with key
-# blocks outside they stay in fast memory for the whole inner loop, are written once, and
-# different key blocks run in parallel with no sharing. $dQ_i$ is a sum over key blocks, so every
-# key block adds a share to it: FlashAttention-2 with atomic adds, in whatever order the thread
-# blocks finish; Triton's fused attention tutorial (`python/tutorials/06-fused-attention.py`)
-# with a second loop, one query block against all key blocks, that recomputes $P$ once more.
+# The loops are the forward's, swapped. $dK_j$ and $dV_j$ are sums over query blocks, so with key
+# blocks outside they stay in fast memory, are written once, and key
+# blocks run in parallel without sharing. $dQ_i$ is a sum over key blocks, each adding a share:
+# FlashAttention-2 by atomic adds, in whatever order thread blocks finish; Triton's fused
+# attention tutorial (`python/tutorials/06-fused-attention.py`) by a second loop, one query block
+# against all key blocks, that recomputes $P$ once more.
 #
-# One tile's work is `flash_lib.attention_backward_tile`, the tile math and nothing else:
+# `flash_lib.attention_backward_tile` is one tile's math and nothing else:
 
 # %%
 print(inspect.getsource(flash_lib.attention_backward_tile))
 
 # %% [markdown]
 # `q` and `k` arrive already scaled (appendix 26), so `q @ kᵀ` is the forward's $S_{ij}$ bit for
-# bit; what is left of $\tau$ is applied once per block afterwards. The `matmul` argument and the
-# `np.copyto` lines keep an inf or NaN at a masked pair out of the sums (chapter 6); `scores` is
-# for the score variants (chapter 14).
-#
-# Around it, `flash_attention_backward` computes $D$, then runs `attention_backward_block` on its
-# worker threads, one key block each: the box's outer loop body.
+# bit; the rest of $\tau$ is applied once per block afterwards. The `matmul` argument and the
+# `np.copyto` lines keep an inf or NaN at a masked pair out of the sums (chapter 6); `scores`
+# serves the score variants (chapter 14). `flash_attention_backward` computes $D$, then runs
+# `attention_backward_block`, the box's outer loop body, on its worker threads, one key block
+# each.
 
 # %%
 print(inspect.getsource(flash_lib.attention_backward_block))
 
 # %% [markdown]
-# Against the box: `k_j`, `v_j` (`k_j` for both $S_{ij}$ and $dQ_i$'s share) are the **load** of
-# $K_j, V_j$; `dk_j`, `dv_j` the zeroed $dK_j$, $dV_j$. The `for` loop walks every query block in
-# order; a tile the forward does not visit (`tile.allowed is False`) computes nothing, but the
-# worker still takes its turn at $dQ_i$. `attention_backward_tile(...)` is the inner body;
-# `with turns.turn(i, j, cancelled)` then adds its share, the box's
-# $dQ_i \mathrel{+}= \tau\, dS_{ij} K_j$ ($\tau$ applied once, at the end). The last lines
-# **store** $dK_j$, $dV_j$ (summed over the heads that share a key: chapter 15).
+# Against the box: `k_j`, `v_j` are the **load** of $K_j, V_j$; `dk_j`, `dv_j` the zeroed $dK_j$,
+# $dV_j$. The loop walks every query block in
+# order; an unvisited tile (`tile.allowed is False`) computes nothing, but the worker still takes
+# its turn at $dQ_i$. After the inner body, `attention_backward_tile(...)`, `with
+# turns.turn(i, j, cancelled)` adds the box's $dQ_i \mathrel{+}= \tau\, dS_{ij} K_j$ ($\tau$
+# applied once, at the end). The last lines **store** $dK_j$, $dV_j$ (summed over heads sharing a
+# key: chapter 15).
 #
-# Floating-point addition is not associative, so atomic adds in finishing order would make
-# $dQ$'s last bits depend on timing; added in key-block order, each worker waiting for its turn on
-# $dQ_i$, they do not depend on how many threads ran or which finished first. FlashAttention 3's
+# Floating-point addition is not associative, so atomic adds in finishing order would make $dQ$'s
+# last bits depend on timing; added in key-block order, each worker waiting its turn on $dQ_i$,
+# they do not. FlashAttention 3's
 # deterministic mode does the same on a GPU, with a semaphore per query block (`store_dq` in
 # `hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp`, commit `0105a8f`).
 #
-# Which tiles the backward computes is taken from the kernel itself: the cell runs it on a
-# causal problem ($N = 16$, 4 × 4 tiles) with its tile function wrapped in one that records
-# each tile (by the first row of its `dout` and `v`, passed unscaled), and compares the record
-# with the forward's `tile_schedule`. The picture shows one worker's traffic, key block $j = 1$.
+# The cell wraps the kernel's tile function to record which tiles it computes on a causal problem
+# ($N = 16$, 4 × 4 tiles; a tile is known by the first row of its unscaled `dout` and `v`), and
+# compares the record with the forward's `tile_schedule`; the picture shows the traffic of key
+# block $j = 1$'s worker.
 
 # %%
 n_draw, b_draw, j_draw = 16, 4, 1
@@ -328,10 +325,9 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# With no mask, the loop is short enough to write out around the real tile function: one
-# worker, BLAS on one thread (as `flash_lib` holds it), $D$ from $O$, $dQ_i$'s shares added in
-# key-block order, $\tau = 1/8$ on the queries (a power of two: flash_lib's bits). It is compared
-# bit for bit with `flash_attention_backward`, then run with the shares added in reverse order.
+# Without a mask the loop is short enough to write out around the real tile function, on one
+# worker with BLAS on one thread (as `flash_lib` holds it). It is compared bit for bit with
+# `flash_attention_backward`, then run with $dQ_i$'s shares added in reverse order.
 
 # %%
 def backward_loop(q, k, v, out, lse, dout, block_q, block_k, D=None, reverse_dq=False):
@@ -372,11 +368,10 @@ print(f"dQ's shares added in reverse key-block order: bits differ in some entrie
       f"{reversed_differs > 0}; largest difference {below(reversed_rel, ROUNDING)} (relative)")
 
 # %% [markdown]
-# Reordering changes the last bits, so a sum in finishing order would differ from run to run.
-# `flash_attention_backward` adds in key-block order whatever the number of worker threads. The
-# cell checks that with 1, 2 and 4 workers (`flash_lib.threads(n)`) on a problem large enough
-# for threads ($2^{20}$ scores and more), and counts the threads that called the tile function
-# (`flash_bench.threads_seen`): the same bits from workers that did not run would prove nothing.
+# `flash_attention_backward` adds in key-block order however many worker threads run; the cell
+# checks this with 1, 2 and 4 (`flash_lib.threads(n)`) on a problem large enough for threads
+# ($2^{20}$ scores and more), and counts the threads that called the tile function
+# (`flash_bench.threads_seen`): equal bits from workers that never ran would prove nothing.
 
 # %%
 q, k, v, dout = (rng.standard_normal((1100, c)) for c in (16, 16, 16, 16))
@@ -396,23 +391,23 @@ print("dq, dk, dv bit-identical on 1, 2 and 4 workers:", threads_identical)
 # %% [markdown]
 # ## The empty row
 #
-# A row with no allowed key has, in the forward, $l = 0$, output 0 and
-# $\text{lse} = \log 0 = -\infty$ (chapter 6), and its scores are all $-\infty$. Recomputing its
-# weights then asks for
+# A row with no allowed key has, in the forward, $l = 0$, output 0,
+# $\text{lse} = \log 0 = -\infty$ (chapter 6) and all its scores $-\infty$. Recomputing its
+# weights gives
 #
 # $$P_{ij} = e^{S_{ij} - \text{lse}_i} = e^{-\infty - (-\infty)} = e^{\text{NaN}} = \text{NaN},$$
 #
 # and the NaN spreads through $dV_j \mathrel{+}= P_{ij}^\top dO_i$ into every key's $dv$ (and
 # would through $dS_{ij}$ into $dQ_i$ and $dK_j$, but `attention_backward_tile` zeroes $dS$ at
-# masked pairs; pytorch/pytorch#41508 reports such NaN gradients). The guard in
-# `flash_attention_backward`: an lse of $-\infty$ becomes $+\infty$ before the tile loop. Then
-# $e^{S_{ij} - \infty} = 0$ for every score the row could hold: its weights, its $dS$ and its
-# $dq$ row are exactly 0, and it adds nothing to $dk$, $dv$. The lse other libraries store for
-# an empty row, and how their backwards cope, are in {doc}`chapter 25 <25_other_libraries>`.
+# masked pairs; pytorch/pytorch#41508 reports such NaN gradients). `flash_attention_backward`'s
+# guard turns an lse of $-\infty$ into $+\infty$ before the tile loop; then
+# $e^{S_{ij} - \infty} = 0$ for every score the row could hold, so its weights, $dS$ and
+# $dq$ row are exactly 0 and it adds nothing to $dk$, $dv$. The lse other libraries store for an
+# empty row, and how their backwards cope: {doc}`chapter 25 <25_other_libraries>`.
 #
-# The cell shows the NaN, then runs the real tile function on one tile covering a masked problem
-# whose row 3 is empty, with the raw lse and the guarded one, then `flash_attention_backward` on
-# the same problem with every floating-point warning turned into an error.
+# The cell shows the NaN; then, on a masked problem whose row 3 is empty, it runs the tile
+# function with the raw and the guarded lse, and `flash_attention_backward` with floating-point
+# warnings as errors.
 
 # %%
 with np.errstate(invalid="ignore"):  # the NaN is the point here
@@ -459,13 +454,12 @@ print("flash_attention_backward: dq row 3 exactly 0:", empty_row_zero,
 # %% [markdown]
 # ## What we showed
 #
-# - $dS = P \circ (dP - D)$ with $D = \operatorname{rowsum}(dO \circ O)$, from the output alone;
-#   with $dV = P^\top dO$, $dQ = \tau\, dS\, K$, $dK = \tau\, dS^\top Q$ the dense formulas
-#   agree with naive and flash to below $10^{-14}$.
-# - $P_{ij} = e^{S_{ij} - \text{lse}_i}$ rebuilds the softmax in one exp per score.
-# - A key-blocks-outside loop around `attention_backward_tile` is `flash_attention_backward` bit
-#   for bit; $dQ$'s shares are added in key-block order, so threads do not change the bits.
-# - The $+\infty$ lse guard makes an empty row's gradient exactly 0, with no warning.
+# The output alone gives $dS = P \circ (dP - D)$, $D = \operatorname{rowsum}(dO \circ O)$, and
+# $P_{ij} = e^{S_{ij} - \text{lse}_i}$ rebuilds the softmax in one exp per score; the dense
+# formulas agree with naive and flash below $10^{-14}$. A key-blocks-outside loop around
+# `attention_backward_tile` is `flash_attention_backward` bit for bit, and adding $dQ$'s shares in
+# key-block order keeps threads from changing the bits. The $+\infty$ lse guard makes an empty
+# row's gradient exactly 0, with no warning.
 
 # %%
 # one row: D from O equals D from P; P ∘ (dP - D) equals the explicit Jacobian's product

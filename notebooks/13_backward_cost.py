@@ -15,8 +15,7 @@
 # %% [markdown]
 # # 13. The backward's cost, and writing it yourself
 #
-# Chapter 12 derived the backward and read it in `flash_lib`. This chapter writes it from
-# scratch, checks it (and that the check catches a forgotten $D$), counts its flops and bytes
+# This chapter writes chapter 12's backward from scratch, checks it, counts its flops and bytes
 # against the forward's, measures its memory, checks the gradient by finite differences, and
 # trains with it.
 
@@ -45,11 +44,10 @@ ROUNDING = 1e-14
 # %% [markdown]
 # ## The backward from scratch
 #
-# Chapter 12's algorithm box, written out for one head: $D$ first, then key blocks outside,
-# query blocks inside, five matrix products per tile, and with `causal=True` the tiles no row may
-# see skipped and the rest masked (bottom-right aligned, chapter 6). It takes what the forward
-# returned, $O$ and the lse, and applies chapter 12's empty-row guard. Nothing in it comes from
-# `flash_lib`; `matmul` and `visit` are hooks for counting, below.
+# Chapter 12's algorithm box for one head, with `causal=True` skipping the tiles no row may see
+# and masking the rest (bottom-right aligned, chapter 6). It takes the forward's $O$ and lse and
+# applies chapter 12's empty-row guard; nothing in it comes from `flash_lib`, and `matmul` and
+# `visit` are hooks for the counting below.
 
 # %%
 def backward_from_scratch(q, k, v, out, lse, dout, *, causal=False, block_q=16, block_k=16,
@@ -88,13 +86,12 @@ def backward_from_scratch(q, k, v, out, lse, dout, *, causal=False, block_q=16, 
 
 
 # %% [markdown]
-# The check: against `flash_lib.flash_attention_backward` on a problem the blocks do not divide
-# ($N_q = 150$, $N_k = 100$, $d = 24$, 32 × 48 tiles; $\tau$ is not a power of two, and
-# flash_lib places it differently, appendix 26), without and with the causal mask, which leaves
-# the first 50 rows empty, so that the guard is tested too. They agree to rounding, not bit for
-# bit: the operations differ in order. Then the loop with $D$ omitted, the classic slip of a
-# backward written from the Jacobian's first term alone: the check must fail, by a margin no
-# rounding could close.
+# The check compares it with `flash_lib.flash_attention_backward` on a problem the blocks do not
+# divide ($N_q = 150$, $N_k = 100$, $d = 24$, 32 × 48 tiles), without and with the causal mask,
+# whose first 50 rows are empty, testing the guard. They agree to rounding, not bit for bit: the
+# order of operations differs, and $\tau$, not a power of two here, is applied elsewhere
+# (appendix 26). With $D$ omitted (the classic slip of a backward written from the Jacobian's
+# first term alone) it must fail by a margin no rounding could close.
 
 # %%
 def check_backward(backward, q, k, v, dout, causal):
@@ -127,10 +124,9 @@ for causal in (False, True):
 # $2 b_q b_k (d + d_v)$. The backward does five, $S$ again, $P^\top dO_i$, $dO_i V_j^\top$,
 # $dS^\top Q_i$ and $dS\, K_j$: $2 b_q b_k (3d + 2d_v)$. With $d_v = d$ that is $10 b_q b_k d$
 # against $4 b_q b_k d$, **2.5 times the forward** (the exp per score in each is of lower order).
-# Causal attention visits the $n(n+1)/2$ tiles of chapter 6 in both passes, so the ratio stays
-# 2.5. The cell counts the backward's flops through the loop's `matmul` hook, and the forward's
-# from the tiles `flash_attention` itself folds in (its `online_softmax_update` wrapped in one
-# that records each tile's shape: two products of that tile's size).
+# Both passes visit the same $n(n+1)/2$ tiles when causal (chapter 6), so the ratio stays 2.5.
+# The cell counts the backward's flops through the loop's `matmul` hook, and the forward's from
+# the tile shapes `flash_attention` hands its (wrapped) `online_softmax_update`.
 
 # %%
 def counted_flops(n, d, block, causal):
@@ -177,28 +173,26 @@ for causal, (flops, tiles) in cost.items():
 # %% [markdown]
 # ## Recompute rather than read back
 #
-# The textbook backward reads $P$, $N^2$ numbers, back from slow memory; FlashAttention's
-# recomputes it, one more matrix product per tile, which arXiv 2205.14135 (Section 3.1) argues
-# costs less than the bytes it saves. In {doc}`chapter 9 <09_memory_traffic>`'s A100 model
-# (float16), per score: recomputing costs $2d$ flops, reading $P$ once 2 bytes, and the
-# textbook's forward had to write it too.
+# The textbook backward reads $P$, $N^2$ numbers, back from slow memory; FlashAttention
+# recomputes it, one more matrix product per tile, which arXiv 2205.14135 (Section 3.1) argues is
+# cheaper. Per score, in {doc}`chapter 9 <09_memory_traffic>`'s A100 model (float16), that is
+# $2d$ flops against 2 bytes read back, which the textbook's forward had to write too.
 #
 # **Bytes.** The backward's HBM traffic, in chapter 9's model:
 #
 # - textbook, each product its own kernel with its inputs read once (chapter 9's best case):
-#   $dV = P^\top dO$ reads $P$; $dP = dO V^\top$ writes $dP$; $dS = P \circ (dP - D)$ reads $P$,
-#   $dP$ and writes $dS$; $dQ = \tau dS K$ and $dK = \tau dS^\top Q$ each read $dS$: $7N^2$
-#   elements, plus $8Nd$ for the $N \times d$ inputs and outputs (and $D$);
+#   $dV$ reads $P$; $dP$ is written; $dS$ reads $P$, $dP$ and is written; $dQ$ and $dK$ each
+#   read $dS$: $7N^2$ elements, plus $8Nd$ for the $N \times d$ inputs and outputs (and $D$);
 # - flash: per key block, $K_j, V_j$ in and $dK_j, dV_j$ out once; per tile, $Q_i$, $dO_i$,
 #   $\text{lse}_i$, $D_i$ in and $dQ_i$ in and out; plus the pass for $D$. About
 #   $4 N^2 d / b_k$ elements, twice the forward's $2N^2 d / b_q$: $\Theta(N^2 d^2 / M)$, since
 #   $b_k$ can grow as $M/d$.
 #
 # Theorem 5 of arXiv 2205.14135: for $d \le M \le Nd$, the standard backward requires
-# $\Theta(Nd + N^2)$ HBM accesses and FlashAttention's $\Theta(N^2 d^2 M^{-1})$, as its forward
-# (Theorem 2, chapter 9). The cell counts flash's bytes from what `flash_attention_backward`
-# hands its tile function (wrapped, as in chapter 12, to record the sizes of what it gets), in
-# float16, $d = 64$, 128 × 128 tiles.
+# $\Theta(Nd + N^2)$ HBM accesses and FlashAttention's $\Theta(N^2 d^2 M^{-1})$, like its forward
+# (Theorem 2, chapter 9). The cell counts flash's bytes from what
+# `flash_attention_backward` hands its (wrapped) tile function: float16, $d = 64$, 128 × 128
+# tiles.
 
 # %%
 bandwidth, peak_rate = 2.039e12, 312e12  # chapter 9's A100: bytes/s, float16 flop/s
@@ -250,22 +244,21 @@ for n_io, (fb, tb, ff) in io_rows.items():
     print(f"{n_io:>6} {fb:>16,} {tb:>14,} {tb / fb:>15.2f} {fb / ff:>14.2f}")
 
 # %% [markdown]
-# Both grow as $N^2$ at a fixed tile; the textbook's $7N^2$ against flash's $4N^2 d/b_k \approx
-# 2N^2$ (here $b_k = 2d$) is 3.1 to 3.4 times more at these $N$, tending to 3.5, and the gap
-# widens as the SRAM allows larger tiles. The flash backward moves about twice the forward's
-# bytes and does 2.5 times its flops: about the forward's arithmetic intensity.
+# Both grow as $N^2$ at a fixed tile: the textbook's $7N^2$ against flash's $4N^2 d/b_k \approx
+# 2N^2$ ($b_k = 2d$ here) is 3.1 to 3.4 times more at these $N$, tending to 3.5, and larger tiles
+# widen the gap. Twice the forward's bytes for 2.5 times its flops: about the forward's
+# arithmetic intensity.
 
 
 # %% [markdown]
 # ## What training keeps for the backward
 #
-# Between the passes, each layer keeps what its backward needs: the textbook attention keeps
-# $P$, $N_q N_k$ numbers per head; FlashAttention keeps $O$ (usually kept anyway, as the next
-# layer's input) and the lse, $N_q$ numbers. During the backward, `naive_attention_backward`
-# holds $P$, $dP$ and $dS$ whole, `flash_attention_backward` one tile of each plus $D$ and the
-# lse. The cell sets what the textbook keeps against what `flash_attention` returns (float32,
-# $d = d_v = 16$), and measures each backward's scratch as {doc}`chapter 8 <08_memory>`
-# measures the forward's (256 × 256 tiles, one worker). The naive kernel stops at $N = 4096$.
+# Between the passes, the textbook attention keeps $P$, $N_q N_k$ numbers per head;
+# FlashAttention keeps $O$ (usually kept anyway, as the next layer's input) and the lse, $N_q$
+# numbers. The cell compares what each
+# keeps (float32, $d = d_v = 16$) and measures each backward's scratch as
+# {doc}`chapter 8 <08_memory>` measures the forward's (256 × 256 tiles, one worker), the naive
+# kernel up to $N = 4096$.
 
 # %%
 d = dv = 16
@@ -341,33 +334,31 @@ plt.show()
 # %% [markdown]
 # Left: the textbook keeps $P$ (slope 2), flash $O$ and the lse, $N (d_v + 1)$ numbers (slope
 # 1). Right: the naive backward holds about four $N \times N$ arrays at its peak (the scores,
-# $P$, $dP$, $dS$); flash holds its tiles, flat in $N$, plus $D$ and the lse, 8 bytes per row.
+# $P$, $dP$, $dS$); flash its tiles, flat in $N$, plus $D$ and the lse, 8 bytes per row.
 
 # %% [markdown]
 # ## Checking the gradient by finite differences
 #
-# Finite differences check the gradient against the forward pass alone. Along a random direction
+# Finite differences check the gradient against the forward alone. Along a random direction
 # $(\delta_q, \delta_k, \delta_v)$, let $f(\varepsilon) = \sum dO \circ \text{flash\_attention}(Q + \varepsilon
-# \delta_q, K + \varepsilon \delta_k, V + \varepsilon \delta_v)$. Its derivative at 0 is the
-# directional derivative
+# \delta_q, K + \varepsilon \delta_k, V + \varepsilon \delta_v)$; with the analytic gradients,
 #
 # $$f'(0) = \langle dQ, \delta_q \rangle + \langle dK, \delta_k \rangle + \langle dV, \delta_v \rangle$$
 #
-# with the analytic gradients, and the central difference
-# $\big(f(\varepsilon) - f(-\varepsilon)\big) / 2\varepsilon$ estimates it with two errors:
+# and the central difference $\big(f(\varepsilon) - f(-\varepsilon)\big) / 2\varepsilon$
+# estimates it with two errors:
 #
 # - **truncation**: Taylor's theorem gives $f'(0) + \varepsilon^2 f'''(0)/6 + O(\varepsilon^4)$,
 #   an error $\propto \varepsilon^2$, a slope of 2 on log-log axes;
-# - **rounding**: each $f(\pm\varepsilon)$ is computed with an error of a few $u\,|f|$ ($u =
-#   2^{-53}$ in float64), and dividing by $2\varepsilon$ makes that $\propto u / \varepsilon$, a
-#   slope of $-1$.
+# - **rounding**: each $f(\pm\varepsilon)$ carries an error of a few $u\,|f|$ ($u = 2^{-53}$ in
+#   float64), which dividing by $2\varepsilon$ makes $\propto u / \varepsilon$, a slope of $-1$.
 #
-# With an error $A\varepsilon^2 + B/\varepsilon$, the sum is least at $\varepsilon^* =
-# (B/2A)^{1/3}$; with $A$ of order 1 and $B$ of order $u$ that is near $u^{1/3} \approx 5
-# \times 10^{-6}$, where the error is of order $u^{2/3} \approx 2 \times 10^{-11}$: the
-# bottom of a V. A correct gradient sits at that bottom; a wrong one (the loop above with $D$
-# omitted) flattens the V at its own error. The error is relative to $|f'(0)|$, root mean square
-# over 8 random directions; causal, $N_q = 13$, $N_k = 17$, $d = 6$, $d_v = 4$, 4 × 5 tiles.
+# Their sum $A\varepsilon^2 + B/\varepsilon$ is least at $\varepsilon^* = (B/2A)^{1/3}$; with
+# $A$ of order 1 and $B$ of order $u$, near $u^{1/3} \approx 5 \times 10^{-6}$, where it is of
+# order $u^{2/3} \approx 2 \times 10^{-11}$: the bottom of a V. A correct gradient reaches that
+# bottom; a wrong one ($D$ omitted) flattens the V at its own error. The error is relative to
+# $|f'(0)|$, root mean square over 8 random directions; causal, $N_q = 13$, $N_k = 17$, $d = 6$,
+# $d_v = 4$, 4 × 5 tiles.
 
 # %%
 n_q, n_k, d, dv = 13, 17, 6, 4
@@ -439,15 +430,15 @@ plt.show()
 # %% [markdown]
 # ## Training with it
 #
-# Last, gradient descent through `flash_attention` and `flash_attention_backward` on a task
-# whose answer can be seen: sixteen queries and keys, query $i$ to retrieve key $\pi(i)$ of a
-# permutation. With one-hot values $v_j = e_j$ a row's output *is* its row of weights, and
+# Gradient descent with `flash_attention` and its backward, on a task whose
+# answer can be seen: each of sixteen queries $i$ must retrieve key $\pi(i)$ of a permutation.
+# With one-hot values $v_j = e_j$ a row's output *is* its row of weights, and
 #
 # $$L = \tfrac12 \sum_i \lVert o_i - e_{\pi(i)} \rVert^2, \qquad dO = O - V_\pi ,$$
 #
 # is zero exactly when every query puts all its weight on its target. We learn $Q$ and $K$
-# ($d = 8$, starting small: rows near uniform) with step 1.0 for 300 steps, 4 × 4 tiles,
-# comparing the gradients with `naive_attention_backward`'s at every step.
+# ($d = 8$, small at first, so rows start near uniform) with step 1.0 for 300 steps, 4 × 4 tiles,
+# checking the gradients against `naive_attention_backward`'s at every step.
 
 # %%
 n, d = 16, 8
@@ -514,14 +505,12 @@ plt.show()
 #
 # ## What we showed
 #
-# - The backward from scratch matches `flash_attention_backward` to rounding; with $D$ omitted
-#   the same check fails by order 1.
-# - It does 2.5 times the forward's flops (five matrix products per tile to two), full or
-#   causal, both counted.
-# - Recomputing $P$ beats reading it back; the backward moves about $4N^2 d/b_k$ elements, twice
-#   the forward's, against the textbook's $7N^2$: $\Theta(N^2 d^2/M)$, Theorem 5.
-# - Flash keeps $N(d_v + 1)$ numbers for the backward against $N^2$, and its scratch is flat in
-#   $N$; central differences confirm the gradient; training with it learns the task.
+# - The backward from scratch matches `flash_attention_backward` to rounding; without $D$ the
+#   check fails by order 1.
+# - It does 2.5 times the forward's flops, full or causal, and moves about $4N^2 d/b_k$ elements,
+#   twice the forward's, against the textbook's $7N^2$: $\Theta(N^2 d^2/M)$, Theorem 5.
+# - It keeps $N(d_v + 1)$ numbers against $N^2$, with scratch flat in $N$; central differences
+#   confirm its gradient, and training with it learns the task.
 
 # %%
 # the loop from scratch: flash_lib's gradients to rounding (ROUNDING = 1e-14: at most 2e-15

@@ -17,22 +17,22 @@
 #
 # Production kernels take more than a boolean mask: a sliding window, a soft cap on the scores,
 # ALiBi's distance penalty, grouped-query heads, masks written as functions. Each is one line in
-# the score or the mask, plus, for masks, a rule for which tiles need not be computed. This
-# chapter places each in a score, then takes the window (and its cost), softcap (and its
-# gradient) and ALiBi; chapter 15 takes grouped-query heads and masks written as functions.
+# the score or the mask (for masks, plus a rule for skipping tiles). This chapter places each in
+# the score and treats the first three, with the window's cost and softcap's gradient; chapter 15,
+# the other two.
 #
-# **Sources.** FlashAttention's conventions are quoted from Dao-AILab/flash-attention, read at
-# commit `0251105a`: the docstrings of `flash_attn_func` in `flash_attn/flash_attn_interface.py`,
-# the test reference `attention_ref` in `tests/test_flash_attn.py` and the CUDA sources named
-# below. FlexAttention's are from `torch/nn/attention/flex_attention.py` and
-# `torch/_higher_order_ops/flex_attention.py` of PyTorch 2.13.0, and attention-gym's from
-# meta-pytorch/attention-gym (`attn_gym/masks/`, `attn_gym/mods/`, read at commit `7fdb85d`).
+# **Sources.** FlashAttention's conventions are quoted from Dao-AILab/flash-attention at commit
+# `0251105a`: `flash_attn_func`'s docstrings in `flash_attn/flash_attn_interface.py`, the test
+# reference `attention_ref` in `tests/test_flash_attn.py` and the CUDA sources named below;
+# FlexAttention's from `torch/nn/attention/flex_attention.py` and
+# `torch/_higher_order_ops/flex_attention.py` of PyTorch 2.13.0; attention-gym's from
+# meta-pytorch/attention-gym (`attn_gym/masks/`, `attn_gym/mods/`, commit `7fdb85d`).
 
 # %% [markdown]
 # ## One score, four steps
 #
-# For query $i$, key $j$ and head $h$, with $\tau$ the scale and $o = N_k - N_q$ the offset that
-# aligns the last query with the last key (chapter 6's bottom-right convention):
+# For query $i$, key $j$ and head $h$, with $\tau$ the scale and $o = N_k - N_q$ the offset
+# aligning the last query with the last key (chapter 6's bottom-right convention):
 #
 # $$
 # \begin{aligned}
@@ -45,18 +45,17 @@
 # \end{aligned}
 # $$
 #
-# then the softmax over $j$ and $O = P V$ as before. The order is FlashAttention's: its test
+# then the softmax over $j$ and $O = P V$. The order is FlashAttention's: its test
 # reference `attention_ref` scales, caps, then masks; its CUDA forward
 # (`csrc/flash_attn/src/flash_fwd_kernel.h`) calls `apply_softcap`, then `mask.apply_mask`, which
 # adds the ALiBi bias and sets masked entries to $-\infty$ (`mask.h`). FlexAttention's reference
-# (`_math_attention_inner`) likewise applies `score_mod` to scaled scores and the mask last.
+# (`_math_attention_inner`) too applies `score_mod` to scaled scores and the mask last.
 #
-# In flash_lib the first three steps are the tile's scores (one matmul, then the cap and the bias
-# in place) and the fourth its allowed pairs; chapter 5's online softmax runs unchanged on what
-# they produce. Every variant is checked twice: `flash_attention` against `naive_attention`, and
-# `naive_attention` against `dense_attention`, the four steps written out for the whole matrix
-# in another order of operations, so that the oracle itself is pinned. The oracle, the checks
-# and their limit are `notebooks/_oracle.py`, printed below; chapter 15 imports it.
+# In flash_lib the first three steps make a tile's scores and the fourth its allowed pairs;
+# chapter 5's online softmax runs on them unchanged. Every variant is checked twice,
+# `flash_attention` against `naive_attention` and `naive_attention` against `dense_attention`
+# (the four steps for the whole matrix, in another order of operations), pinning the oracle
+# itself; `notebooks/_oracle.py`, printed below, holds oracle, checks and limit.
 
 # %%
 import inspect
@@ -86,20 +85,16 @@ print(inspect.getsource(_oracle))
 # `causal` and `window=(left, right)` (chapter 15 adds `mask_mod`). The window is
 # FlashAttention's `window_size`: "Query at position i will only attend to keys between
 # [i + seqlen_k - seqlen_q - window_size[0], i + seqlen_k - seqlen_q + window_size[1]]
-# inclusive" (`flash_attn_func`'s docstring), $-1$ for an unbounded side (flash_lib: `None`).
-# Causal is the window $(\infty, 0)$, as FlashAttention's own reference treats it.
+# inclusive" (`flash_attn_func`'s docstring), $-1$ for an unbounded side (flash_lib: `None`);
+# causal is the window $(\infty, 0)$, as in FlashAttention's own reference.
 #
-# The band that `causal` and `window` cut out is a diagonal strip, so a tile's two extreme
-# corners decide whether it holds an allowed pair (chapter 6's argument, with a second edge),
-# and the kernel skips the tiles outside it unseen. Two masks over $N = 64$ tokens, 8 × 8 tiles:
-#
-# - **causal**: $j \le i$;
-# - **sliding window**, `window=(12, 0)`: $i - 12 \le j \le i$, attention-gym's
-#   `generate_sliding_window(12)` (`q_idx - kv_idx <= 12` ANDed with causal).
-#
-# Each is also written out as a dense boolean matrix from its definition. The cell checks that
-# the tiles `tile_schedule` returns are exactly those holding an allowed pair, and runs both
-# checks; chapter 15 draws the window's tile map beside the masks written as functions.
+# The band `causal` and `window` cut out is a diagonal strip, so a tile's two extreme corners
+# decide whether it holds an allowed pair (chapter 6's argument, with a second edge), and the
+# kernel skips the others unseen. The cell checks that `tile_schedule` lists exactly the
+# tiles holding an allowed pair, and runs both checks, for two masks over $N = 64$ tokens,
+# 8 × 8 tiles, each also written out densely: causal, $j \le i$, and the sliding window
+# `window=(12, 0)`, $i - 12 \le j \le i$, attention-gym's `generate_sliding_window(12)`
+# (`q_idx - kv_idx <= 12` ANDed with causal).
 
 # %%
 N, BLOCK = 64, 8
@@ -123,20 +118,19 @@ for name in masks:
 # ### What a sliding window costs
 #
 # With $N_q = N_k = N$ and square tiles of $b$ = `block_q` = `block_k` dividing $N$, query block
-# $r$ (rows $rb$ to $rb + b - 1$) needs the keys from $rb - \text{left}$ to $rb + b - 1$ for the
-# window (left, 0): key blocks $r - \lceil \text{left}/b \rceil$ to $r$, fewer near the start.
-# With $w = \lceil \text{left} / b \rceil$ and $n = N / b$ blocks per side,
+# $r$ (rows $rb$ to $rb + b - 1$) needs, for the window (left, 0), keys $rb - \text{left}$ to
+# $rb + b - 1$: key blocks $r - w$ to $r$, fewer near the start, with
+# $w = \lceil \text{left} / b \rceil$. With $n = N / b$ blocks per side,
 #
 # $$
 # \text{tiles} = \sum_{r=0}^{n-1} \big(\min(r, w) + 1\big) = n(w + 1) - \frac{w(w+1)}{2},
 # $$
 #
-# linear in $N$, against chapter 6's $n(n+1)/2$ for causal attention and $n^2$ for none. Each tile costs
-# $b^2$ score pairs, so away from the start the window computes
+# linear in $N$, against chapter 6's $n(n+1)/2$ for causal attention and $n^2$ for none. At
+# $b^2$ pairs a tile, the window computes, away from the start,
 # $N b\,(\lceil \text{left}/b \rceil + 1)$ pairs where it needs about $N (\text{left} + 1)$:
-# rounded up to whole key blocks, plus one block of slack. At left = 256 and $b = 512$ that is
-# $1024N$ pairs for $257N$ needed, which is why narrow windows want narrow key blocks. The counts
-# below are `tile_schedule`'s, for flash_lib's default 512 × 512 tiles.
+# whole key blocks, plus one block of slack. At left = 256 and $b = 512$ that is
+# $1024N$ pairs for $257N$, which is why narrow windows want narrow key blocks.
 
 # %%
 def window_tiles(n_blocks, left, block):
@@ -198,8 +192,8 @@ plt.show()
 # %% [markdown]
 # ## Softcap
 #
-# Gemma 2 and Grok bound every score smoothly (FlashAttention added it in 2.6: "Support attention
-# with softcapping, as used in Gemma-2 and Grok models", its `README.md`):
+# Gemma 2 and Grok bound every score smoothly (FlashAttention supports it since 2.6, its
+# `README.md`):
 #
 # $$
 # s \leftarrow c \tanh(s / c), \qquad
@@ -207,19 +201,19 @@ plt.show()
 # \qquad |c \tanh(s/c)| < c .
 # $$
 #
-# Small scores pass almost unchanged, large ones are squashed into $(-c, c)$. The derivative is
+# Small scores pass almost unchanged; large ones are squashed into $(-c, c)$. With the derivative
 #
 # $$
 # \frac{d}{ds}\, c \tanh(s/c) = 1 - \tanh^2(s/c),
 # $$
 #
-# so the backward multiplies $dS$ by $1 - \tanh^2(s/c)$ after the softmax's Jacobian and before
-# $dQ = \tau\, dS\, K$ and $dK = \tau\, dS^\top Q$, from $\tanh(s/c)$ of the recomputed tile
-# rather than anything stored, as FlashAttention does (`calculate_dtanh` in
+# the backward multiplies $dS$ by $1 - \tanh^2(s/c)$ between the softmax's Jacobian and
+# $dQ = \tau\, dS\, K$, $dK = \tau\, dS^\top Q$, taking $\tanh(s/c)$ from the recomputed tile, not
+# from storage, as FlashAttention does (`calculate_dtanh` in
 # `csrc/flash_attn/src/utils.h`); its forward too caps the *scaled* score (`flash_api.cpp`).
 #
-# The example: 64 queries over 256 keys with scores of spread about 4 (the queries scaled up so
-# that the cap $c = 5$ bites). The figure shows the map and its derivative for three caps.
+# The example: 64 queries over 256 keys, scores of spread about 4 (queries scaled up so the cap
+# $c = 5$ bites).
 
 # %%
 n_q, n_k, d = 64, 256, 16
@@ -277,10 +271,10 @@ plt.show()
 #
 # ### Before the mask, not after
 #
-# A masked score is $-\infty$, and $c \tanh(-\infty / c) = -c$: a kernel that masks first and
-# caps afterwards turns every masked score into the finite $-c$, and masked keys get weight
-# $e^{-c - m}$ in every row. The cell computes causal attention of the example's 64 queries over
-# its first 64 keys both ways and measures the weight that lands on masked keys.
+# A masked score is $-\infty$, and $c \tanh(-\infty / c) = -c$: masking first and capping
+# afterwards turns every masked score into the finite $-c$, giving masked keys weight
+# $e^{-c - m}$ in every row, as the cell measures on causal attention of the example's 64 queries
+# over its first 64 keys before checking the right order.
 
 # %%
 square = np.tril(np.ones((n_q, n_q), bool))
@@ -300,11 +294,11 @@ checks.run("softcap 5, causal, Nq = Nk", q_sc, k_sc[:n_q], v_sc[:n_q],
 # %% [markdown]
 # ### The backward pass through the cap
 #
-# The chain rule, written out densely for the causal example: chapter 12's
-# $dS_c = P \circ (dP - D)$ on the capped, masked scores, then the cap's factor
-# $dS = dS_c \circ (1 - \tanh^2(S / c))$, $dQ = \tau\, dS\, K$, $dK = \tau\, dS^\top Q$,
-# $dV = P^\top dO$ (with $D$ from $O$, where naive takes it from $P$).
-# `flash_attention_backward` must give the same, and all must match central differences.
+# The chain rule, densely, for the causal example: chapter 12's $dS_c = P \circ (dP - D)$ on the
+# capped, masked scores, then the cap's factor $dS = dS_c \circ (1 - \tanh^2(S / c))$,
+# $dQ = \tau\, dS\, K$, $dK = \tau\, dS^\top Q$, $dV = P^\top dO$ (with $D$ from $O$, where naive
+# takes it from $P$). `flash_attention_backward` must agree, and match central
+# differences.
 
 # %%
 def dense_softcap_backward(q, k, v, dout, scale, cap, allowed):
@@ -350,19 +344,18 @@ print(f"directional derivative: analytic {analytic:.6f}, central difference {num
 # %% [markdown]
 # ## ALiBi
 #
-# ALiBi (Press et al., arXiv 2108.12409) adds no position embedding; it penalises each score by
-# the distance between query and key, with one slope per head. FlashAttention's convention
-# (`flash_attn_func`'s docstring): "A bias of (-alibi_slope * |i + seqlen_k - seqlen_q - j|) is
-# added to the attention score of query i and key j", slopes of shape `(nheads,)` or
+# ALiBi (Press et al., arXiv 2108.12409) replaces position embeddings with a penalty on each score
+# proportional to the query–key distance, one slope per head. FlashAttention's
+# convention (`flash_attn_func`'s docstring): "A bias of (-alibi_slope * |i + seqlen_k - seqlen_q -
+# j|) is added to the attention score of query i and key j", slopes of shape `(nheads,)` or
 # `(batch_size, nheads)`: the distance from the query's own position $i + o$, bottom-right as
 # causal. The usual slopes are $2^{-8(h+1)/H}$ for head $h$ of $H$ (attention-gym's
-# `generate_alibi_bias`: `torch.exp2(-((h + 1) * 8.0 / H))`).
+# `generate_alibi_bias`).
 #
-# attention-gym (`attn_gym/mods/alibi.py`) writes the bias differently, as
-# `score + (kv_idx - q_idx) * scale`, and FlashAttention's own CUDA kernel, when causal, adds
-# only `alibi_slope * col_idx` ("Simpler, we add the same bias vector to all rows",
-# `csrc/flash_attn/src/alibi.h`). Under causal masking all three agree. Every allowed key has
-# $j \le i + o$, where $|i + o - j| = i + o - j$, so
+# attention-gym (`attn_gym/mods/alibi.py`) writes the bias as `score + (kv_idx - q_idx) * scale`,
+# and FlashAttention's own CUDA kernel, when causal, adds only `alibi_slope * col_idx` ("Simpler,
+# we add the same bias vector to all rows", `csrc/flash_attn/src/alibi.h`). Under causal masking
+# all three agree: every allowed key has $j \le i + o$, where $|i + o - j| = i + o - j$, so
 #
 # $$
 # -\text{slope}\,|i + o - j| = \text{slope}\,(j - i) - \text{slope}\cdot o
@@ -370,14 +363,13 @@ print(f"directional derivative: analytic {analytic:.6f}, central difference {num
 # $$
 #
 # which differ only by a constant per row ($\text{slope}\cdot o$ for attention-gym's form). A
-# softmax does not see a constant added to a row, so the outputs agree; the lse moves by the
-# constant: a kernel that adds $\text{slope}\cdot j$ returns an lse $\text{slope}\,(i + o)$
-# above the documented bias's, which is flash_lib's. Without the causal mask, $|\cdot|$ folds at
-# $j = i + o$ and the forms give different attention.
+# softmax ignores a constant added to a row, so the outputs agree, but the lse moves by it: a
+# kernel adding $\text{slope}\cdot j$ returns an lse $\text{slope}\,(i + o)$ above the documented
+# bias's (flash_lib's). Without the causal mask, $|\cdot|$ folds at $j = i + o$ and the
+# forms give different attention.
 #
-# The picture: the bias of head 0 of 8 (slope $2^{-1} = 1/2$) for $N_q = 12$ queries over
-# $N_k = 20$ keys, so $o = 8$, in the three forms, and their differences along three rows'
-# causal pairs.
+# The picture: the three forms for head 0 of 8 (slope $2^{-1}$), $N_q = 12$, $N_k = 20$, and
+# their differences along three rows' causal pairs.
 
 # %%
 HEADS = 8
@@ -479,17 +471,15 @@ print(f"lse of attention-gym's form minus ours, by head: "
 # %% [markdown]
 # ## What we showed
 #
-# - Each variant is one step of a score, in FlashAttention's order: scale, cap, ALiBi, masks.
-#   flash equals naive, and naive the dense construction, to below $10^{-14}$
+# - Each variant is one step of the score, in FlashAttention's order; flash equals naive, and
+#   naive the dense construction, below $10^{-14}$
 #   ({doc}`the appendix on how this tutorial is tested <28_how_chapters_7_to_23_are_tested>` draws
-#   the differences measured).
-# - The tiles `tile_schedule` lists are exactly those holding an allowed pair. A (left, 0) window
-#   computes about $N b\,(\lceil \text{left}/b \rceil + 1)$ pairs: 3.95 times the pairs needed
-#   at left = 256 with 512-wide tiles, 1.49 with 128-wide.
-# - Softcap bounds the scores and multiplies the gradient by $1 - \tanh^2(s/c)$; it must come
-#   before the mask.
-# - The three ALiBi forms differ by a constant per row on the causal pairs: the same output under
-#   causal masking, a shifted lse, different attention without it.
+#   the differences).
+# - A (left, 0) window computes 3.95 times the pairs needed at left = 256 with 512-wide tiles,
+#   1.49 with 128-wide.
+# - Softcap must precede the mask; its backward multiplies $dS$ by $1 - \tanh^2(s/c)$.
+# - The three ALiBi forms differ by a constant per row on the causal pairs: the same output and a
+#   shifted lse under causal masking, different attention without it.
 
 # %%
 # ROUNDING: see _oracle.py. naive and the dense construction normalise in different orders, so

@@ -15,11 +15,10 @@
 # %% [markdown]
 # # 17. Dropout
 #
-# FlashAttention-2's `dropout_p` zeroes each attention weight with probability $p$, and the
-# backward needs the very same zeros, yet no $N_q \times N_k$ mask is ever stored. This chapter
-# derives dropout as a function of a counter, writes out its generator, checks its keep rate and
-# memory, and derives the gradient, checking `flash_lib` against a dense construction.
-# {doc}`Chapter 18 <18_attention_sinks>` adds the other training feature, attention sinks.
+# FlashAttention-2's `dropout_p` zeroes each attention weight with probability $p$; the backward
+# needs the very same zeros, yet no $N_q \times N_k$ mask is stored. This chapter makes dropout a
+# function of a counter, writes out its generator, and checks its keep rate, memory and gradient.
+# {doc}`Chapter 18 <18_attention_sinks>` adds attention sinks.
 #
 # **Sources.** FlashAttention is quoted from Dao-AILab/flash-attention at commit `0251105a`
 # (`csrc/flash_attn/src/dropout.h`, `philox.cuh`, `softmax.h`, `csrc/flash_attn/flash_api.cpp`),
@@ -82,12 +81,12 @@ def dense(q, k, v, *, allowed=None, keep=None, p=0.0):
 # \ \Rightarrow\ \mathbb E[O] = P V ,
 # $$
 #
-# so training sees the undropped attention on average. The lse stays the undropped one: dropout
-# acts after the normalisation, and the backward rebuilds $P = e^{S - \text{lse}}$ from it as in
-# chapter 12. FlashAttention does the same (`rp_dropout` $= 1/(1-p)$ in `normalize_softmax_lse`,
-# `softmax.h`). `flash_lib`'s keywords are `dropout_p` and `dropout_seed`;
-# `dropout_keep(seed, p, shape)` materialises the kernels' mask $Z$. The cell checks the kernels
-# against the dense construction with that mask, and `dropout_p=0` against no dropout.
+# so training sees the undropped attention on average. The lse stays undropped (dropout follows
+# normalisation), so the backward rebuilds $P = e^{S - \text{lse}}$ as in
+# chapter 12; FlashAttention likewise (`rp_dropout` $= 1/(1-p)$ in `normalize_softmax_lse`,
+# `softmax.h`). `flash_lib` takes `dropout_p` and `dropout_seed`, and
+# `dropout_keep(seed, p, shape)` materialises the kernels' $Z$, against which the cell checks
+# them by the dense construction, and `dropout_p=0` against no dropout.
 
 # %%
 B, H, n_q, n_k, d = 2, 2, 40, 56, 16
@@ -118,18 +117,17 @@ print("dropout_p=0 against no dropout, bit for bit:", p_zero_identical)
 # %% [markdown]
 # ## Why not a stateful generator
 #
-# The textbook mask is `rng.random(shape) >= p` from one generator whose state advances with
-# each number drawn. A tiled kernel cannot do that: **a generator per tile**, seeded with the
-# tile's index, makes the mask change with `block_q` and `block_k` (a speed setting); **one
-# generator for the call** makes it depend on the visiting order, which threads change and the
-# backward changes for certain (key blocks outside, chapter 12). A counter-based generator has
-# no state: the number of element $(b, i, j)$ is a function of the seed and $(b, i, j)$ alone.
+# The textbook mask, `rng.random(shape) >= p`, comes from one generator whose state advances
+# with each number drawn. In a tiled kernel, **a generator per tile**, seeded with the tile's index,
+# makes the mask change with `block_q` and `block_k` (a speed setting), and **one generator for
+# the call** ties it to the visiting order, which threads change, and the backward (key blocks
+# outside, chapter 12) certainly. A counter-based generator has no state: element $(b, i, j)$'s
+# number is a function of the seed and $(b, i, j)$ alone.
 #
-# The cell reads the mask the kernel applied off its output: with $V = I$,
-# $O = P \circ Z / (1 - p)$ and $P > 0$ here, so the kept pairs are the nonzero entries of $O$.
-# It does that for four tilings of one head ($N_q = 64$, $N_k = 128$), builds the per-tile
-# generator's masks for the same tilings, and consumes one generator in the forward's and the
-# backward's tile order.
+# The cell reads the kernel's mask off its output (with $V = I$, $O = P \circ Z / (1 - p)$ and
+# $P > 0$, so the kept pairs are $O$'s nonzero entries) for four tilings of one head
+# ($N_q = 64$, $N_k = 128$), and compares it with the per-tile generator's masks and one
+# generator's in the forward's and the backward's tile order.
 
 # %%
 n_q1, n_k1, P_FIG = 64, 128, 0.25
@@ -206,9 +204,9 @@ plt.show()
 # %% [markdown]
 # The top row is empty: the kernel's mask does not see the tiles. Below, about
 # $2p(1-p) = 37.5\%$ of the pairs change. With the same mask, tilings differ only by the rounding
-# of their merge orders (chapter 5), and the number of worker threads changes no bit. The cell
-# checks both, forward and backward, on a problem large enough for threads, and counts the
-# threads that ran tiles (`flash_bench.threads_seen`), as chapter 12 does.
+# of their merge orders (chapter 5), and the worker count changes no bit; the cell checks both,
+# forward and backward, on a problem large enough for threads, counting (as chapter 12 does) the
+# threads that ran tiles.
 
 # %%
 q2, k2, v2, dout2 = (rng.standard_normal((n, 16)) for n in (1100, 1000, 1000, 1100))
@@ -253,23 +251,22 @@ print(f"out with 256 x 200 tiles against 128 x 96: {below(tiling_diff, ROUNDING)
 # For element $(b, i, j)$ ($b$ the flat index over the batch and head axes, $i$ and $j$ the
 # global query and key positions) the key is the seed's two halves, the counter is
 # $(\lfloor j/8 \rfloor, i, b \bmod 2^{32}, \lfloor b / 2^{32} \rfloor)$, and the element takes
-# word $\lfloor (j \bmod 8)/2 \rfloor$, its low 16 bits for even $j$ and its high 16 bits for
-# odd $j$: eight neighbouring keys share one evaluation, and no two elements share bits. It is
-# kept iff that 16-bit number is at least $t = \mathrm{round}(p \cdot 2^{16})$, with probability
-# exactly $1 - t/2^{16}$, within $2^{-17}$ of $1 - p$ since $|t - p\,2^{16}| \le 1/2$.
+# word $\lfloor (j \bmod 8)/2 \rfloor$, its low 16 bits for even $j$, high for odd:
+# eight neighbouring keys share one evaluation, and no two elements share bits. It is kept iff
+# that number is at least $t = \mathrm{round}(p \cdot 2^{16})$, with probability exactly
+# $1 - t/2^{16}$, within $2^{-17}$ of $1 - p$ since $|t - p\,2^{16}| \le 1/2$.
 #
 # FlashAttention-2 compares one *byte* of the output with `p_dropout_in_uint8_t =
 # floor((1 - p) * 255)` (`dropout.h`, `flash_api.cpp`): 16 elements per evaluation, keep
-# probability $(\lfloor 255(1-p) \rfloor + 1)/256$, a multiple of $1/256$; at $p = 0.1$ that is
-# 0.8984375, $1/640$ below $0.9$, which the keep-rate test below sees. Its counters are laid out
-# by thread, so its masks are not `flash_lib`'s; the construction is the same.
+# probability $(\lfloor 255(1-p) \rfloor + 1)/256$; at $p = 0.1$ that is
+# 0.8984375, $1/640$ below $0.9$, which the keep-rate test below detects. Its masks differ
+# from `flash_lib`'s (its counters are laid out by thread), but the construction is the same.
 #
-# The cell writes Philox from the formula, checks ten rounds against Random123's known answers
+# The cell writes Philox from the formula and checks ten rounds against Random123's known answers
 # (`tests/kat_vectors` in DEShawResearch/random123) and seven against Triton 3.9's
-# `tl.randint4x(seed, offset, n_rounds=7)` (run by `tests/test_training.py`), and builds the keep
-# mask from seven rounds, which must be `dropout_keep`'s bit for bit, for a batch of heads and
-# with an offset (a shard starting at row 5, key 9, as `flash_dask` calls it, gets that window
-# of the whole mask).
+# `tl.randint4x(seed, offset, n_rounds=7)` (run by `tests/test_training.py`); the keep mask from
+# seven rounds must be `dropout_keep`'s bit for bit, for a batch of heads and a shard at
+# row 5, key 9 (as `flash_dask` calls it), which gets that window of the whole mask.
 
 # %%
 M0, M1, W0, W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
@@ -332,12 +329,12 @@ for name, same in mine_vs_flash.items():
 print("the offset mask is the window [5:42, 9:70] of the whole one:", window_of_whole)
 
 # %% [markdown]
-# **A trap: one stream per row.** NumPy's own `Philox` (Philox4x64) is a stream whose counter's
-# first word advances by one per block of four words. Giving row $i$ the stream that starts at
-# `counter=[i, 0, 0, 0]` looks like one stream per row, but row $i$'s second block is drawn at
-# counter $i + 1$, row $i+1$'s first: each row's mask is its predecessor's shifted by four keys.
-# The cell counts, over 32 rows and 256 keys, how often $Z_{i+1, j} = Z_{i, j+4}$: always for
-# the streams, about $(1-p)^2 + p^2 = 0.625$ of the time for independent entries at $p = 1/4$.
+# **A trap: one stream per row.** NumPy's `Philox` (Philox4x64) advances its counter's first word
+# by one per block of four words, so streams started at `counter=[i, 0, 0, 0]`, one per row,
+# overlap: row $i$'s second block is row $i+1$'s first, and each row's mask is its predecessor's
+# shifted by four keys. Over 32 rows and 256 keys the cell counts how often
+# $Z_{i+1, j} = Z_{i, j+4}$: always for the streams, about $(1-p)^2 + p^2 = 0.625$ of the time
+# for independent entries at $p = 1/4$.
 
 # %%
 trap = np.stack([np.random.Philox(key=SEED, counter=[i, 0, 0, 0]).random_raw(256) for i in range(32)])
@@ -351,13 +348,12 @@ for name, (same, total) in shift_agree.items():
 # %% [markdown]
 # ## The keep rate and its binomial interval
 #
-# If the entries are independent with keep probability $q = 1 - t/2^{16}$, the number kept
-# among $n$ is binomial, with mean $nq$ and standard deviation $\sqrt{n q (1-q)}$: the measured
-# rate lies within $q \pm 4\sqrt{q(1-q)/n}$ except with probability about $6 \cdot 10^{-5}$ (a
-# normal approximation, excellent at these $n$). For each $p$ below, $n = 2^{22}$ elements of
-# one mask of shape $(16, 512, 512)$; the counts are integers, the same on every machine. The
-# last column puts FlashAttention-2's byte threshold, keep probability
-# $(\lfloor 255(1-p) \rfloor + 1)/256$, in units of the same interval's half-width.
+# For independent entries with keep probability $q = 1 - t/2^{16}$, the number kept among $n$
+# is binomial with standard deviation $\sqrt{n q (1-q)}$: the measured rate lies within
+# $q \pm 4\sqrt{q(1-q)/n}$ except with probability about $6 \cdot 10^{-5}$ (normal
+# approximation, excellent here). Each $p$ below uses $n = 2^{22}$ elements of one
+# $(16, 512, 512)$ mask; the counts are integers, the same on every machine. The last column
+# places FlashAttention-2's byte-threshold keep probability in half-widths of the interval.
 
 # %%
 rate_rows = []
@@ -378,18 +374,17 @@ for p, kept_p, n, q_keep, sigma, z_score, fa2_keep, fa2_z in rate_rows:
 # %% [markdown]
 # ## The memory a stored mask would take
 #
-# A framework that draws the mask with a stateful generator must keep it for the backward: one
-# byte per element as a boolean array. For 32 layers of 32 heads at $N = 4096$, one sequence's
-# masks are $32 \cdot 32 \cdot 4096^2$ bytes = 16 GiB, four times the 4 GiB of the same layers'
-# $Q$, $K$, $V$ and $O$ in bfloat16 ($4 \cdot 32 \cdot 4096^2 \cdot 2$ bytes at
-# $d_{\text{model}} = 4096$). A counter-based kernel stores the seed and the offset: 16 bytes,
-# FlashAttention's `rng_state` (two int64, `flash_attn/flash_attn_interface.py`).
+# A stateful generator's mask must be kept for the backward, a byte per element: for 32 layers
+# of 32 heads at $N = 4096$, one sequence's masks are $32 \cdot 32 \cdot 4096^2$ bytes = 16 GiB,
+# four times the 4 GiB of the same layers' $Q$, $K$, $V$ and $O$ in bfloat16
+# ($4 \cdot 32 \cdot 4096^2 \cdot 2$ bytes at $d_{\text{model}} = 4096$). A counter-based kernel
+# stores 16 bytes, the seed and the offset: FlashAttention's `rng_state` (two int64,
+# `flash_attn/flash_attn_interface.py`).
 #
-# The cell measures with `measure_peak_bytes` on one worker (chapter 8's setting) the scratch of
-# `flash_attention` without and with dropout and of its backward with dropout against $N$
-# (float32, $d = 32$, 512 × 512 tiles), and the mask `dropout_keep` materialises. The kernels
-# draw two adjoining tiles' masks per call, so their scratch holds two tiles' Philox buffers,
-# whatever $N$. The output is this machine's; the next cell states what it shows.
+# The cell measures (on one worker, chapter 8's setting) the scratch of the forward without and
+# with dropout, of the backward with it (float32, $d = 32$, 512 × 512 tiles), and the mask
+# `dropout_keep` materialises. The kernels draw two adjoining tiles' masks per call, so
+# their scratch holds two tiles' Philox buffers whatever $N$.
 
 # %% tags=["nbval-ignore-output"]
 sizes = [512, 1024, 2048, 4096]
@@ -429,9 +424,9 @@ print("at N = 4096 the stored mask alone is larger than either kernel's whole sc
 # %% [markdown]
 # ## The gradient through dropout
 #
-# At a fixed seed, $Z$ is a constant and $O$ a smooth function of $Q$, $K$, $V$; the backward
-# must return the exact gradient of that function, with the same $Z$. Chapter 12's chain rule
-# with $\tilde P = P \circ Z/(1-p)$ in place of $P$ in $O = \tilde P V$:
+# At a fixed seed $Z$ is constant, and the backward must return the exact gradient of
+# $O(Q, K, V)$ with that $Z$. Chapter 12's chain rule, with
+# $\tilde P = P \circ Z/(1-p)$ for $P$ in $O = \tilde P V$:
 #
 # $$
 # dV = \tilde P^\top dO, \qquad d\tilde P = dO\, V^\top, \qquad
@@ -439,17 +434,17 @@ print("at N = 4096 the stored mask alone is larger than either kernel's whole sc
 # $$
 #
 # and $dQ = \tau\, dS\, K$, $dK = \tau\, dS^\top Q$ as before. The softmax's Jacobian sees the
-# undropped $P$, and its row term is still the one number chapter 12 computed from the output:
+# undropped $P$; its row term is still chapter 12's one number from the output:
 #
 # $$
 # D_i = \sum_j P_{ij}\, dP_{ij} = \sum_j P_{ij} \frac{Z_{ij}}{1-p}\, dO_i \cdot v_j
 #     = dO_i \cdot \sum_j \tilde P_{ij} v_j = dO_i \cdot O_i ,
 # $$
 #
-# with $O$ the dropped output. So the tile loop is chapter 12's with two multiplications by the
+# with $O$ the dropped output. The tile loop is chapter 12's with two multiplications by the
 # tile's $Z/(1-p)$, regenerated from the counter. The cell compares flash's and naive's backward
-# with these formulas, then central differences at the same seed with three backwards: the
-# right one, one with another seed's mask, and one that forgets $1/(1-p)$.
+# with these formulas, then central differences at the same seed check the right backward, one
+# using another seed's mask and one forgetting $1/(1-p)$.
 
 # %%
 dout = rng.standard_normal(q.shape)
@@ -498,18 +493,14 @@ for name, grads in (("the backward", flash_grads), ("mask from another seed", ot
 # %% [markdown]
 # ## What we showed
 #
-# - Dropout draws $Z$ from a counter: the number of element $(b, i, j)$ is 16 bits of seven
-#   Philox rounds of $(\lfloor j/8 \rfloor, i, b)$ under the seed, so the kernel's mask is
-#   `dropout_keep`'s whatever the tiles, threads or loop order; a generator per tile changes
-#   with the block sizes, one generator for the call with the visiting order, and one NumPy
-#   stream per row repeats the previous row shifted by four keys.
-# - The keep rate is within $4\sigma$ of $1 - t/2^{16}$ at $n = 2^{22}$ for every $p$ tried; a
-#   byte threshold such as FlashAttention-2's lies outside that interval at $p = 0.1$ and $0.9$.
-# - Nothing of size $N^2$ is stored: scratch with dropout is flat in $N$, where a stored mask
-#   takes $N^2$ bytes per head and layer.
-# - The backward is chapter 12's with $Z/(1-p)$ twice and $D = \operatorname{rowsum}(dO \circ O)$
-#   still; central differences at the fixed seed agree, and catch a backward with another seed
-#   and one without $1/(1-p)$.
+# - A counter (seven Philox rounds of $(\lfloor j/8 \rfloor, i, b)$ under the seed) makes the
+#   kernel's mask `dropout_keep`'s whatever the tiles, threads or loop order; a generator per
+#   tile, one per call, or a NumPy stream per row does not.
+# - The keep rate is within $4\sigma$ of $1 - t/2^{16}$ for every $p$ tried; FlashAttention-2's
+#   byte threshold is not, at $p = 0.1$ and $0.9$.
+# - Scratch with dropout is flat in $N$, below the $N^2$ bytes of a stored mask.
+# - The backward is chapter 12's with $Z/(1-p)$ twice; central differences at the fixed seed
+#   confirm it and catch another seed's mask and a missing $1/(1-p)$.
 
 # %%
 # ROUNDING = 1e-14 (45 eps): every rounding-level difference below was at most 2.3e-15 at every
@@ -550,10 +541,9 @@ assert fd_checks["mask from another seed"] > 1e-2 and fd_checks["no 1/(1 - p)"] 
 # ## Your turn: the keep mask from a counter
 #
 # Write `keep_mask(seed, p, shape, offset=(0, 0))`, the bool keep mask of
-# `shape = (..., rows, keys)`, equal to `dropout_keep(seed, p, shape, offset)` bit for bit: from
-# `philox4x32` above and the counter, word and half of the Philox section, without scrolling back
-# to `my_keep`. The grader tries one counter, odd and even keys, an offset (a shard of a larger
-# mask), batch and head axes, and a seed above $2^{32}$.
+# `shape = (..., rows, keys)`, equal to `dropout_keep(seed, p, shape, offset)` bit for bit, from
+# `philox4x32` and the Philox section's counter, word and half (not from `my_keep`). The grader
+# tries one counter, odd and even keys, an offset, batch and head axes, and a seed above $2^{32}$.
 #
 # Replace the stub with your function and re-run the grade cell: it says `not implemented yet`,
 # then what is wrong and where to look, until `passed`. The solution is hidden below it.
