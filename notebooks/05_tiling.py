@@ -210,7 +210,7 @@ for name in ("exp2", "exp"):
 # state stays in fast memory through its inner loop and is written once, and query blocks run in
 # parallel. The original FlashAttention (arXiv 2205.14135) swapped the loops, reading and writing
 # every query block's state once per key block. With sizes the blocks do not divide ($N_q = 10$,
-# $N_k = 13$, blocks 4 and 5), it must still cover every pair once.
+# $N_k = 13$, blocks 4 and 5), the schedule must still cover every pair once.
 
 # %%
 n_q, n_k, block_q, block_k = 10, 13, 4, 5
@@ -260,7 +260,7 @@ plt.show()
 # %% [markdown]
 # ## What one tile holds
 #
-# The numbers the kernel holds while it works on one tile, for one (batch, head):
+# What the kernel holds while working on one tile, for one (batch, head):
 #
 # | what | size |
 # |---|---|
@@ -308,7 +308,7 @@ print(f"from scratch, bytes beyond its output: the same at N = 512 and 2048 (wit
 # cover block size 1 (chapter 2's scalar recurrence), sizes that do not divide $N$, equal to $N$,
 # and larger than $N$ (one partial tile). The
 # {doc}`appendix on how this tutorial is tested <27_how_chapters_1_to_6_are_tested>` plots these
-# errors, and 121 block-size pairs' against their number of tiles.
+# errors, and those of 121 block-size pairs against their number of tiles.
 
 # %%
 rng = np.random.default_rng(5)
