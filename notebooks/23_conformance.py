@@ -46,7 +46,7 @@ rng = np.random.default_rng(15)
 # is still $-\infty$, float32 accumulation for float16, and $P V$ over the allowed pairs only
 # (`allowed_matmul`): a masked pair weighs 0, but $0 \cdot \text{NaN} = \text{NaN}$, and padding
 # or the slots past a causal diagonal may hold anything. Each `bug == ...` marks the one line a
-# classic bug changes; the project's tests break it bug by bug.
+# classic bug changes.
 
 # %%
 for name, what in BUGS.items():
@@ -76,7 +76,8 @@ for bug in [None, *BUGS]:
 # %% [markdown]
 # Nine of the eleven bugs pass. Only the two that corrupt the online recurrence (missing rescale,
 # stale max) show, and only because 16-key blocks make the running max rise often; with one key
-# block per row they would pass too. Random inputs hold no inf or NaN for the garbage bugs.
+# block per row they would pass too. The two garbage bugs cannot show: random inputs hold no inf
+# or NaN.
 #
 # ## The conformance check
 #
@@ -428,7 +429,7 @@ for name, report in real.items():
 # - **`is_causal=True`**: flagged on every case with $N_q \ne N_k$ (decoding, the wide and tall
 #   causal cases), right on the square one, where conventions agree.
 # - **PyTorch's CPU flash op with its lse**: its outputs pass. In
-#   float16 its lse can be about $5 \cdot 10^{-5}$ off (relative), far beyond float32 rounding,
+#   float16 its lse can be about $5 \cdot 10^{-5}$ off (relative), far beyond float32 rounding:
 #   harmless for a float16 backward, whose $P = e^{s - \text{lse}}$ is rounded to $10^{-3}$
 #   anyway. Which cases fail depends on the CPU's vector width
 #   ({doc}`the testing appendix <28_how_chapters_7_to_23_are_tested>` traces it to the vector
