@@ -184,20 +184,18 @@ for shape, documented in flash_attn_doc.items():
 # ## PyTorch
 #
 # **SDPA, empty rows.** Before 2.5.0, a fully masked row of `attn_mask` gave NaN (pytorch/pytorch
-# issues #103749 and #103963; #41508 for `nn.MultiheadAttention`); from then on, 0 (v2.5.0
-# release notes: "fully masked rows yield 0s"). The changes are PR #131060 (a private
-# `_safe_softmax`) and PR #133882 (a re-land of #131863, "Update fused kernels and call
-# _safe_softmax from SDPA"): the math path
-# calls `at::_safe_softmax`, which writes 0 into every row whose scores are all $-\infty$
-# (`aten/src/ATen/native/transformers/attention.cpp`). The public `torch.softmax` still returns
-# NaN for such a row.
+# issues #103749 and #103963; #41508 for `nn.MultiheadAttention`); from then on, 0 (v2.5.0 release
+# notes: "fully masked rows yield 0s"). The changes are PR #131060 (a private `_safe_softmax`) and
+# PR #133882 (a re-land of #131863, "Update fused kernels and call _safe_softmax from SDPA"): the
+# math path calls `at::_safe_softmax`, which writes 0 into every row whose scores are all $-\infty$
+# (`aten/src/ATen/native/transformers/attention.cpp`). The public `torch.softmax` still returns NaN
+# for such a row.
 #
 # The guarantee holds per backend and code path, not for every attention in PyTorch:
 #
-# - `nn.MultiheadAttention(..., need_weights=True)` uses a plain softmax and returns NaN for
-#   fully masked rows (issue #160064, 2025; #41508 is still open), on CUDA with dropout too
-#   (issue #152028, reproduced on an A100 with torch 2.11 and a 2.12
-#   nightly in May 2026);
+# - `nn.MultiheadAttention(..., need_weights=True)` uses a plain softmax and returns NaN for fully
+#   masked rows (issue #160064, 2025; #41508 is still open), on CUDA with dropout too
+#   (issue #152028, reproduced on an A100 with torch 2.11 and a 2.12 nightly in May 2026);
 # - all-NaN rows from SDPA with fully $-\infty$ rows of a float mask were reported against 2.8.0
 #   (issue #163997, a build without CUDA on macOS arm64);
 # - a cuDNN backward (the default SDPA backend on H100/H200 since 2.11) returned NaN in the
@@ -279,7 +277,7 @@ else:
 # and, in its backward, zeroes the weights where lse is $-\infty$
 # (`torch.where(masked_out_rows.unsqueeze(-1), 0, softmax_scores)`), the guard the $-\infty$
 # convention needs. Without `torch.compile`, `flex_attention` runs that reference (and warns that
-# it is slow, which the cell silences).
+# it is slow; the cell silences the warning).
 
 # %% tags=["nbval-ignore-output"]
 if torch is None:
