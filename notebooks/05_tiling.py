@@ -17,9 +17,8 @@
 #
 # Chapter 4 streamed one query over blocks of keys. FlashAttention streams a block of queries at
 # once, so the work becomes matrix products over tiles of the score matrix. This chapter writes
-# the tile update in matrix form, reads it in `flash_lib`, writes the whole forward from scratch,
-# draws the order of the tiles, counts what one tile holds, and checks block sizes against
-# `naive_attention`.
+# the tile update in matrix form, in `flash_lib` and from scratch, then checks tile order, memory
+# and block sizes.
 
 # %% [markdown]
 # ## From one query to a block of queries
@@ -27,15 +26,12 @@
 # Query rows never interact, so $b_q$ = `block_q` queries can run chapter 4's update side by side:
 # their states become vectors $m, l \in \mathbb R^{b_q}$ and a matrix
 # $\text{acc} \in \mathbb R^{b_q \times d_v}$, and matrix-vector products become matrix-matrix
-# products. The gain is re-use: $b_k$ = `block_k` keys and values, once in fast memory, serve
-# $b_q$ queries.
+# products: $b_k$ = `block_k` keys and values, once in fast memory, serve $b_q$ queries.
 #
-# On a GPU, main memory is the **HBM** (tens of GB, where inputs and output live); each streaming
-# multiprocessor (SM) has a small on-chip **SRAM**, a couple of hundred KB and an order of
-# magnitude faster, shared by the threads of a **thread block**. FlashAttention-2 gives each query
-# block to one thread block, which loads $Q_i$ into SRAM once and then each $K_j, V_j$ in turn
-# (chapter 9 counts the bytes). One tile, for query block $Q_i$ and key block $K_j$, $V_j$, with
-# every $\max$ and $\exp$ row by row:
+# On a GPU, main memory is the **HBM** (tens of GB, holding inputs and output); each streaming
+# multiprocessor (SM) has an on-chip **SRAM**, a couple of hundred KB and an order of magnitude
+# faster, shared by the threads of a **thread block**. One tile, for query block $Q_i$ and key
+# block $K_j$, $V_j$, every $\max$ and $\exp$ row by row:
 #
 # $$
 # \begin{aligned}
@@ -56,8 +52,8 @@
 #
 # ## The algorithm box
 #
-# FlashAttention-2's Algorithm 1 (arXiv 2307.08691) in this tutorial's symbols, with the HBM
-# traffic marked; $Q$ is cut into $T_q = \lceil N_q / b_q \rceil$ blocks, $K$ and $V$ into
+# FlashAttention-2's Algorithm 1 (arXiv 2307.08691) in our symbols, HBM traffic marked (chapter 9
+# counts the bytes); $Q$ is cut into $T_q = \lceil N_q / b_q \rceil$ blocks, $K$ and $V$ into
 # $T_k = \lceil N_k / b_k \rceil$.
 #
 # > **for** each query block $i = 1, \dots, T_q$ (one thread block each, in parallel):
@@ -73,8 +69,7 @@
 #
 # ## The recurrence in flash_lib
 #
-# The box's two inner lines are one function of `flash_lib`, `online_softmax_update`; its source,
-# read from the module:
+# The box's two inner lines are `flash_lib.online_softmax_update`:
 
 # %%
 import inspect
@@ -86,54 +81,51 @@ import flash_lib
 print(inspect.getsource(flash_lib.online_softmax_update))
 
 # %% [markdown]
-# Line by line, for a tile's scores `s` ($S$, shape `(rows, keys)`, $-\infty$ at pairs that are
-# not allowed):
+# Line by line, for a tile's scores `s` ($S$, shape `(rows, keys)`, $-\infty$ at disallowed
+# pairs):
 #
-# - `m_new` is $m' = \max(m, \operatorname{rowmax} S)$; `m_ref` is $m'$, except 0 in a row that
-#   has seen no allowed key yet, where $s_j - m'$ would be $-\infty - (-\infty)$ = NaN
-#   (chapter 6).
-# - `alpha` is $\alpha = e^{m - m'}$: 1 where the max did not rise, 0 at a row's first tile.
-# - `p` is $P = e^{S - m'}$, computed in the scores' own buffer (`out=s`).
-# - `l *= alpha; l += p.sum(axis=-1)` is $l' = \alpha \odot l + P\mathbf 1$, in place.
-# - `acc *= alpha[..., None]; acc += matmul(p, v)` is
-#   $\text{acc}' = \operatorname{diag}(\alpha)\,\text{acc} + P V_j$, the second matrix product
-#   (the kernel may pass a `matmul` that writes into a reused buffer, or keeps a masked key's inf
-#   or NaN out: chapter 6).
+# - `m_new` is $m'$; `m_ref` is $m'$, or 0 in a row with no allowed key yet, where $s_j - m'$
+#   would be $-\infty - (-\infty)$ = NaN (chapter 6).
+# - `alpha` is $\alpha$: 1 where the max did not rise, 0 at a row's first tile.
+# - `p` is $P$, computed in the scores' own buffer (`out=s`).
+# - `l *= alpha; l += p.sum(axis=-1)` is $l'$, in place.
+# - `acc *= alpha[..., None]; acc += matmul(p, v)` is $\text{acc}'$, the second matrix product
+#   (the kernel may pass a `matmul` that reuses a buffer or keeps a masked key's inf or NaN out:
+#   chapter 6).
 # - `m[...] = m_new` carries $m \leftarrow m'$ to the next tile; `exp` is `np.exp`, or `np.exp2`
 #   in base 2 (below).
 #
 # ## The tile loop in flash_lib
 #
-# `flash_attention` checks its arguments into one `problem`, then runs `attention_forward_block`
-# on worker threads, one query block each: the box's outer loop body.
+# `flash_attention` checks its arguments into one `problem`, then runs `attention_forward_block`,
+# the box's outer loop body, on worker threads, one query block each.
 
 # %%
 print(inspect.getsource(flash_lib.attention_forward_block))
 
 # %% [markdown]
-# Against the box, line for line:
+# Against the box:
 #
 # - `q_i = problem.q_tile(...)`: **load** $Q_i$, already multiplied by its share of $\tau$
 #   (flash_lib's own choice, appendix 26); `initial_state` and `np.zeros`: $m = -\infty$, $l = 0$,
 #   $\text{acc} = 0$ (a sink starts at $m$ = sink, $l = 1$: chapter 18).
 # - `for tile in problem.row(...)`: **for** each key block the band can reach (causal and sliding
-#   window skip the others: chapters 6 and 14); `tile` also knows which pairs are allowed, the
-#   dropout mask and the product that keeps a masked key's inf or NaN out.
-# - `cancelled` stops a call interrupted with Ctrl-C; `tile.allowed is False` skips a tile where a
+#   window skip the others: chapters 6 and 14); `tile` also carries the allowed pairs, the dropout
+#   mask and the masked-key-safe product.
+# - `cancelled` handles Ctrl-C; `tile.allowed is False` skips a tile where a
 #   `mask_mod` allows no pair (chapter 15).
-# - `tile.scores`: **load** $K_j$, $S = \tau Q_i K_j^\top$ into a reused buffer, plus the score
+# - `tile.scores`: **load** $K_j$, $S$ into a reused buffer, plus the score
 #   variants (chapter 14); `tile.mask(s)`: $-\infty$ at disallowed pairs (chapter 6).
 # - `online_softmax_update(...)`: the box's inner lines, with $V_j$ = `tile.v`.
-# - `_finalize`: $O_i = \operatorname{diag}(l)^{-1}\text{acc}$, $\text{lse}_i = m + \log l$ (and
-#   chapter 6's empty rows); **store**. Dropout's $1/(1 - p)$: chapter 17.
+# - `_finalize`: $O_i$ and $\text{lse}_i$ (and chapter 6's empty rows); **store**. Dropout's
+#   $1/(1 - p)$: chapter 17.
 #
 # ## The forward from scratch
 #
-# The box written out in full, your reference: plain NumPy, nothing from `flash_lib`, one head, no
-# mask (chapter 6 adds masks; chapter 23 prints such a kernel, `flash_check.bugs.tiled_attention`).
-# Written independently, it agrees with `flash_attention` and `naive_attention` to rounding, output
-# and lse within $10^{-13}$ (about 450 float64 epsilons; a kernel off by $10^{-6}$ misses it by
-# seven orders of magnitude).
+# The box in plain NumPy, nothing from `flash_lib`, one head, no mask (chapter 6 adds masks;
+# chapter 23 prints such a kernel, `flash_check.bugs.tiled_attention`). It agrees with
+# `flash_attention` and `naive_attention`, output and lse within $10^{-13}$ (about 450 float64
+# epsilons; a kernel off by $10^{-6}$ misses it by seven orders of magnitude).
 
 # %%
 def attention_from_scratch(q, k, v, block_q=16, block_k=16, exp=np.exp):
@@ -185,20 +177,18 @@ for name, (e_out, e_lse) in scratch_errors.items():
 # $$e^{s - m} = 2^{Ls - Lm},$$
 #
 # so a kernel may keep its scores, running maximum and lse in base-2 units ($Ls$, $Lm$) and call
-# $2^x$. The three lines marked by `exp` and `unit` above change: the scale becomes $\tau L$,
-# `np.exp` becomes `np.exp2`, and the lse comes back in nats with one multiply per row,
-# $\text{lse} = (Lm + \log_2 l) \ln 2$. $l$ and $\text{acc}$ are the same numbers in either
-# base. Why: a GPU's special function unit computes $2^x$ (`ex2.approx`), so FlashAttention works
-# in base 2, folding $L$ into the scale it multiplies by anyway
-# ({doc}`chapter 16 <16_on_a_gpu>`). flash_lib, where NumPy's `exp2` is the faster, keeps its
-# scores, $m$ and lse in nats and computes each $e^x$ as $2^{Lx}$ with $x = s - m$
-# (`flash_lib.exp_as_exp2`): one multiply per exponent more, but its rounding is then relative to
-# $s - m$, not to the score, which keeps flash_lib within FlashAttention's own 2× rule where
-# scaling the scores did not (`tests/test_fa_rule.py`). `flash_lib.use_exponential("exp" or
-# "exp2")` forces one (which it picks on a CPU, and why, is in the
+# $2^x$. The lines marked by `exp` and `unit` above change: the scale becomes $\tau L$, `np.exp`
+# becomes `np.exp2`, and the lse returns to nats with one multiply per row,
+# $\text{lse} = (Lm + \log_2 l) \ln 2$; $l$ and $\text{acc}$ are unchanged. A GPU's special
+# function unit computes $2^x$ (`ex2.approx`), so FlashAttention works in base 2, folding $L$ into
+# the scale it multiplies by anyway ({doc}`chapter 16 <16_on_a_gpu>`). flash_lib, where NumPy's
+# `exp2` is the faster, keeps scores, $m$ and lse in nats and computes each $e^x$ as $2^{Lx}$ with
+# $x = s - m$ (`flash_lib.exp_as_exp2`): one multiply more per exponent, but rounding relative to
+# $s - m$, not to the score, keeps flash_lib within FlashAttention's own 2× rule where scaling the
+# scores did not (`tests/test_fa_rule.py`). `flash_lib.use_exponential("exp" or "exp2")` forces
+# one (which it picks on a CPU, and why: the
 # {doc}`appendix on how this tutorial is tested <27_how_chapters_1_to_6_are_tested>`).
-# {doc}`Chapter 7 <07_exactness>` measures what base 2's extra roundings cost. The cell runs the
-# from-scratch forward in base 2 against `flash_attention` in each base.
+# {doc}`Chapter 7 <07_exactness>` measures what base 2's extra roundings cost.
 
 # %%
 mine2, mine2_lse = attention_from_scratch(q, k, v, block_q=32, block_k=48, exp=np.exp2)
@@ -218,10 +208,9 @@ for name in ("exp2", "exp"):
 # `(q_start, q_stop, k_start, k_stop)` in the order `flash_attention` visits them. Query blocks
 # are the outer loop, FlashAttention-2's order (arXiv 2307.08691, Section 3.2): a query block's
 # state stays in fast memory through its inner loop and is written once, and query blocks run in
-# parallel. The original FlashAttention (arXiv 2205.14135) had the loops the other way round,
-# reading and writing every query block's state once per key block. With sizes the blocks do not
-# divide ($N_q = 10$, $N_k = 13$, blocks 4 and 5), the cell prints the schedule, checks that it
-# covers every pair once, and draws it in visiting order.
+# parallel. The original FlashAttention (arXiv 2205.14135) swapped the loops, reading and writing
+# every query block's state once per key block. With sizes the blocks do not divide ($N_q = 10$,
+# $N_k = 13$, blocks 4 and 5), the schedule must still cover every pair once.
 
 # %%
 n_q, n_k, block_q, block_k = 10, 13, 4, 5
@@ -271,8 +260,7 @@ plt.show()
 # %% [markdown]
 # ## What one tile holds
 #
-# Count the numbers the kernel needs at any moment while it works on one tile, for one
-# (batch, head):
+# What the kernel holds while working on one tile, for one (batch, head):
 #
 # | what | size |
 # |---|---|
@@ -287,11 +275,11 @@ plt.show()
 # at a time, where `naive_attention` holds all $N_q N_k$ scores. The table uses
 # $b_q = b_k = 128$, $d = d_v = 64$, common FlashAttention-2 sizes.
 #
-# In NumPy the key and value blocks are views (free) while $S$, $S - m'$ and $P$ briefly coexist,
-# so the from-scratch forward's working set differs a little from the count but is just as
-# independent of $N$. The cell measures it with `flash_lib.measure_peak_bytes` (Python's
-# `tracemalloc`, which sees NumPy's buffers): the peak beyond the output it returns, at two
-# lengths. {doc}`Chapter 8 <08_memory>` measures `flash_attention`'s.
+# In NumPy the key and value blocks are free views while $S$, $S - m'$ and $P$ briefly coexist, so
+# the from-scratch forward's peak beyond its output, measured at two lengths by
+# `flash_lib.measure_peak_bytes` (Python's `tracemalloc`, which sees NumPy's buffers), differs a
+# little from the count but is as independent of $N$. {doc}`Chapter 8 <08_memory>` measures
+# `flash_attention`'s.
 
 # %%
 b_q, b_k, d, d_v = 128, 128, 64, 64
@@ -318,9 +306,9 @@ print(f"from scratch, bytes beyond its output: the same at N = 512 and 2048 (wit
 # The tile update is exact algebra, so any `block_q` and `block_k` must give `naive_attention`'s
 # output and lse up to rounding. With $N_q = 37$, $N_k = 53$ (primes) and two heads, the sizes
 # cover block size 1 (chapter 2's scalar recurrence), sizes that do not divide $N$, equal to $N$,
-# and larger than $N$ (one partial tile). The errors measured, and those of 121 block-size pairs
-# against their number of tiles, are drawn in the
-# {doc}`appendix on how this tutorial is tested <27_how_chapters_1_to_6_are_tested>`.
+# and larger than $N$ (one partial tile). The
+# {doc}`appendix on how this tutorial is tested <27_how_chapters_1_to_6_are_tested>` plots these
+# errors, and those of 121 block-size pairs against their number of tiles.
 
 # %%
 rng = np.random.default_rng(5)
@@ -347,14 +335,12 @@ for bq, bk in cases:
 # %% [markdown]
 # ## What we showed
 #
-# - One tile's update is a handful of matrix operations on $S = \tau Q_i K_j^\top$
-#   (`flash_lib.online_softmax_update`); the forward from scratch, twenty lines, matches
-#   `flash_attention` and `naive_attention` to $10^{-13}$ in base $e$ and base 2.
+# - One tile's update is a few matrix operations (`flash_lib.online_softmax_update`); twenty lines
+#   from scratch match `flash_attention` and `naive_attention` to $10^{-13}$ in base $e$ and 2, and
+#   `flash_attention` matches `naive_attention` at every block size tried.
 # - `tile_schedule` visits $\lceil N_q/b_q \rceil \lceil N_k/b_k \rceil$ tiles, query blocks
 #   outer, covering every pair once.
-# - One tile holds $b_q(d + b_k + d_v + 3) + b_k(d + d_v)$ numbers; the from-scratch forward's
-#   measured working set is the same at every $N$ tried.
-# - Every block size tried agrees with `naive_attention` to $10^{-13}$.
+# - What one tile holds, counted and measured, does not grow with $N$.
 
 # %%
 for e_out, e_lse in (*scratch_errors.values(), *base2_errors.values()):  # BOUND: see below
@@ -378,11 +364,11 @@ for bq, bk, n_tiles, err_out, err_lse in case_results:  # BOUND: see its definit
 # scores `s (rows, cols)` (`-inf` where masked) and its values `v (cols, dv)` into the rows'
 # running state, `m`, `l` of shape `(rows,)` and `acc (rows, dv)`, and return the new state. A
 # row whose scores are all `-inf` so far stays `m = -inf`, `l = 0`, `acc = 0`, with no NaN. The
-# grader starts from that empty state and folds tiles through your function: a 1 × 1 tile, a
-# rising max, a masked first tile, a row masked throughout.
+# grader folds tiles from that empty state: a 1 × 1 tile, a rising max, a masked first tile, a
+# row masked throughout.
 #
-# Replace the stub with your function and re-run the grade cell: it says `not implemented yet`,
-# then what is wrong and where to look, until `passed`. The solution is hidden below it.
+# Replace the stub and re-run the grade cell: it says `not implemented yet`, then what is wrong
+# and where to look, until `passed`. The solution is hidden below it.
 
 # %%
 from flash_check.exercises import grade, show_solution, stub

@@ -15,15 +15,13 @@
 # %% [markdown]
 # # 23. Conformance: checking someone else's kernel
 #
-# You have written an attention kernel, in CUDA, Triton, C++ or JAX, and it agrees with a
-# reference to `allclose(atol=1e-2)` on random inputs. Is it right? Not necessarily: the classic
-# attention bugs are invisible on random inputs. A missing online-softmax rescale shows only when
-# a row's maximum rises in a later key block; the NaN of a fully masked row only when a row is
-# fully masked; the wrong causal diagonal only when $N_q \ne N_k$. This project began as the fix
-# of exactly such a kernel (a broken rescale, NaN on fully masked rows, $O(N^2)$ memory). In this
-# chapter: what random inputs and `allclose` miss; `flash_check.check_kernel`, cases built to
-# expose each bug, in float64, float32 and float16, with a bound measured here; a gallery of
-# broken kernels, each caught and diagnosed; and PyTorch's and JAX's kernels run through it.
+# Your attention kernel, in CUDA, Triton, C++ or JAX, agrees with a reference to
+# `allclose(atol=1e-2)` on random inputs. Is it right? Not necessarily: classic attention bugs hide
+# from random inputs. A missing online-softmax rescale shows only when a row's maximum rises in a
+# later key block; the NaN of a fully masked row only when a row is fully masked; the wrong causal
+# diagonal only when $N_q \ne N_k$. This project began as the fix of such a kernel (a broken
+# rescale, NaN on fully masked rows, $O(N^2)$ memory). `flash_check.check_kernel` runs cases that
+# expose each bug, in three dtypes, under a bound measured here.
 
 # %%
 import functools
@@ -43,12 +41,12 @@ rng = np.random.default_rng(15)
 # %% [markdown]
 # ## A kernel to break
 #
-# FlashAttention's forward (chapters 4 to 6) in twenty lines: key blocks of 16, `m`, `l` and the
-# accumulator `o`, the guard for rows whose running max is still $-\infty$, float32 accumulation
-# for float16, and $P V$ over the allowed pairs only (`allowed_matmul`, printed after it): a
-# masked pair weighs 0, but $0 \cdot \text{NaN} = \text{NaN}$, and padding or the slots past a
-# causal diagonal may hold anything. Each `bug == ...` marks the one line a classic bug changes.
-# It is `flash_check.bugs.tiled_attention`, which the project's tests break bug by bug.
+# `flash_check.bugs.tiled_attention` is FlashAttention's forward (chapters 4 to 6) in twenty
+# lines: key blocks of 16, `m`, `l` and the accumulator `o`, the guard for rows whose running max
+# is still $-\infty$, float32 accumulation for float16, and $P V$ over the allowed pairs only
+# (`allowed_matmul`): a masked pair weighs 0, but $0 \cdot \text{NaN} = \text{NaN}$, and padding
+# or the slots past a causal diagonal may hold anything. Each `bug == ...` marks the one line a
+# classic bug changes.
 
 # %%
 for name, what in BUGS.items():
@@ -61,9 +59,8 @@ print(inspect.getsource(allowed_matmul))
 # %% [markdown]
 # ## What random inputs and `allclose` see
 #
-# The usual test: random normal $q, k, v$, $N_q = N_k = 128$ (a multiple of every block size),
-# float32, each output compared with `naive_attention` by `np.allclose(atol=1e-2)`. The cell runs
-# it on the clean kernel and on every bug.
+# The usual test, on the clean kernel and every bug: random normal $q, k, v$, $N_q = N_k = 128$ (a
+# multiple of every block size), float32, `np.allclose(atol=1e-2)` to `naive_attention`.
 
 # %%
 q, k, v = (rng.standard_normal((128, 16)).astype(np.float32) for _ in range(3))
@@ -77,19 +74,18 @@ for bug in [None, *BUGS]:
           f"{'passes' if allclose_passes[bug] else 'fails'}")
 
 # %% [markdown]
-# Nine of the eleven bugs pass. Only the two that corrupt the online recurrence itself (the
-# missing rescale and the stale max) show, and only because 16-key blocks make the running max
-# rise often; with one key block per row they would pass too. The two garbage bugs cannot show
-# here at all: random inputs hold no inf or NaN.
+# Nine of the eleven bugs pass. Only the two that corrupt the online recurrence (missing rescale,
+# stale max) show, and only because 16-key blocks make the running max rise often; with one key
+# block per row they would pass too. The two garbage bugs cannot show: random inputs hold no inf
+# or NaN.
 #
 # ## The conformance check
 #
 # `flash_check.check_kernel(fn, features=..., dtypes=..., lse_empty=...)` calls
 # `fn(q, k, v, mask=..., causal=..., scale=...)` (only the keywords a case uses) and returns a
-# `Report`. `features` says what the kernel supports ("mask", "causal", "lse", "dv" for
+# `Report`. `features` lists what the kernel supports ("mask", "causal", "lse", "dv" for
 # $d_v \ne d$, "memory", and the variants of chapters 14, 15, 17 and 18,
-# `flash_check.VARIANTS`); a case that needs another feature is listed as skipped. Each case
-# says why it is there:
+# `flash_check.VARIANTS`); a case needing another is skipped. Each case says why it is there:
 
 # %%
 for case in flash_check.CASES.values():
@@ -98,22 +94,22 @@ for case in flash_check.CASES.values():
 
 # %% [markdown]
 # Every accuracy case is measured against `flash_lib.precise_attention` (extended precision) on
-# the very inputs the kernel received, with chapter 7's `rowwise_relative_error`. The bound is
-# chapter 7's rule, FlashAttention's own, with a floor:
+# the kernel's own inputs, with chapter 7's `rowwise_relative_error`. The bound is chapter 7's
+# rule, FlashAttention's own, with a floor:
 #
 # $$
 # \text{err}(\text{kernel}) \le \text{FACTOR} \cdot \text{err}(\text{naive\_attention in the same dtype}) + \text{floor}_{\text{dtype}},
 # $$
 #
-# so a kernel may be as inexact as the textbook computation in its dtype, twice over, and no
-# more; the lse likewise, with the error $|\text{lse} - t| / (1 + |t|)$. A fully masked row must
+# so a kernel may be twice as inexact as the textbook computation in its dtype, and no more; the
+# lse likewise, with the error $|\text{lse} - t| / (1 + |t|)$. A fully masked row must
 # give exactly 0 and the lse `lse_empty`; a NaN row of `q` must stay NaN and in its row.
 #
-# flash_lib passes, with its default 512 × 512 tiles (memory and the variants included) and with
+# flash_lib passes with its default 512 × 512 tiles (memory and the variants included) and with
 # 16 × 16 tiles (which exercise the recurrence on these small cases), and so does the clean kernel
-# above (its missing variants skipped). The serving cases (chapter 21) are skipped for all three:
-# they need a kernel that takes packed batches or a KV cache. (The memory case, $N = 4096$, would
-# take the kernel above half a minute in its Python loops, so it runs where memory is in question.)
+# (its missing variants skipped). All three skip the serving cases (chapter 21), which need a
+# kernel that takes packed batches or a KV cache. (The memory case, $N = 4096$, would take the
+# tiled kernel half a minute in Python loops, so it runs only where memory is in question.)
 
 # %%
 flash_kernel = functools.partial(flash_lib.flash_attention, return_lse=True)
@@ -132,9 +128,8 @@ for name, report in clean_reports.items():
           f"{len(report.skipped)} skipped")
 
 # %% [markdown]
-# The report prints as a table; here are its first lines for flash_lib, whose errors sit well
-# inside the bounds (the numbers depend on the machine's BLAS, so the cell's output is not
-# compared by the notebook's test):
+# The report's first lines for flash_lib, errors well inside the bounds (the digits depend on the
+# machine's BLAS, so are not compared by the notebook's test):
 
 # %% tags=["nbval-ignore-output"]
 print("\n".join(str(clean_reports["flash_lib, 16 x 16 tiles"]).splitlines()[:12]))
@@ -142,13 +137,13 @@ print("\n".join(str(clean_reports["flash_lib, 16 x 16 tiles"]).splitlines()[:12]
 # %% [markdown]
 # ### Where FACTOR and the floor come from
 #
-# The factor 2 is FlashAttention's. Whether it suffices here is a measurement: for the clean
-# kernels we have (flash_lib at three tile shapes and the tiled kernel), the ratio of each one's
-# error to naive's where naive's is above a few eps, and the floor each case would need,
-# $\max(\text{err} - 2 \cdot \text{err}_\text{naive})$, in the dtype's eps. The tile shape
-# $7 \times 1$ (one key per block: a thousand rescales in a row) is the worst rounding a correct
-# kernel can produce. Both numbers are the CPU's rounding, so the cell prints whether every case
-# run met the bound, and the plot shows the measurements.
+# The factor 2 is FlashAttention's; whether it suffices is measured on the clean kernels
+# (flash_lib at three tile shapes, and the tiled kernel): each one's error over naive's where
+# naive's is above a few eps, and the floor each case would need,
+# $\max(\text{err} - 2 \cdot \text{err}_\text{naive})$, in the dtype's eps. Tiles of
+# $7 \times 1$ (one key per block: a thousand rescales in a row) give the worst rounding a correct
+# kernel can produce. Both numbers are the CPU's rounding, so the cell prints only whether every
+# case run met the bound.
 
 # %%
 measured_kernels = {
@@ -183,9 +178,9 @@ for dtype, (runs, within, ratio, floor) in flash_stats.items():
           f"{flash_check.FACTOR:g} x naive's + {floor_eps:.0f} eps: {within}")
 
 # %% [markdown]
-# Every case run met the bound. The plot shows each kernel's error against naive's, the bound as
-# a line, and in each title the largest ratio and the floor needed on the machine that built
-# this page. Neither the factor nor the floor is the bound alone: with OpenBLAS's older
+# Every case run met the bound. The plot draws each kernel's error against naive's, and the
+# bound; each title, the largest ratio and floor needed on the machine that built this page.
+# Neither factor nor floor is the bound alone: with OpenBLAS's older
 # Sandybridge kernel the ratio reached 2.0 (float64) and 2.3 (float32), and the floor of 8 eps
 # carried the difference; in float16 the error is nearly everywhere the final rounding, the same
 # for naive, so a floor of one eps suffices.
@@ -228,11 +223,10 @@ plt.show()
 # %% [markdown]
 # ## The gallery: each classic bug, and what catches it
 #
-# Every bug from the list above runs through the full check, every case in every dtype ("memory"
-# for the $O(N^2)$ kernel). For each, the cell prints how many case runs fail, and the diagnosis
-# the report gives for the case that exposes that bug most directly. (The rescale probe's
-# diagnosis quotes a rounding error whose last digits are the CPU's, so it is printed as what
-# the probe established.)
+# Every bug runs through every case in every dtype ("memory" for the $O(N^2)$ kernel); the cell
+# prints how many case runs fail, and the diagnosis of the case that exposes the bug most directly
+# (the rescale probe's quotes a rounding error in the CPU's last digits, so it is printed as what
+# the probe established).
 
 # %%
 def shown(diagnosis):
@@ -273,8 +267,8 @@ for bug, (case, words) in signature.items():
 # (attention over the first $n$ keys for common block sizes, a top-left causal mask, the default
 # scale, the mean of all values for an empty row), and where that is not enough it probes the
 # kernel. The rescale probe: attention does not depend on the keys' order, so it calls the kernel
-# on one row twice, the largest score first and then last. A kernel that forgets the rescale is
-# right the first time and wrong the second, whatever its block size. On plain random inputs:
+# on one row with the largest score first, then last. A kernel that forgets the rescale is right
+# the first time and wrong the second, whatever its block size. On plain random inputs:
 
 # %%
 rescale_report = flash_check.check_kernel(functools.partial(tiled_attention,
@@ -284,8 +278,8 @@ print(shown(rescale_report.failures[0].diagnosis))
 
 # %% [markdown]
 # Two bugs break more than their signature case. Without the guard, a row whose *first* key
-# block is fully masked (left padding) gets NaN too, although it has allowed keys; and float16
-# accumulation fails only in float16, where float32 passed, which the report says:
+# block is fully masked (left padding) gets NaN too, although it has allowed keys; float16
+# accumulation fails only in float16, as the report says:
 
 # %%
 left_padded = next(f for f in gallery["nan_empty_rows"].failures if f.case == "key_padding")
@@ -297,10 +291,10 @@ print(next(f.diagnosis for f in half.failures if f.case == "random_mask"))
 # %% [markdown]
 # Garbage has a backward too. Given the kernel's backward (`backward=`), the three non-finite
 # cases hand it the exact `out` and `lse`, leave the rows that attend garbage out of the loss
-# (their `dout` is 0), and hold `dq`, `dk`, `dv` finite and within the bound wherever exact
-# arithmetic keeps the garbage out. A backward that computes $dS = P \circ (dP - D)$ at every
-# pair of a tile, masked or not, gets $0 \cdot \text{NaN}$ where $dP = dO\,V^\top$ reads a
-# garbage value (flash_triton's backward did, until issue 33):
+# (`dout` 0), and hold `dq`, `dk`, `dv` finite and within the bound wherever exact arithmetic
+# excludes the garbage. A backward that computes $dS = P \circ (dP - D)$ at every pair of a
+# tile, masked or not, gets $0 \cdot \text{NaN}$ where $dP = dO\,V^\top$ reads garbage
+# (flash_triton's backward did, until issue 33):
 
 # %%
 backward_report = flash_check.check_kernel(
@@ -313,15 +307,14 @@ print(f"{leak.case} [{leak.dtype}] {leak.check}: {leak.measured}\n  {leak.diagno
 # ## Dropout masks
 #
 # A kernel's dropout mask is read off its output ($q = 0$ makes the weights uniform, $v$ = the
-# identity makes `out[i, j]` $= P_{ij} Z_{ij} / (1 - p)$). A generator of the kernel's own is
-# held to what dropout must be: the keep rate, and rows and keys independent at every lag from
-# 1 to 128 (a mask drawn at tile-local positions repeats with its tile), batch elements and
-# seeds, each within a Bernstein bound that a correct generator fails with probability below
-# $10^{-6}$ over all of them together (`flash_check.training._half_width` derives it). A kernel
-# that claims flash_lib's generator (`dropout_generator="flash_lib"`) is held to
-# `flash_lib.dropout_keep` at every pair. Here is an exact $(P \circ Z / (1 - p)) V$ whose mask is
-# flash_lib's at the key position `j mod 32`, the position inside a tile of 32 keys; its keep
-# rate is right, and neighbouring keys look independent:
+# identity makes `out[i, j]` $= P_{ij} Z_{ij} / (1 - p)$). A kernel's own generator must get the
+# keep rate right and keep rows and keys independent at every lag from 1 to 128 (a mask drawn at
+# tile-local positions repeats with its tile), and batch elements and seeds too, within Bernstein
+# bounds that a correct generator fails, all together, with probability below $10^{-6}$
+# (`flash_check.training._half_width` derives them). A kernel claiming flash_lib's
+# generator (`dropout_generator="flash_lib"`) must match `flash_lib.dropout_keep` at every pair.
+# Below, an exact $(P \circ Z / (1 - p)) V$ whose mask is flash_lib's at key position `j mod 32`,
+# inside a tile of 32 keys: its keep rate is right, and neighbouring keys look independent:
 
 # %%
 def tile_local_keys(q, k, v, *, dropout_p, dropout_seed, scale=None):
@@ -344,22 +337,21 @@ for claim in (None, "flash_lib"):
 # %% [markdown]
 # ## Real kernels that no one here wrote
 #
-# A kernel on a GPU, or in another framework, is checked through a thin wrapper that moves the
-# arrays. `flash_check.torch_sdpa(backend)` is one for PyTorch's
-# `scaled_dot_product_attention`: it forces the backend with `sdpa_kernel` (so the call fails
-# rather than silently falling back to another), and for `causal=True` passes PyTorch's own
-# bottom-right bias `torch.nn.attention.bias.causal_lower_right`, since `is_causal=True` is
-# top-left ({doc}`chapter 25 <25_other_libraries>` cites each library's conventions). Pass
+# A kernel on a GPU or in another framework is checked through a thin wrapper that moves arrays.
+# `flash_check.torch_sdpa(backend)` wraps PyTorch's `scaled_dot_product_attention`: it forces the
+# backend with `sdpa_kernel` (so the call fails rather than silently falling back), and for
+# `causal=True` passes PyTorch's own bottom-right bias
+# `torch.nn.attention.bias.causal_lower_right`, since `is_causal=True` is top-left
+# ({doc}`chapter 25 <25_other_libraries>` cites each library's conventions). Pass
 # `device="cuda"` to check the GPU backends.
 
 # %%
 print(inspect.getsource(flash_check.torch_sdpa))
 
 # %% [markdown]
-# PyTorch runs here (`make` installs it), and so does JAX when it is installed (the optional
-# `jax` extra, which `.ci/run` adds after the README's commands); the cell that prints their
-# results is not compared by the notebook's test, and the claims about them are asserted only
-# where they ran.
+# PyTorch runs here (`make` installs it), and JAX when installed (the optional `jax` extra, which
+# `.ci/run` adds); the notebook's test does not compare their printed results, and claims about
+# them are asserted only where they ran.
 
 # %%
 try:
@@ -376,8 +368,7 @@ except ImportError:
 # backend with `is_causal=True` passed straight through; PyTorch's private CPU flash op, which
 # also returns the lse (0.0 for an empty row, so `lse_empty=0.0`); JAX's `dot_product_attention`
 # with a bottom-right mask and with its own `is_causal=True`. The flash backend and JAX need
-# $d_v = d$ (no "dv"). XLA compiles JAX's kernel per shape and dtype, so JAX runs two cases in two
-# dtypes, and `is_causal=True` the one case that shows its alignment.
+# $d_v = d$.
 
 # %%
 # XLA compiles per shape and dtype: JAX runs these cases, and its is_causal=True only causal_wide.
@@ -404,7 +395,7 @@ if jax is not None:
 
 # %% [markdown]
 # The table: for each kernel and dtype, the cases that fail ("pass" if none; JAX ran the three
-# cases above only, "not run" elsewhere). The README carries the same table, and `tests/test_check.py` checks that it
+# cases above only, "not run" elsewhere). `tests/test_check.py` checks that the README's copy
 # still matches.
 
 # %% tags=["nbval-ignore-output"]
@@ -426,21 +417,21 @@ for name, report in real.items():
             print(f"  {f.case} [{f.dtype}] {f.check}: {f.measured}\n    {f.diagnosis}")
 
 # %% [markdown]
-# What the table says, where each library ran:
+# Where each library ran:
 #
-# - **PyTorch SDPA, math and flash backends, bottom-right**: every case passes, in every dtype,
+# - **PyTorch SDPA, math and flash backends, bottom-right**: every case passes in every dtype
 #   except the three non-finite ones: NaN and infinities in $v$ at keys a row may not attend
-#   (padded, past its causal diagonal, or masked for it alone) reach the row (both backends mask
-#   the weights, and $0 \cdot \text{NaN} = \text{NaN}$ in $P V$), the fully masked row among
-#   them; so does NaN in $k$ behind a boolean mask, which PyTorch adds to the scores as
-#   $-\infty$ ($\text{NaN} + (-\infty) = \text{NaN}$). A key-value cache whose unused slots
-#   hold garbage must be zeroed before calling it.
+#   (padded, past its causal diagonal, or masked for it alone) reach the row, the fully masked
+#   row among them (both backends mask the weights, and $0 \cdot \text{NaN} = \text{NaN}$ in
+#   $P V$); so does NaN in $k$ behind a boolean mask, which PyTorch adds to the scores as
+#   $-\infty$ ($\text{NaN} + (-\infty) = \text{NaN}$). A key-value cache's unused slots must be
+#   zeroed before calling it.
 # - **`is_causal=True`**: flagged on every case with $N_q \ne N_k$ (decoding, the wide and tall
-#   causal cases), right on the square one, where the conventions agree.
-# - **PyTorch's CPU flash op with its lse** (0.0 for an empty row): its outputs pass. In
-#   float16 its lse can be up to about $5 \cdot 10^{-5}$ off (relative), far beyond float32
-#   rounding: harmless for a float16 backward, whose $P = e^{s - \text{lse}}$ is rounded to
-#   $10^{-3}$ anyway. Which cases fail depends on the CPU's vector width
+#   causal cases), right on the square one, where conventions agree.
+# - **PyTorch's CPU flash op with its lse**: its outputs pass. In
+#   float16 its lse can be about $5 \cdot 10^{-5}$ off (relative), far beyond float32 rounding:
+#   harmless for a float16 backward, whose $P = e^{s - \text{lse}}$ is rounded to $10^{-3}$
+#   anyway. Which cases fail depends on the CPU's vector width
 #   ({doc}`the testing appendix <28_how_chapters_7_to_23_are_tested>` traces it to the vector
 #   loop's lanes).
 # - **JAX**: a fully masked row gets uniform weights ({doc}`chapter 25 <25_other_libraries>`
@@ -453,19 +444,15 @@ for name, report in real.items():
 # ## What we showed
 #
 # - On random 128 × 128 inputs, `allclose(atol=1e-2)` passes nine of the eleven classic bugs;
-#   `check_kernel` fails every one, and the diagnosis of its signature case names the cause,
-#   garbage let into rows that may not attend it included (the rows and the key named, in the
-#   backward too).
-# - A dropout mask that repeats with a tile's period is named as such, by its statistics or,
-#   for a kernel that claims flash_lib's generator, pair for pair.
-# - flash_lib, at 512 × 512 and 16 × 16 tiles, and the clean tiled kernel pass every case in
-#   every dtype.
-# - The bound, twice naive's error in the same dtype plus a floor of 8 eps (float64, float32) or
+#   `check_kernel` fails every one and names the cause (for garbage, the rows and the key, in the
+#   backward too), and catches a dropout mask that repeats with a tile.
+# - flash_lib (512 × 512 and 16 × 16 tiles) and the clean tiled kernel pass every case in every
+#   dtype, and the bound, twice naive's error in the same dtype plus 8 eps (float64, float32) or
 #   1 eps (float16), holds on every case run of the four correct kernels; neither part alone
 #   would.
-# - Where installed: PyTorch SDPA (math, flash) passes everything but garbage at padded keys,
-#   its `is_causal=True` is flagged top-left when $N_q \ne N_k$; JAX's empty rows are flagged as
-#   uniform weights and its float64 as float32-accurate.
+# - Where installed: PyTorch SDPA (math, flash) passes everything but garbage at masked keys, its
+#   `is_causal=True` is flagged top-left when $N_q \ne N_k$; JAX's empty rows get uniform weights
+#   and its float64 is float32-accurate.
 
 # %%
 assert allclose_passes[None]

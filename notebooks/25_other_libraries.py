@@ -15,18 +15,18 @@
 # %% [markdown]
 # # 25. Appendix: what other libraries do
 #
-# `flash_lib` fixes three conventions that real libraries do not share: what a row with no
-# allowed key returns (its output, and its lse), and where the causal diagonal sits when
-# $N_q \ne N_k$. This appendix, the one place the tutorial compares them, says what
-# FlashAttention, PyTorch (SDPA, its CPU flash kernel, FlexAttention) and JAX do, each with its
-# source, and why it matters when results are merged ({doc}`chapter 3 <03_merging_states>`) or
-# fed to a backward pass ({doc}`chapter 12 <12_backward>`); the summary table is at the end.
+# `flash_lib` fixes three conventions that real libraries do not share: the output and lse of a
+# row with no allowed key, and where the causal diagonal sits when $N_q \ne N_k$. Here is what
+# FlashAttention, PyTorch (SDPA, its CPU flash kernel, FlexAttention) and JAX do, with sources,
+# and why it matters when results are merged
+# ({doc}`chapter 3 <03_merging_states>`) or fed to a backward pass
+# ({doc}`chapter 12 <12_backward>`).
 #
-# **How the statements are checked.** FlashAttention needs a CUDA GPU, so its behaviour is quoted
-# from its source (Dao-AILab/flash-attention, commit `0251105a`). PyTorch and JAX are tested
-# against the real libraries whenever they are importable: those cells' output is exempt from
-# the notebook's test (it depends on what is installed), and their `assert`s fail if the library
-# disagrees with this page. `make` installs PyTorch; JAX is the optional `jax` extra.
+# **How the statements are checked.** FlashAttention needs a CUDA GPU, so it is quoted from its
+# source (Dao-AILab/flash-attention, commit `0251105a`). PyTorch and JAX are tested whenever
+# importable (`make` installs PyTorch; JAX is the optional `jax` extra): their cells' `assert`s
+# fail if the library disagrees with this page, and their install-dependent output is exempt from
+# the notebook's test.
 
 # %%
 import math
@@ -55,10 +55,10 @@ except ImportError:
 # %% [markdown]
 # ## The inputs
 #
-# Five queries over six keys, float32, query 1 allowed no key (an empty row), the others a random
-# mask with at least one allowed key each. flash_lib's answer: an empty row has output 0 and lse
-# $-\infty$ (chapter 6). Every library below is compared with the other rows, so the cell also
-# checks them against `naive_attention` in float64.
+# Five queries over six keys, float32: query 1 has no allowed key (an empty row), the others at
+# least one under a random mask. flash_lib gives an empty row output 0 and lse
+# $-\infty$ (chapter 6). The other rows, compared across libraries too, are checked against
+# `naive_attention` in float64.
 
 # %%
 n_q, n_k, d = 5, 6, 8
@@ -81,8 +81,8 @@ print("the other rows in float64, flash_lib against naive_attention: within 1e-1
 #
 # **Output.** "If the row of the mask is all zero, the output will be zero." (docstrings of
 # `flash_attn_func` and its variants, `flash_attn/flash_attn_interface.py`). FlashAttention takes
-# no boolean mask; rows become empty through causal masking with `seqlen_q > seqlen_k` or a
-# local window. Its kernels guard $-\infty - (-\infty)$ as flash_lib does, with a reference of 0
+# no boolean mask; rows become empty by causal masking with `seqlen_q > seqlen_k` or a local
+# window. Its kernels guard $-\infty - (-\infty)$ as flash_lib does, with a reference of 0
 # for a row whose max is still $-\infty$ (`csrc/flash_attn/src/softmax.h`:
 # `max_scaled = max(mi) == -INFINITY ? 0.f : max(mi) * scale`).
 #
@@ -94,17 +94,15 @@ print("the other rows in float64, flash_lib against naive_attention: within 1e-1
 #                                      : row_max(mi) * softmax_scale + __logf(sum);
 # ```
 #
-# so an empty row's lse is $+\infty$, except in the partial results of split-KV
-# (flash-decoding), which are $-\infty$ so that the combine step gives them weight
-# $e^{-\infty} = 0$. Its test reference does the same on purpose (`tests/test_flash_attn.py`):
-# "lse could be -inf (i.e. all values in scores are -inf), and we want to set those to inf so
-# that when we do torch.exp(m - lse), we get 0.0 instead of NaN." The newer kernels chose the
-# other sign: FlashAttention-3's `hopper/softmax.h` and FlashAttention-4's
-# `flash_attn/cute/softmax.py` write $-\infty$, and FlashAttention-3's backward then maps an lse
-# of $-\infty$ to 0 before using it (`hopper/flash_bwd_preprocess_kernel.h`:
+# so an empty row's lse is $+\infty$, except in split-KV (flash-decoding) partial results, which
+# are $-\infty$ so that the combine step gives them weight $e^{-\infty} = 0$. Its test reference
+# sets such an lse to inf on purpose, "so that when we do torch.exp(m - lse), we get 0.0 instead
+# of NaN" (`tests/test_flash_attn.py`). Newer kernels chose the other sign: FlashAttention-3's
+# `hopper/softmax.h` and FlashAttention-4's `flash_attn/cute/softmax.py` write $-\infty$, and
+# FlashAttention-3's backward maps it to 0 before use (`hopper/flash_bwd_preprocess_kernel.h`:
 # `lse == -INFINITY ? 0.f : lse * float(M_LOG2E)`).
 #
-# **Why the sign matters: the backward pass.** A backward pass recomputes the weights from the
+# **Why the sign matters: the backward pass.** The backward recomputes the weights from the
 # stored lse, $P_{ij} = e^{s_{ij} - \text{lse}_i}$, and an empty row has $s_{ij} = -\infty$:
 
 # %%
@@ -120,17 +118,15 @@ p_guarded = np.exp(s_empty - np.float32(0.0))  # the -inf convention with FA-3's
 print(f"lse = -inf, mapped to 0 before use (FlashAttention-3's backward):   P = {p_guarded}")
 
 # %% [markdown]
-# With $+\infty$ or 0 the recomputed weights are 0 without a branch; with $-\infty$ they are NaN
-# unless the backward guards, as flash_lib's (chapter 12), FlashAttention-3's and FlexAttention's
-# do. flash_lib keeps $-\infty$ because it is the exact value, $\log 0$, and because it merges
-# correctly, which the others do not.
+# With $+\infty$ or 0 the recomputed weights are 0 without a branch; with $-\infty$, NaN unless the
+# backward guards, as flash_lib's (chapter 12), FlashAttention-3's and FlexAttention's do. flash_lib
+# keeps $-\infty$: it is the exact value, $\log 0$, and the only one that merges correctly.
 #
 # **Why the sign matters: merging.** Chapter 3's merge weights each part by $e^{\text{lse}}$. A
 # part with lse $-\infty$ weighs nothing. A part with lse $+\infty$ claims infinite weight (lse
-# $+\infty$, a NaN output), so `flash_lib.merge_attention` refuses it with a `ValueError` that
-# says how to convert. A part with lse 0 weighs $e^0 = 1$, merged as a real part with output 0:
-# **silently wrong**. Below, row 0 of our inputs merged with an "empty" part carrying each
-# convention's lse.
+# $+\infty$, a NaN output), so `flash_lib.merge_attention` refuses it, with a `ValueError` saying
+# how to convert. A part with lse 0 weighs $e^0 = 1$, a real part with output 0: **silently
+# wrong**. Row 0, merged with an "empty" part under each convention:
 
 # %%
 out_part, lse_part = out_ours[:1], lse_ours[:1]  # row 0: a real part
@@ -164,9 +160,9 @@ print("lse +inf converted to -inf, then merged: largest change of row 0:",
 # mask is aligned to the bottom right corner of the attention matrix, instead of the top-left
 # corner" (README, "2.1: Change behavior of causal flag"; the same in the `flash_attn_func`
 # docstring), which shows the masks for `seqlen_q = 2, seqlen_k = 5` and `seqlen_q = 5,
-# seqlen_k = 2` as rows of 1 (keep) and 0 (masked out). We compare them with flash_lib's rule
-# $j \le i + (N_k - N_q)$, read off `naive_attention` itself: with identity values the output
-# row is the weights (chapter 1's device), nonzero exactly at the allowed keys.
+# seqlen_k = 2` as rows of 1 (keep) and 0 (masked out). The cell compares them with flash_lib's
+# rule $j \le i + (N_k - N_q)$, read off `naive_attention`: with identity values the output row
+# is the weights (chapter 1's device), nonzero exactly at the allowed keys.
 
 # %%
 def allowed_by(kernel, n_q, n_k, **kwargs):
@@ -188,31 +184,24 @@ for shape, documented in flash_attn_doc.items():
 # ## PyTorch
 #
 # **SDPA, empty rows.** Before 2.5.0, a fully masked row of `attn_mask` gave NaN (pytorch/pytorch
-# issues #103749 and #103963; #41508 for `nn.MultiheadAttention`). The v2.5.0 release notes:
-# "Before this PR, fully masked rows in the attn_mask passed to
-# nn.functional.scaled_dot_product_attention would yield NANs in the output, after this PR, fully
-# masked rows yield 0s." The changes are PR #131060 (a private `_safe_softmax`) and PR #133882 (a
-# re-land of #131863, "Update fused kernels and call _safe_softmax from SDPA"): the math path
-# calls `at::_safe_softmax`, which takes the softmax and writes 0 into every row whose scores are
-# all $-\infty$ (`aten/src/ATen/native/transformers/attention.cpp`). The public `torch.softmax`
-# is unchanged and still returns NaN for such a row.
+# issues #103749 and #103963; #41508 for `nn.MultiheadAttention`); from then on, 0 (v2.5.0 release
+# notes: "fully masked rows yield 0s"). The changes are PR #131060 (a private `_safe_softmax`) and
+# PR #133882 (a re-land of #131863, "Update fused kernels and call _safe_softmax from SDPA"): the
+# math path calls `at::_safe_softmax`, which writes 0 into every row whose scores are all $-\infty$
+# (`aten/src/ATen/native/transformers/attention.cpp`). The public `torch.softmax` still returns NaN
+# for such a row.
 #
-# That guarantee holds per backend and per code path, not for every attention in PyTorch:
+# The guarantee holds per backend and code path, not for every attention in PyTorch:
 #
-# - `nn.MultiheadAttention(..., need_weights=True)` computes its weights with a plain softmax and
-#   returns NaN for fully masked rows (issue #160064, 2025; #41508 is still open), and on CUDA
-#   with dropout as well (issue #152028, reproduced on an A100 with torch 2.11 and a 2.12
-#   nightly in May 2026);
+# - `nn.MultiheadAttention(..., need_weights=True)` uses a plain softmax and returns NaN for fully
+#   masked rows (issue #160064, 2025; #41508 is still open), on CUDA with dropout too
+#   (issue #152028, reproduced on an A100 with torch 2.11 and a 2.12 nightly in May 2026);
 # - all-NaN rows from SDPA with fully $-\infty$ rows of a float mask were reported against 2.8.0
 #   (issue #163997, a build without CUDA on macOS arm64);
 # - a cuDNN backward (the default SDPA backend on H100/H200 since 2.11) returned NaN in the
 #   query gradient when a row's lse fell below $-88.7$ with an explicit mask (issue #196678, a
 #   regression, closed): the padded part of a key tile was scored 0 instead of $-\infty$, and
-#   $e^{0 - \text{lse}}$ overflowed float32, the $P = e^{s - \text{lse}}$ of the section above.
-#
-# The cell tests, on this machine's PyTorch: SDPA's math backend and its CPU flash backend,
-# with a boolean mask and with the equivalent $-\infty$ float mask; `torch.softmax` of an all
-# $-\infty$ row; and `nn.MultiheadAttention` with `need_weights` False and True.
+#   $e^{0 - \text{lse}}$ overflowed float32.
 
 # %% tags=["nbval-ignore-output"]
 def to_torch(*arrays):
@@ -253,9 +242,9 @@ else:
     assert torch.all(y_fast[0, 1] == 0) and torch.isnan(y_weights[0, 1]).all()
 
 # %% [markdown]
-# **The CPU flash kernel's lse.** SDPA does not return an lse, but the private op behind its CPU
-# flash backend does: `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu` returns
-# `(output, logsumexp)`. For an empty row its lse is 0.0: the value that merges as weight 1.
+# **The CPU flash kernel's lse.** SDPA returns no lse, but the private op behind its CPU flash
+# backend, `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`, returns
+# `(output, logsumexp)`. An empty row's lse is 0.0, which merges as weight 1.
 
 # %% tags=["nbval-ignore-output"]
 if torch is None:
@@ -286,9 +275,9 @@ else:
 # **FlexAttention.** Its math reference (`torch/_higher_order_ops/flex_attention.py`) sets the
 # lse of a fully masked row to $-\infty$ (`torch.where(masked_rows, -float("inf"), logsumexp)`)
 # and, in its backward, zeroes the weights where lse is $-\infty$
-# (`torch.where(masked_out_rows.unsqueeze(-1), 0, softmax_scores)`): the guard that the
-# $-\infty$ convention needs. Called without `torch.compile`, `flex_attention` runs that
-# reference (and warns that it is slow; the cell silences the warning).
+# (`torch.where(masked_out_rows.unsqueeze(-1), 0, softmax_scores)`), the guard the $-\infty$
+# convention needs. Without `torch.compile`, `flex_attention` runs that reference (and warns that
+# it is slow; the cell silences the warning).
 
 # %% tags=["nbval-ignore-output"]
 if torch is None:
@@ -313,10 +302,10 @@ else:
 # `scaled_dot_product_attention` gives its reference implementation as
 # `torch.ones(L, S, dtype=torch.bool).tril(diagonal=0)`. Bottom-right is opt-in, through
 # `torch.nn.attention.bias.causal_lower_right` (`CausalVariant.LOWER_RIGHT`:
-# `tril(diagonal=S - L)`). Creating such a bias with more queries than keys warns "Lower right
+# `tril(diagonal=S - L)`). Such a bias with more queries than keys warns "Lower right
 # causal bias will produce NaNs in the output when seq_len_q > seq_len_kv!"; the cell checks what
-# SDPA actually returns for those empty rows on this machine. Each is compared with flash_lib, top-left
-# through an explicit `mask=np.tril(...)`.
+# SDPA returns for those empty rows here. Each is compared with flash_lib, top-left through an
+# explicit `mask=np.tril(...)`.
 
 # %% tags=["nbval-ignore-output"]
 if torch is None:
@@ -351,11 +340,11 @@ else:
 # ## JAX
 #
 # `jax.nn.dot_product_attention` (its XLA implementation, `jax/_src/nn/functions.py`) does not
-# use $-\infty$: `_apply_masks` replaces masked logits with `_get_large_negative(dtype)`, which
-# is `-0.7` times the dtype's largest value (capped at float32's range), and then takes an
-# ordinary softmax. In a row with some allowed key that is as good as $-\infty$ (the masked
-# weights underflow to exactly 0). In a fully masked row every logit is the same finite number,
-# so the weights are uniform, $1/N_k$, and the output is the mean of *all* the value rows. Its
+# use $-\infty$: `_apply_masks` replaces masked logits with `_get_large_negative(dtype)`,
+# `-0.7` times the dtype's largest value (capped at float32's range), then takes an ordinary
+# softmax. In a row with an allowed key that is as good as $-\infty$ (masked weights underflow
+# to exactly 0). In a fully masked row every logit is the same finite number, so the
+# weights are uniform, $1/N_k$, and the output is the mean of *all* the value rows. Its
 # causal mask is top-left: `_get_causal_mask` is `jnp.tril(jnp.ones((T, S), dtype=bool))`. JAX
 # orders axes (batch, sequence, heads, features).
 
@@ -394,10 +383,9 @@ else:
 # | PyTorch FlexAttention | 0 | $-\infty$ (its backward guards it) | whatever `mask_mod` says |
 # | JAX `dot_product_attention` | mean of all values | not returned | top-left |
 #
-# To reproduce a top-left library with flash_lib, pass its mask explicitly,
-# `mask=np.tril(np.ones((Nq, Nk), bool))`. To merge FlashAttention-2's partial results with
-# `merge_attention`, convert an lse of $+\infty$ to $-\infty$ first; never merge an lse of 0.0
-# from PyTorch's CPU op for an empty row.
+# To reproduce a top-left library with flash_lib, pass `mask=np.tril(np.ones((Nq, Nk), bool))`.
+# To merge FlashAttention-2's results with `merge_attention`, convert an lse of $+\infty$ to
+# $-\infty$ first; never merge the 0.0 lse of an empty row from PyTorch's CPU op.
 
 # %%
 # the conventions' arithmetic, checked without any library

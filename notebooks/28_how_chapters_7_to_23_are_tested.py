@@ -15,27 +15,25 @@
 # %% [markdown]
 # # 28. Appendix B: how chapters 7–23 are tested and measured
 #
-# Every chapter ends with asserts, and `make test` runs every chapter under nbval, which compares
-# each cell's output with the stored one. So a chapter prints only what mathematics fixes: an
-# error as the limit it is under, never its last digits, which are the CPU's. What decides those
-# digits, and every timing, is the machine: which vector loops NumPy runs for `exp` and `exp2`
-# (AVX-512, AVX2 or the baseline SSE; `NPY_DISABLE_CPU_FEATURES` switches the faster ones off, as
-# on an older CPU, and CONTRIBUTING.md runs the chapters at each level), which kernel OpenBLAS
-# picks, its caches and its cores. This appendix gathers those measurements, and the figures
-# behind the limits the chapters assert, so that the chapters can stay on FlashAttention.
-# Outputs that depend on the machine are figures or tagged `nbval-ignore-output`. Chapters 1–6'
-# evidence is in {doc}`appendix A <27_how_chapters_1_to_6_are_tested>`.
+# Every chapter ends with asserts, and `make test` runs each under nbval, which compares every
+# cell's output with the stored one. So a chapter prints an error only as the limit it is under:
+# its last digits, like every timing, depend on the machine, on which vector loops NumPy runs for
+# `exp` and `exp2` (AVX-512, AVX2 or the baseline SSE; `NPY_DISABLE_CPU_FEATURES` switches the
+# faster ones off, as on an older CPU, and CONTRIBUTING.md runs the chapters at each level), which
+# kernel OpenBLAS picks, its caches and cores. Here are those measurements and the figures behind
+# the chapters' limits; machine-dependent outputs are figures or tagged `nbval-ignore-output`.
+# Chapters 1–6' evidence is in {doc}`appendix A <27_how_chapters_1_to_6_are_tested>`.
 
 # %% [markdown]
 # ## From chapters 7–11
 # ### exp and exp2 in ulps (chapter 7)
 #
 # Chapter 7's error bound allows `exp` (and `exp2`) an error of 1 ulp in float64 and 3 in
-# float32. NumPy's vectorised float32 `exp` errs by up to 2.52 ulp (numpy pull request 13134):
-# measured against a wider dtype, float32 on $[-87, 0]$ ($[-126, 0]$ for `exp2`), float64 on
-# $[-700, 700]$ ($[-1000, 1000]$), it was 2.52 and 0.68 ulp (float32, float64) with the AVX-512
-# loops, 2.52 and 0.51 with AVX2, 0.50 and 0.51 with the baseline; `exp2` 0.97 and 0.69 with
-# AVX-512 (Intel's SVML), 0.50 and 0.51 otherwise. The cell checks the installed NumPy.
+# float32; NumPy's vectorised float32 `exp` errs by up to 2.52 ulp (numpy pull request 13134).
+# Against a wider dtype, float32 on $[-87, 0]$ ($[-126, 0]$ for `exp2`), float64 on
+# $[-700, 700]$ ($[-1000, 1000]$), `exp` erred by 2.52 and 0.68 ulp (float32, float64) with
+# AVX-512 loops, 2.52 and 0.51 with AVX2, 0.50 and 0.51 with the baseline; `exp2` by 0.97 and
+# 0.69 with AVX-512 (Intel's SVML), 0.50 and 0.51 otherwise. The cell checks the installed NumPy.
 
 # %%
 import numpy as np
@@ -54,17 +52,16 @@ assert all(err <= exp_ulps[dt] for (f, dt), err in exp_err.items()), exp_err
 # %% [markdown]
 # ### Flash against naive, and base 2 against base e, row by row (chapter 7)
 #
-# Chapter 7 asserts the 2× same-dtype rule per dtype and family, not row by row: which of flash
-# and naive errs less on a row depends on the order in which BLAS adds a score's terms (per
-# row, flash's error / naive's ranged from 0.08 to 2.4 over the NumPy levels, OpenBLAS kernels
-# and feature orders tried). Where NumPy's `exp2` is the faster (its AVX-512 float32 loop),
-# flash_lib computes each $e^{s - m}$ as $2^{(s - m) \log_2 e}$ (chapter 5), at the cost of two
-# more roundings per exponent (chapter 7's step 6). Each base must hold its own derived bound on
-# every row, and their largest errors should be of one size: the two extra roundings are each at
-# most one unit of the exponent's last place, and the rest are the same roundings drawn again. So
-# base 2's largest error against base e's is held within a factor 3 either way (measured 0.59 to
-# 1.82 over the NumPy levels and OpenBLAS's Haswell, SkylakeX and Sandybridge kernels when base 2
-# still scaled the keys; this machine's, the figure below), on chapter 7's two families of rows.
+# Chapter 7 asserts the 2× same-dtype rule per dtype and family, not per row: which of flash and
+# naive errs less on a row depends on BLAS's order of adding a score's terms (per row, flash's
+# error / naive's ranged from 0.08 to 2.4 over the NumPy levels, OpenBLAS kernels and feature orders
+# tried). Where NumPy's `exp2` is the faster (its AVX-512 float32 loop), flash_lib computes each
+# $e^{s - m}$ as $2^{(s - m) \log_2 e}$ (chapter 5), two more roundings per exponent (chapter 7's
+# step 6), each at most one unit in the exponent's last place; the rest are the same roundings drawn
+# again. So each base must hold its own derived bound on every row, and base 2's largest error is
+# held within a factor 3 of base e's either way (measured 0.59 to 1.82 over the NumPy levels and
+# OpenBLAS's Haswell, SkylakeX and Sandybridge kernels when base 2 still scaled the keys; this
+# machine's: the figure below), on chapter 7's two families of rows.
 
 # %%
 import matplotlib.pyplot as plt
@@ -163,8 +160,8 @@ plt.show()
 #
 # Chapter 9's instrumented loops, the textbook pipeline and the tiled kernel, compute in float64;
 # it prints their largest error against `flash_lib` as under $10^{-14}$ (45 machine epsilons).
-# Every one was at most $3 \cdot 10^{-15}$ on every CPU tried (CONTRIBUTING.md). Here are the two
-# computations without their byte counters, and the errors this machine measured.
+# Every one was at most $3 \cdot 10^{-15}$ on every CPU tried (CONTRIBUTING.md); the cell measures
+# this machine's, the loops without their byte counters.
 
 # %%
 rng9 = np.random.default_rng(26)
@@ -209,9 +206,8 @@ plt.show()
 #
 # A CPU has chapter 9's hierarchy at other sizes: caches of a few hundred KiB per core (L2) and
 # tens of MiB shared (L3) in front of main memory. The cell reads their sizes (Linux's sysfs)
-# and times, on one thread, three NumPy passes over an $N \times N$ float32 array (copy,
-# subtract a row vector, `exp`) and `naive_attention` ($d = 64$), for $N$ from 256 to 4096: ns
-# per element or per score, the best of the runs that fit in 0.1 s.
+# and times, on one thread, a copy, a subtraction and an `exp` over an $N \times N$ float32
+# array, and `naive_attention` ($d = 64$), for $N$ from 256 to 4096.
 
 # %%
 import pathlib
@@ -269,31 +265,30 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# What to look for (the ratios printed are this build's, on a shared machine): copy and
-# subtract, which only move data, get several times slower per element once an array outgrows
-# the last-level cache; `exp`, limited by arithmetic, less so; the textbook kernel's time per
-# score, dominated by its `exp` and each NumPy call's fixed cost, grows less than the copy's.
+# What to look for (this build's ratios, on a shared machine): copy and subtract, which only move
+# data, get several times slower per element once an array outgrows the last-level cache; `exp`,
+# limited by arithmetic, less so; the textbook kernel's time per score, dominated by `exp` and each
+# NumPy call's fixed cost, grows less than the copy's.
 
 # %% [markdown]
 # ### Which exponential, on which loops: a tile's floor (chapter 10)
 #
-# Chapter 10 times the floor of one tile, its NumPy calls one by one. Which loop NumPy runs for
-# `exp` and `exp2` depends on the CPU, and so does which of the two flash_lib calls
-# (`flash_lib.exponential`: `exp2` where it is the faster). NumPy reads
-# `NPY_DISABLE_CPU_FEATURES` once, at import, so the cell measures the same floor again in a
-# child process started with NumPy's AVX-512 loops off, what NumPy runs on an AVX2 CPU
-# (`flash_bench.floor_at_level`; loops this process has already switched off stay off there),
-# whose flash_lib chooses its exponential for its own loops.
+# Chapter 10 times one tile's floor, NumPy call by NumPy call. Which loop NumPy runs for `exp` and
+# `exp2` depends on the CPU, and so does which one flash_lib calls (`flash_lib.exponential`:
+# `exp2` where faster). NumPy reads `NPY_DISABLE_CPU_FEATURES` once, at import, so the cell
+# measures the floor again in a child process with NumPy's AVX-512 loops off, as on an AVX2 CPU
+# (`flash_bench.floor_at_level`; loops already off here stay off there), whose flash_lib picks its
+# exponential for them.
 #
 # On the AMD EPYC (Zen 4, AVX-512, 2 cores) chapter 10 was written on, one float64 tile's floor
 # measured 1.83 ms with NumPy's AVX-512 loops, the exponential 0.20 ms of it (11%). float32's
 # `exp` took 0.125 ms and its `exp2` 0.058 (Intel's SVML, which NumPy builds in for AVX-512
-# only), so there the kernel computes float32 in base 2, for a forward 5% faster
+# only), so there the kernel computes float32 in base 2, a forward 5% faster
 # (`bench/RESULTS.md`). With the AVX-512 loops off
 # (`NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR"`), float32's `exp2` is scalar (0.57
-# ms) and the kernel keeps `exp`, still vectorised (0.28 ms of 1.15); float64's `exp` computes
-# one element at a time: 1.1 ms of a 2.8 ms tile, 38 to 41% in four runs, more than either
-# matmul. float64 attention on an AVX2 CPU is bound by `exp`.
+# ms) and the kernel keeps `exp`, still vectorised (0.28 ms of 1.15); float64's `exp` is scalar:
+# 1.1 ms of a 2.8 ms tile (38 to 41% in four runs), more than either matmul, so float64
+# attention on an AVX2 CPU is bound by `exp`.
 
 # %%
 here = flash_bench.floor_here(("float32", "float64"), seconds=0.4)
@@ -340,10 +335,10 @@ plt.show()
 # ### bfloat16 in NumPy (chapter 11)
 #
 # bfloat16 comes from the `ml_dtypes` package, which registers it as a NumPy dtype; NumPy's own
-# machinery treats it unevenly, which is why `flash_lib` widens 16-bit inputs to float32 tile by
-# tile. Chapter 11 uses `ml_dtypes.finfo`: NumPy's `np.finfo` knows bfloat16 only since
-# ml_dtypes 0.7, which writes its entries into NumPy's private `np.finfo._finfo_cache` on import
-# (`ml_dtypes/_finfo.py`); with 0.5 and 0.6 it raises `ValueError`. With the installed versions:
+# machinery treats it unevenly, hence `flash_lib` widens 16-bit inputs to float32 tile by tile.
+# Chapter 11 uses `ml_dtypes.finfo`: `np.finfo` knows bfloat16 only since ml_dtypes 0.7, which
+# writes its entries into NumPy's private `np.finfo._finfo_cache` on import (`ml_dtypes/_finfo.py`);
+# with 0.5 and 0.6 it raises `ValueError`. With the installed versions:
 #
 # - `np.matmul` (`@`) of two bfloat16 arrays returns **float32**; `np.dot` returns **bfloat16**,
 #   through a plain loop (timed below); `np.einsum` rejects bfloat16 with a `TypeError`;
@@ -351,13 +346,12 @@ plt.show()
 #   **accumulates** in bfloat16 unless given `dtype=np.float32`: the sum of 1000 ones is 256,
 #   because $256 + 1$ rounds back to 256 with 8 significant bits.
 #
-# And one version difference touches every bfloat16 input chapter 11 makes. Rounding float64 to
-# bfloat16 by way of float32 rounds twice, and twice is not once: a float64 just above the
-# midpoint of two bfloat16 neighbours can land, in float32, exactly on that midpoint, and the tie
-# then goes to the even neighbour, the farther one. $1 + 2^{-8} + 2^{-40}$ lies between 1 and
+# One version difference touches every bfloat16 input chapter 11 makes: rounding float64 to
+# bfloat16 via float32 rounds twice, and twice is not once. A float64 just above the midpoint of
+# two bfloat16 neighbours can land, in float32, exactly on that midpoint, and the tie goes to the
+# even neighbour, the farther one. $1 + 2^{-8} + 2^{-40}$ lies between 1 and
 # $1 + 2^{-7}$, nearer the second; float32 drops the $2^{-40}$. ml_dtypes 0.6 converted through
-# float32; 0.7 rounds once (its pull request #401, "Fix double rounding in conversions to the
-# custom float types").
+# float32; 0.7 rounds once (its pull request #401).
 
 # %%
 import ml_dtypes
@@ -416,14 +410,11 @@ print(f"on the machine that built this page, 256 x 256 bfloat16: np.dot takes "
 # %% [markdown]
 # ### Rounding against the limits: the backward and the variants (chapters 12, 14 and 15)
 #
-# Chapters 12, 14 and 15 compare `flash_lib`'s kernels with `naive_attention` (and its backward)
-# and print each difference as the limit it is under, $10^{-14}$ (45 machine epsilons), not as a
-# number: its last digits are the CPU's rounding, and another machine prints others. This is the
-# CI evidence behind that limit: the differences themselves, measured on the machine that built
-# this page, for the forward and the three gradients of each variant (random inputs, two batches
-# of four heads, 64 tokens, 16 × 16 tiles). Every one was at most $10^{-15}$ at every
-# `NPY_DISABLE_CPU_FEATURES` level (CONTRIBUTING.md), a margin of 10; a kernel off by one
-# part in a million is far above the limit.
+# Chapters 12, 14 and 15 compare `flash_lib`'s kernels with `naive_attention` (and its backward) and
+# print each difference as the limit it is under, $10^{-14}$ (45 machine epsilons). Below, the
+# differences themselves on the machine that built this page, for the forward and three gradients of
+# each variant (random inputs, two batches of four heads, 64 tokens, 16 × 16 tiles). Every one was
+# at most $10^{-15}$ at every `NPY_DISABLE_CPU_FEATURES` level (CONTRIBUTING.md), a margin of 10.
 
 # %%
 import matplotlib.pyplot as plt
@@ -480,14 +471,13 @@ plt.show()
 # ### The Dask cluster's settings and its speed (chapter 22)
 #
 # **The workers' environment.** Chapter 22's cluster sets `FLASH_LIB_THREADS=1` in every worker
-# before it starts (one worker, one core) and removes `MALLOC_TRIM_THRESHOLD_`, which Dask's
-# nanny sets to 65536 for every worker. A fixed threshold turns off glibc's adaptive mmap
-# threshold (mallopt(3)), so every large NumPy temporary is mapped afresh: `flash_attention` on a
-# 1024-row shard took 20.5 ms in a worker against 15.7 ms without the variable, about 30% slower
-# (`bench/RESULTS.md`, 2026-12-01). It also lowers the workers' own logging to critical messages,
-# which would otherwise land on the page (when chapter 22 kills a worker, the survivor reports at
-# ERROR level that its connection broke). The cell below starts one worker with Dask's default
-# and one with the setting, and reads the variable in each.
+# before it starts (one worker, one core) and removes `MALLOC_TRIM_THRESHOLD_`, which Dask's nanny
+# sets to 65536 for every worker. A fixed threshold turns off glibc's adaptive mmap threshold
+# (mallopt(3)), so every large NumPy temporary is mapped afresh: `flash_attention` on a 1024-row
+# shard took 20.5 ms in a worker against 15.7 ms without the variable, about 30% slower
+# (`bench/RESULTS.md`, 2026-12-01). It also lowers the workers' logging to critical, keeping off the
+# page the survivor's ERROR report of a broken connection when chapter 22 kills a worker. The cell
+# reads the variable in a worker started with Dask's default and in one with the setting.
 
 # %%
 import logging
@@ -517,18 +507,17 @@ assert seen == {"chapter 22's setting": None, "Dask's default": "65536"}, seen
 
 # %% [markdown]
 # **Time: one process against two.** A worker process is one core here; `flash_attention` in one
-# process uses `flash_lib`'s own thread pool (one thread per core, up to 4). On a 2-core machine
-# the cluster can at best match the one-process kernel: what it buys is reach (more machines,
-# more memory). `make bench-dask` (`bench/bench_dask.py`) measures 1 worker against 2 at larger
-# $N$. At $N = 65536$ (shards of 4096) on a 2-core machine it measured 2 workers 1.72 to 1.89
-# times as fast as one with chapter 22's chains, 171 to 185 MiB moving between them; when each
-# query shard's partial results met in a merge tree instead, 1.64 to 1.79 times, with 275 to
-# 354 MiB moved, mostly partial outputs travelling to their merge. What held the chains below 2
-# was Dask's housekeeping: the workers' profiler, its system monitor and every server's
-# event-loop tick took 3.3 to 3.7 s of CPU in a 20 s run, from the two cores the workers
-# computed on. Slowed down (`flash_dask.QUIET_CLUSTER`, which the benchmark starts its clusters
-# with), 2 workers ran 1.80 to 1.90 times as fast as one (`bench/RESULTS.md`, 2026-12-02). The
-# cell times chapter 22's causal computation, $N = 8192$ in shards of 1024, on this machine.
+# process uses `flash_lib`'s thread pool (one thread per core, up to 4). On a 2-core machine the
+# cluster can at best match the one-process kernel: what it buys is reach (more machines, more
+# memory). `make bench-dask` (`bench/bench_dask.py`), at $N = 65536$ in shards of 4096 on a 2-core
+# machine, measured 2 workers 1.72 to 1.89 times as fast as one with chapter 22's chains, 171 to 185
+# MiB moving between them; with each query shard's partial results meeting in a merge tree instead,
+# 1.64 to 1.79 times, with 275 to 354 MiB moved, mostly partial outputs travelling to their merge.
+# Dask's housekeeping held the chains below 2: the workers' profiler, system monitor and every
+# server's event-loop tick took 3.3 to 3.7 s of CPU in a 20 s run, from the workers' two cores. With
+# it slowed down (`flash_dask.QUIET_CLUSTER`, the benchmark's setting), 2 workers ran 1.80 to 1.90
+# times as fast as one (`bench/RESULTS.md`, 2026-12-02). The cell times chapter 22's causal
+# computation here.
 
 # %% tags=["nbval-ignore-output"]
 import logging
@@ -568,33 +557,29 @@ print(f"causal, N = 8192: 2 workers {t_cluster:.2f} s; flash_attention in one pr
 # %% [markdown]
 # ### FACTOR and the floor on each CPU configuration (chapter 23)
 #
-# `flash_check` bounds a kernel's error by `FACTOR` (2, FlashAttention's) times
-# `naive_attention`'s error in the same dtype, plus a floor of 8 eps (float64, float32) or 1 eps
-# (float16). Chapter 23 asserts that every case run of four correct kernels (flash_lib at
-# 512 × 512, 16 × 16 and 7 × 1 tiles, and the twenty-line tiled kernel) meets it, and draws what
-# the building machine measured. Over NumPy's AVX-512, AVX2 and baseline loops
+# Chapter 23 asserts its bound, `FACTOR` (2, FlashAttention's) times `naive_attention`'s
+# same-dtype error plus a floor of 8 eps (float64, float32) or 1 eps (float16), on every case run
+# of its four correct kernels. Over NumPy's AVX-512, AVX2 and baseline loops
 # (`NPY_DISABLE_CPU_FEATURES`, CONTRIBUTING.md) and OpenBLAS's SkylakeX and Haswell kernels
-# (`OPENBLAS_CORETYPE`), the largest ratio of a kernel's error to naive's, where naive's is above
-# 4 eps, was 1.2 to 1.4, and the floor needed at most 5.3 eps (float64; 3.8 in float32), from the
-# 7 × 1 tiles' thousand rescales in a row. With OpenBLAS's older Sandybridge kernel (no fused
-# multiply-add) the ratio reached 2.0 (float64) and 2.3 (float32), and the floor carried the
-# difference (47 eps against 2 × 20.7 + 8): neither the factor nor the floor is the bound alone;
-# their sum is. In float16 every kernel's error is, nearly everywhere, the final rounding to
-# float16 (half an ulp), the same for naive, so one eps of floor suffices; where it is more
-# (`float16_overflow`, up to 19 eps with the Haswell kernel), naive's error is just as large.
+# (`OPENBLAS_CORETYPE`), the largest ratio of a kernel's error to naive's, where naive's is above 4
+# eps, was 1.2 to 1.4, and the floor needed at most 5.3 eps (float64; 3.8 in float32), from
+# flash_lib's 7 × 1 tiles' thousand rescales in a row. With OpenBLAS's older Sandybridge kernel (no
+# fused multiply-add) the ratio reached 2.0 (float64) and 2.3 (float32), and the floor carried the
+# difference (47 eps against 2 × 20.7 + 8): the bound is neither alone but their sum. In float16
+# every kernel's error is, nearly everywhere, the final rounding to float16 (half an ulp), the same
+# for naive, so one eps of floor suffices; where it is more (`float16_overflow`, up to 19 eps with
+# the Haswell kernel), naive's error is just as large.
 
 # %% [markdown]
 # ### The CPU flash op's float16 lse and its vector lanes (chapter 23)
 #
 # PyTorch's private `_scaled_dot_product_flash_attention_for_cpu` passes every output case of
 # chapter 23, but in float16, where PyTorch 2.13 computes in float32 and stores the weights in
-# float16, its lse can be up to about $5 \cdot 10^{-5}$ off (relative), far beyond float32
-# rounding (naive's lse, computed in float32, is within $10^{-7}$). Which cases fail depends on
-# the CPU. Measured with `ATEN_CPU_CAPABILITY` to choose PyTorch's code path, the error comes
-# from the vector loop that computes the weights $e^{s - m}$ to within about $10^{-4}$, in 8
-# lanes with AVX2 and 16 with AVX-512; the keys past the last full vector of a 512-key block are
-# done one at a time, exactly, and the scalar build (`default`) passes every case. So
-# `late_max`, whose weight sits on its last 8 keys (of 1100: 76 in the last block), fails with
-# AVX2, whose exact tail is the last 4 keys, and passes with AVX-512, whose tail is the last 12;
-# cases whose weight is spread over many keys fail on both. `tests/test_check.py` keeps the
-# README's table of these results in step with what runs here.
+# float16, its lse can be about $5 \cdot 10^{-5}$ off (relative), where naive's, computed in
+# float32, is within $10^{-7}$. Which cases fail depends on the CPU. With `ATEN_CPU_CAPABILITY`
+# choosing PyTorch's code path, the error traces to the vector loop that computes the weights
+# $e^{s - m}$ to within about $10^{-4}$, in 8 lanes with AVX2 and 16 with AVX-512; keys past a
+# 512-key block's last full vector are done singly, exactly, and the scalar build (`default`) passes
+# every case. So `late_max`, whose weight sits on its last 8 keys (of 1100: 76 in the last block),
+# fails with AVX2, whose exact tail is the last 4 keys, and passes with AVX-512, whose tail is the
+# last 12; cases whose weight is spread over many keys fail on both.
