@@ -88,24 +88,28 @@ def _check(ctx, result, q, k, v, kwargs, ref_kwargs, diagnosis):
         ctx.fail(result, "non-finite", f"NaN or inf in {int(bad.any(-1).sum())} rows",
                  "finite", diagnosis)
         return None
-    result.out_error = _max_error(out[rows], truth[rows])
-    result.out_naive = _max_error(naive[rows], truth[rows])
-    result.out_bound = FACTOR * result.out_naive + OUT_FLOOR[ctx.dtype]
-    if not result.out_error <= result.out_bound:
-        ctx.fail(result, "out error", f"{result.out_error:.2g}", f"{result.out_bound:.2g}",
-                 diagnosis)
+    result.out_error, result.out_naive, result.out_bound = _within_bound(
+        ctx, result, "out error", _max_error, out[rows], naive[rows], truth[rows], OUT_FLOOR,
+        diagnosis)
     if not np.all(out[~rows] == 0):
         ctx.fail(result, "empty rows", "a row with no key gave numbers", "out exactly 0",
                  "a row with no listed key must give 0 (its l is 0: guard the division)")
     if want_lse:
         lse = np.asarray(lse)
-        result.lse_error = _lse_error(lse[rows], truth_lse[rows])
-        result.lse_naive = _lse_error(naive_lse[rows], truth_lse[rows])
-        result.lse_bound = FACTOR * result.lse_naive + LSE_FLOOR[ctx.dtype]
-        if not result.lse_error <= result.lse_bound:
-            ctx.fail(result, "lse error", f"{result.lse_error:.2g}", f"{result.lse_bound:.2g}",
-                     diagnosis)
+        result.lse_error, result.lse_naive, result.lse_bound = _within_bound(
+            ctx, result, "lse error", _lse_error, lse[rows], naive_lse[rows], truth_lse[rows],
+            LSE_FLOOR, diagnosis)
     return out
+
+
+def _within_bound(ctx, result, check, error, got, naive, truth, floor, diagnosis):
+    """``(error, naive's error, bound)`` of ``got`` against ``truth``, the bound FACTOR · naive's
+    + ``floor`` of the dtype; ``check`` fails with ``diagnosis`` when the error is above it."""
+    err, naive_err = error(got, truth), error(naive, truth)
+    bound = FACTOR * naive_err + floor[ctx.dtype]
+    if not err <= bound:
+        ctx.fail(result, check, f"{err:.2g}", f"{bound:.2g}", diagnosis)
+    return err, naive_err, bound
 
 
 def _rescale_case(ctx):

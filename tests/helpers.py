@@ -289,14 +289,18 @@ def check_central_differences(f, xs, analytic, rng, eps=1e-5, tol=1e-7):
         assert abs(numeric - float((g * d).sum())) <= tol * max(1.0, abs(numeric))
 
 
+def tiled_shapes(n_q, n_k, block):
+    """Hypothesis strategies for a problem on a block grid, as ``@given`` keywords: ``n_q`` and
+    ``n_k`` in the inclusive ranges ``(low, high)`` given, ``block_q`` and ``block_k`` from 1 to
+    ``block`` (which may exceed the sides: one block then covers them), and ``causal``."""
+    return dict(n_q=st.integers(*n_q), n_k=st.integers(*n_k), block_q=st.integers(1, block),
+                block_k=st.integers(1, block), causal=st.booleans())
+
+
 #: The variant combinations of test_variants.py's and test_training.py's flash-vs-naive tests
 #: (test_hardening.py's fuzz extends them).
 VARIANTS = dict(
-    n_q=st.integers(1, 18),
-    n_k=st.integers(1, 18),
-    block_q=st.integers(1, 20),
-    block_k=st.integers(1, 20),
-    causal=st.booleans(),
+    **tiled_shapes((1, 18), (1, 18), 20),
     window=st.one_of(st.none(), st.tuples(st.one_of(st.none(), st.integers(0, 6)),
                                           st.one_of(st.none(), st.integers(0, 6)))),
     softcap=st.sampled_from([None, 0.7, 5.0]),

@@ -19,6 +19,7 @@ from helpers import (
     gradient_bounds,
     grads,
     random_qkv,
+    tiled_shapes,
 )
 from hypothesis import given
 from hypothesis import strategies as st
@@ -137,11 +138,7 @@ def test_directional_derivatives_match_central_differences(case):
 # ---------------------------------------------------------------------------------------------
 
 @given(
-    n_q=st.integers(1, 20),
-    n_k=st.integers(0, 20),
-    block_q=st.integers(1, 25),
-    block_k=st.integers(1, 25),
-    causal=st.booleans(),
+    **tiled_shapes((1, 20), (0, 20), 25),
     masking=st.sampled_from(["none", "random", "empty rows"]),
     broadcast=st.sampled_from(["none", "shared kv", "shared q", "mask per head"]),
     dtype=st.sampled_from(sorted(GRADIENTS_VS_NAIVE, key=str)),
@@ -293,8 +290,7 @@ def test_garbage_at_masked_pairs_stays_out_of_the_gradients(n_q, n_k, block, cau
 # ---------------------------------------------------------------------------------------------
 
 
-@given(n_q=st.integers(1, 25), n_k=st.integers(1, 25), block_q=st.integers(1, 30),
-       block_k=st.integers(1, 30), causal=st.booleans())
+@given(**tiled_shapes((1, 25), (1, 25), 30))
 def test_backward_computes_exactly_the_forwards_tiles(n_q, n_k, block_q, block_k, causal):
     """Every tile the backward recomputes is one the forward's schedule lists, each once.
 

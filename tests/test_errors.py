@@ -38,26 +38,28 @@ def arrays(n_q=4, n_k=5, d=3, dv=2, batch=()):
     )
 
 
+def assert_shapes_refused(kernel, q, k, v, message, *shapes):
+    """``kernel(q, k, v)`` raises a ValueError with ``message`` that shows each of ``shapes``."""
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        kernel(q, k, v)
+    for shape in shapes:
+        assert shape in str(e.value)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_q_and_k_feature_sizes_must_agree(kernel):
     """q (..., Nq, d) and k (..., Nk, d) with different d: ValueError showing both shapes."""
     q, k, v = arrays()
-    with pytest.raises(
-        ValueError, match=re.escape("q and k must have the same feature size d")
-    ) as e:
-        kernel(q, k[:, :2], v)
-    assert "q.shape=(4, 3)" in str(e.value) and "k.shape=(5, 2)" in str(e.value)
+    assert_shapes_refused(kernel, q, k[:, :2], v, "q and k must have the same feature size d",
+                          "q.shape=(4, 3)", "k.shape=(5, 2)")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_k_and_v_key_counts_must_agree(kernel):
     """k (..., Nk, d) and v (..., Nk', dv) with Nk != Nk': ValueError showing both shapes."""
     q, k, v = arrays()
-    with pytest.raises(
-        ValueError, match=re.escape("k and v must have the same number of keys Nk")
-    ) as e:
-        kernel(q, k, v[:4])
-    assert "k.shape=(5, 3)" in str(e.value) and "v.shape=(4, 2)" in str(e.value)
+    assert_shapes_refused(kernel, q, k, v[:4], "k and v must have the same number of keys Nk",
+                          "k.shape=(5, 3)", "v.shape=(4, 2)")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -16,7 +16,7 @@ import warnings
 
 import numpy as np
 import pytest
-from helpers import random_qkv
+from helpers import random_qkv, tiled_shapes
 from hypothesis import given, note
 from hypothesis import strategies as st
 
@@ -35,11 +35,7 @@ def kernels(block_q, block_k):
 
 
 @given(
-    n_q=st.integers(1, 24),
-    n_k=st.integers(1, 24),
-    block_q=st.integers(1, 29),
-    block_k=st.integers(1, 29),
-    causal=st.booleans(),
+    **tiled_shapes((1, 24), (1, 24), 29),
     masked=st.sampled_from(["none", "random", "padding"]),
     where=st.sampled_from(["k", "v", "both"]),
     poison=st.sampled_from(sorted(POISONS)),

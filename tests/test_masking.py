@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from helpers import FLOAT_DTYPES, random_qkv, rowwise_rel_error
+from helpers import FLOAT_DTYPES, random_qkv, rowwise_rel_error, tiled_shapes
 from hypothesis import given, note
 from hypothesis import strategies as st
 
@@ -176,13 +176,7 @@ def test_causal_schedule_with_unequal_blocks_visits_about_half():
     assert 0.5 <= visited / total <= 0.5 + 1 / 32
 
 
-@given(
-    n_q=st.integers(0, 40),
-    n_k=st.integers(0, 40),
-    block_q=st.integers(1, 45),
-    block_k=st.integers(1, 45),
-    causal=st.booleans(),
-)
+@given(**tiled_shapes((0, 40), (0, 40), 45))
 def test_tile_schedule_covers_every_allowed_pair_exactly_once(n_q, n_k, block_q, block_k, causal):
     """The schedule is the block grid minus the tiles with no allowed pair: tiles lie within
     bounds on the grid, come in order (q blocks outer, k blocks inner), cover every allowed
@@ -217,14 +211,7 @@ def test_nan_keys_reach_exactly_the_rows_that_may_attend_them_under_causal():
         assert np.isnan(out[j * block :]).all()
 
 
-@given(
-    n_q=st.integers(1, 30),
-    n_k=st.integers(1, 30),
-    block_q=st.integers(1, 35),
-    block_k=st.integers(1, 35),
-    causal=st.booleans(),
-    masked=st.booleans(),
-)
+@given(**tiled_shapes((1, 30), (1, 30), 35), masked=st.booleans())
 def test_kernel_computes_exactly_the_scheduled_tiles(n_q, n_k, block_q, block_k, causal, masked):
     """The kernel multiplies exactly the tiles ``tile_schedule`` lists, each once, and no others.
 
@@ -282,9 +269,8 @@ def test_nan_in_a_query_row_stays_in_that_row(kernel, dtype, causal, row):
     assert np.all(out[:, 3] == 0)
 
 
-@given(n_q=st.integers(0, 30), n_k=st.integers(0, 30), block_q=st.integers(1, 12),
-       block_k=st.integers(1, 12), causal=st.booleans(), window=st.sampled_from(
-           [None, (3, 0), (0, None), (5, 2)]))
+@given(**tiled_shapes((0, 30), (0, 30), 12),
+       window=st.sampled_from([None, (3, 0), (0, None), (5, 2)]))
 def test_tile_schedule_of_listed_block_sizes_is_the_one_of_even_blocks(n_q, n_k, block_q, block_k,
                                                                        causal, window):
     """block_q and block_k given as lists of sizes (Dask's chunks, as flash_dask passes them)
